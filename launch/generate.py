@@ -1,0 +1,55 @@
+"""python -m launch.generate --workdir DIR --prompt TEXT [--max-new-tokens N] [--temperature T]
+Samples from the run's latest checkpoint with a KV cache (T=0: greedy)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from launch.common import fail
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m launch.generate", description=__doc__)
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.max_new_tokens <= 0:
+        fail("--max-new-tokens must be > 0")
+
+    from titanax.data.tokenizer import Tokenizer
+    from titanax.generate import find_tokenizer, generate, load_for_inference
+
+    try:
+        cfg, graphdef, params, step = load_for_inference(args.workdir, args.step)
+    except FileNotFoundError as e:
+        fail(str(e))
+    tok_path = find_tokenizer(cfg, args.workdir)
+    if tok_path is None:
+        fail(f"no tokenizer.json for the run in {args.workdir} (synthetic data has none); "
+             "generation needs text")
+    tok = Tokenizer.load(tok_path)
+    ids = tok.encode(args.prompt)
+    try:
+        new = []
+        sys.stdout.write(args.prompt)
+        for t in generate(cfg, graphdef, params, ids, max_new_tokens=args.max_new_tokens,
+                          temperature=args.temperature, seed=args.seed, eos_id=tok.eos_id):
+            new.append(t)
+            # Decode the whole continuation each time: byte-level BPE tokens are not always
+            # whole characters, so printing token by token would garble them.
+            text = tok.decode(new)
+            sys.stdout.write(text[len(tok.decode(new[:-1])):])
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+    except ValueError as e:
+        fail(str(e))
+    print(f"[{len(new)} tokens from step {step} of {args.workdir}]", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""python -m launch.train [--config FILE.py|FILE.gin] [--set section.field=value ...]
+                          [--workdir DIR] [--host-devices N]"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+
+from launch.common import add_config_flags, add_host_devices_flag, fail, setup_jax
+
+DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parent.parent / "configs" / "tiny.py"
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m launch.train", description=__doc__)
+    add_config_flags(p, default_config=str(DEFAULT_CONFIG))
+    add_host_devices_flag(p)
+    p.add_argument("--workdir", default=None, help="run folder (default runs/<config name>)")
+    args = p.parse_args(argv)
+
+    from titanax.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        fail(str(e))
+    workdir = args.workdir or f"runs/{pathlib.Path(args.config).stem}"
+    setup_jax(args.host_devices)
+
+    from titanax.train.loop import train
+
+    try:
+        train(cfg, workdir)
+    except ConfigError as e:
+        fail(str(e))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One entry point that sets up a fresh machine (no GPU needed) and then runs what you ask:
+#   bash scripts/dev.sh train [launch.train flags...]   # the default tiny run on CPU
+#   bash scripts/dev.sh test  [pytest flags...]         # the test suite
+#   bash scripts/dev.sh setup                           # only create .venv
+# Set-up: a Python 3.12 virtual environment in .venv with the pinned versions of
+# constraints.txt (jax/jaxlib 0.11.2, the GPU image's version). Re-running it is cheap.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+find_python() {
+  for p in "${TITANAX_PYTHON:-}" python3.12 \
+           "$(command -v pyenv >/dev/null 2>&1 && echo "$(pyenv root)/versions/3.12.1/bin/python3")" \
+           "$HOME/.pyenv/versions/3.12.1/bin/python3" python3; do
+    [ -n "$p" ] || continue
+    if command -v "$p" >/dev/null 2>&1 && "$p" -c 'import sys; sys.exit(sys.version_info[:2] < (3, 12))'; then
+      echo "$p"; return 0
+    fi
+  done
+  echo "error: titanax needs Python >= 3.12 (jax 0.11 does); install it (e.g. pyenv install 3.12) or set TITANAX_PYTHON" >&2
+  return 1
+}
+
+setup() {
+  local stamp=.venv/.titanax-installed
+  if [ -f "$stamp" ] && [ "$stamp" -nt constraints.txt ] && [ "$stamp" -nt pyproject.toml ]; then
+    return 0
+  fi
+  local py; py=$(find_python)
+  [ -x .venv/bin/python ] || "$py" -m venv .venv
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -c constraints.txt -e ".[test]"
+  touch "$stamp"
+}
+
+cmd=${1:-test}; shift || true
+setup
+case "$cmd" in
+  setup) ;;
+  train) exec .venv/bin/python -m launch.train "$@" ;;
+  test)  exec .venv/bin/python -m pytest -q "$@" ;;
+  *) echo "usage: bash scripts/dev.sh train|test|setup [args...]" >&2; exit 2 ;;
+esac

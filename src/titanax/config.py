@@ -1,0 +1,451 @@
+"""Typed, frozen run configuration: one dataclass per section, validated once.
+
+A run is described by `Config` (sections model, mesh, pipeline, train, optim, data, checkpoint).
+It comes from a Python file defining `config()` or a gin file binding the section names
+(`model.d_model = 256`), then `--set section.field=value` overrides. Every check that needs no
+devices happens here, before anything is compiled, and each error names the field and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.util
+import math
+import pathlib
+import re
+import typing
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A configuration problem the user must fix; the message says which field and how."""
+
+
+def _fail(field_name: str, msg: str) -> None:
+    raise ConfigError(f"{field_name}: {msg}")
+
+
+def _check_choice(field_name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        close = difflib.get_close_matches(value, choices, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        _fail(field_name, f"{value!r} is not one of {list(choices)}.{hint}")
+
+
+def _check_types(section: str, obj) -> None:
+    """Field types as declared (ints accepted for floats), whatever built the object: a Python
+    config, gin, --set or a checkpoint's JSON."""
+    for f in dataclasses.fields(obj):
+        typ = typing.get_type_hints(type(obj))[f.name]
+        value = getattr(obj, f.name)
+        if typ is float and isinstance(value, int) and not isinstance(value, bool):
+            object.__setattr__(obj, f.name, float(value))
+            continue
+        if isinstance(value, bool) and typ is not bool or not isinstance(value, typ):
+            _fail(f"{section}.{f.name}", f"expected {typ.__name__}, got "
+                  f"{type(value).__name__} {value!r}")
+
+
+def _check_positive(section: str, obj, *names: str) -> None:
+    for name in names:
+        if getattr(obj, name) <= 0:
+            _fail(f"{section}.{name}", f"must be > 0, got {getattr(obj, name)}")
+
+
+ATTENTION_IMPLS = ("xla", "cudnn", "pallas", "auto")
+MATMUL_PRECISIONS = ("default", "highest")
+DTYPES = ("float32", "bfloat16", "float16")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+ROPE_SCALINGS = ("none", "llama3")
+PIPELINE_SCHEDULES = ("gpipe", "circular")
+LR_SCHEDULES = ("cosine", "linear", "constant")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 4096
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    head_dim: int = 0  # 0: d_model // n_heads
+    ffn_dim: int = 768
+    rope_theta: float = 500000.0
+    # Llama 3.1 frequency scaling: long wavelengths divided by rope_factor, short ones kept,
+    # a smooth blend between (see models/rope.py).
+    rope_scaling: str = "llama3"
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
+    max_seq_len: int = 2048
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    attention_impl: str = "xla"
+    matmul_precision: str = "default"
+    dtype: str = "bfloat16"  # compute
+    param_dtype: str = "float32"  # master weights
+    remat: str = "none"
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+    def __post_init__(self):
+        _check_types("model", self)
+        _check_positive("model", self, "vocab_size", "d_model", "n_layers", "n_heads",
+                        "n_kv_heads", "ffn_dim", "rope_theta", "max_seq_len", "norm_eps")
+        if self.head_dim < 0:
+            _fail("model.head_dim", "must be >= 0 (0 means d_model // n_heads)")
+        if self.head_dim == 0 and self.d_model % self.n_heads:
+            _fail("model.d_model", f"{self.d_model} is not divisible by model.n_heads="
+                  f"{self.n_heads}; change one of them or set model.head_dim explicitly")
+        if self.resolved_head_dim % 2:
+            _fail("model.head_dim", f"rotary embeddings need an even head dim, got "
+                  f"{self.resolved_head_dim}")
+        if self.n_heads % self.n_kv_heads:
+            _fail("model.n_kv_heads", f"model.n_heads={self.n_heads} must be a multiple of "
+                  f"model.n_kv_heads={self.n_kv_heads} (grouped-query attention)")
+        _check_choice("model.attention_impl", self.attention_impl, ATTENTION_IMPLS)
+        _check_choice("model.matmul_precision", self.matmul_precision, MATMUL_PRECISIONS)
+        _check_choice("model.dtype", self.dtype, DTYPES)
+        _check_choice("model.param_dtype", self.param_dtype, DTYPES)
+        _check_choice("model.remat", self.remat, REMAT_POLICIES)
+        _check_choice("model.rope_scaling", self.rope_scaling, ROPE_SCALINGS)
+        if self.rope_scaling == "llama3":
+            _check_positive("model", self, "rope_factor", "rope_low_freq_factor",
+                            "rope_high_freq_factor", "rope_original_max_seq_len")
+            if self.rope_high_freq_factor <= self.rope_low_freq_factor:
+                _fail("model.rope_high_freq_factor", "must be larger than "
+                      "model.rope_low_freq_factor")
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    # Degrees of each mesh axis; -1 takes whatever devices are left (at most one axis).
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+    pipeline: int = 1
+    nvlink_domain: int = 0  # GPUs per NVLink domain; 0: devices per process
+
+    def __post_init__(self):
+        _check_types("mesh", self)
+        degrees = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor,
+                   "pipeline": self.pipeline}
+        for name, d in degrees.items():
+            if d == 0 or d < -1:
+                _fail(f"mesh.{name}", f"must be a positive degree or -1 (fill), got {d}")
+        if sum(d == -1 for d in degrees.values()) > 1:
+            _fail("mesh", "only one of data/fsdp/tensor/pipeline may be -1 (fill)")
+        if self.nvlink_domain < 0:
+            _fail("mesh.nvlink_domain", "must be >= 0 (0: devices per process)")
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    microbatches: int = 1
+    schedule: str = "gpipe"
+
+    def __post_init__(self):
+        _check_types("pipeline", self)
+        _check_positive("pipeline", self, "microbatches")
+        _check_choice("pipeline.schedule", self.schedule, PIPELINE_SCHEDULES)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 300
+    batch_size: int = 16  # global, in sequences
+    seq_len: int = 256
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 50  # 0: only at the start and end
+    eval_batches: int = 8
+    grad_accum: int = 1  # microbatches per optimizer step, summed inside the step
+    # Peak FLOP/s per device for MFU. 0: look the device up in perf/hardware.py, or on CPU
+    # measure it once with a matmul probe at start.
+    peak_flops: float = 0.0
+    progress_bar: bool = True
+
+    def __post_init__(self):
+        _check_types("train", self)
+        _check_positive("train", self, "steps", "batch_size", "seq_len", "log_every",
+                        "eval_batches", "grad_accum")
+        if self.eval_every < 0:
+            _fail("train.eval_every", "must be >= 0")
+        if self.peak_flops < 0:
+            _fail("train.peak_flops", "must be >= 0 (0: measure or look up)")
+        if self.batch_size % self.grad_accum:
+            _fail("train.grad_accum", f"train.batch_size={self.batch_size} must be divisible "
+                  f"by train.grad_accum={self.grad_accum}")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 3e-3
+    warmup_steps: int = 30
+    schedule: str = "cosine"
+    decay_steps: int = 0  # 0: train.steps
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    clip_norm: float = 1.0  # 0: no clipping
+
+    def __post_init__(self):
+        _check_types("optim", self)
+        _check_positive("optim", self, "lr", "eps")
+        _check_choice("optim.schedule", self.schedule, LR_SCHEDULES)
+        for name in ("warmup_steps", "decay_steps", "weight_decay", "clip_norm"):
+            if getattr(self, name) < 0:
+                _fail(f"optim.{name}", f"must be >= 0, got {getattr(self, name)}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            _fail("optim.min_lr_ratio", f"must lie in [0, 1], got {self.min_lr_ratio}")
+        for name in ("b1", "b2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                _fail(f"optim.{name}", f"must lie in [0, 1), got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    # 'embedded' (the Python standard library's sources), 'synthetic' (random tokens, for
+    # benchmarks) or a folder of token shards written by `python -m launch.prepare_data`.
+    source: str = "embedded"
+    tokenizer: str = ""  # tokenizer.json; '' with embedded: trained on first use, cached
+    val_fraction: float = 0.02  # held-out share of documents (embedded) or tokens (shards)
+    embedded_max_bytes: int = 24_000_000  # cap on the embedded corpus read from disk
+    document_masking: bool = True  # attention never crosses packed document boundaries
+    shuffle: bool = True
+
+    def __post_init__(self):
+        _check_types("data", self)
+        if not self.source:
+            _fail("data.source", "must be 'embedded', 'synthetic' or a folder of token shards")
+        if not 0.0 < self.val_fraction < 0.5:
+            _fail("data.val_fraction", f"must lie in (0, 0.5), got {self.val_fraction}")
+        _check_positive("data", self, "embedded_max_bytes")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every_steps: int = 100  # 0: only at the end
+    keep: int = 3
+    async_save: bool = True
+    restore: str = ""  # another run's checkpoint folder to start from
+
+    def __post_init__(self):
+        _check_types("checkpoint", self)
+        if self.every_steps < 0:
+            _fail("checkpoint.every_steps", "must be >= 0 (0: only at the end)")
+        _check_positive("checkpoint", self, "keep")
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self):
+        for name, cls in SECTIONS.items():
+            if not isinstance(getattr(self, name), cls):
+                _fail(name, f"must be a {cls.__name__}, got {type(getattr(self, name)).__name__}")
+        if self.train.seq_len > self.model.max_seq_len:
+            _fail("train.seq_len", f"{self.train.seq_len} exceeds model.max_seq_len="
+                  f"{self.model.max_seq_len}; raise model.max_seq_len or shorten the sequence")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Config":
+        kwargs = {}
+        for name, section_cls in SECTIONS.items():
+            values = dict(d.get(name, {}))
+            known = {f.name for f in dataclasses.fields(section_cls)}
+            kwargs[name] = section_cls(**{k: v for k, v in values.items() if k in known})
+        return cls(**kwargs)
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "mesh": MeshConfig,
+    "pipeline": PipelineConfig,
+    "train": TrainConfig,
+    "optim": OptimConfig,
+    "data": DataConfig,
+    "checkpoint": CheckpointConfig,
+}
+
+
+# --- overrides -------------------------------------------------------------------------------
+
+def _field_types(cls) -> dict[str, type]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _closest_key(key: str) -> str:
+    section, _, name = key.partition(".")
+    if section in SECTIONS:  # a known section: the field is the likely typo
+        names = [f.name for f in dataclasses.fields(SECTIONS[section])]
+        close = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
+        if close:
+            return f" Did you mean '{section}.{close[0]}'?"
+    all_keys = [f"{s}.{f.name}" for s, c in SECTIONS.items() for f in dataclasses.fields(c)]
+    close = difflib.get_close_matches(key, all_keys, n=1, cutoff=0.5)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
+def _coerce(key: str, raw, typ: type):
+    """Turns an override value (a string from the command line, or a Python value) into typ."""
+    if isinstance(raw, str):
+        text = raw.strip()
+        if typ is bool:
+            low = text.lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ConfigError(f"{key}: expected a boolean (true/false), got {raw!r}")
+        if typ is int:
+            try:
+                return int(text.replace("_", ""))
+            except ValueError:
+                try:
+                    value = float(text)
+                except ValueError:
+                    raise ConfigError(f"{key}: expected an integer, got {raw!r}") from None
+                if value.is_integer():
+                    return int(value)
+                raise ConfigError(f"{key}: expected an integer, got {raw!r}") from None
+        if typ is float:
+            try:
+                return float(text)
+            except ValueError:
+                raise ConfigError(f"{key}: expected a number, got {raw!r}") from None
+        if typ is str:
+            return text
+    if typ is float and isinstance(raw, int) and not isinstance(raw, bool):
+        return float(raw)
+    if typ is bool and not isinstance(raw, bool):
+        raise ConfigError(f"{key}: expected a boolean, got {type(raw).__name__} {raw!r}")
+    if typ in (int, float) and isinstance(raw, bool):
+        raise ConfigError(f"{key}: expected {typ.__name__}, got a boolean")
+    if not isinstance(raw, typ):
+        raise ConfigError(f"{key}: expected {typ.__name__}, got {type(raw).__name__} {raw!r}")
+    if typ is float and not math.isfinite(raw):
+        raise ConfigError(f"{key}: must be a finite number, got {raw!r}")
+    return raw
+
+
+def parse_override(text: str) -> tuple[str, str]:
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected section.field=value, e.g. train.steps=100")
+    key, value = text.split("=", 1)
+    return key.strip(), value
+
+
+def apply_overrides(cfg: Config, overrides: typing.Mapping[str, typing.Any] | typing.Iterable[str]) -> Config:
+    """Applies {'train.steps': '300'} or ['train.steps=300'] to cfg; validates the result."""
+    if not isinstance(overrides, typing.Mapping):
+        overrides = dict(parse_override(o) for o in overrides)
+    per_section: dict[str, dict] = {}
+    for key, raw in overrides.items():
+        parts = key.split(".")
+        if len(parts) != 2 or parts[0] not in SECTIONS:
+            raise ConfigError(f"unknown config key {key!r}: keys look like section.field with "
+                              f"section one of {list(SECTIONS)}.{_closest_key(key)}")
+        section, name = parts
+        types_ = _field_types(SECTIONS[section])
+        if name not in types_:
+            raise ConfigError(f"unknown config key {key!r}.{_closest_key(key)}")
+        per_section.setdefault(section, {})[name] = _coerce(key, raw, types_[name])
+    sections = {s: dataclasses.replace(getattr(cfg, s), **v) for s, v in per_section.items()}
+    return dataclasses.replace(cfg, **sections)
+
+
+# --- files -----------------------------------------------------------------------------------
+
+def _load_py(path: pathlib.Path) -> Config:
+    spec = importlib.util.spec_from_file_location(f"titanax_config_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "config"):
+        raise ConfigError(f"{path}: a Python config must define config() returning "
+                          "titanax.config.Config")
+    cfg = module.config()
+    if not isinstance(cfg, Config):
+        raise ConfigError(f"{path}: config() returned {type(cfg).__name__}, expected "
+                          "titanax.config.Config")
+    return cfg
+
+
+def _load_gin(path: pathlib.Path) -> Config:
+    import gin
+
+    gin.clear_config()
+    configurables = {}
+    for name, cls in SECTIONS.items():
+        configurables[name] = gin.external_configurable(cls, name=name, module="titanax")
+    try:
+        gin.parse_config_file(str(path), skip_unknown=False)
+    except (ValueError, KeyError) as e:  # gin's messages name the binding; add the closest key
+        msg = str(e)
+        hint = ""
+        quoted = re.findall(r"'([\w.]+)'", msg)  # gin quotes the configurable, then the parameter
+        if len(quoted) >= 2 and quoted[0] in SECTIONS:
+            hint = _closest_key(f"{quoted[0]}.{quoted[1]}")
+        elif quoted and quoted[0] not in SECTIONS:
+            close = difflib.get_close_matches(quoted[0], list(SECTIONS), n=1)
+            hint = f" Sections are {list(SECTIONS)}." + (f" Did you mean {close[0]!r}?" if close else "")
+        raise ConfigError(f"{path}: {msg.splitlines()[0]}{hint}") from None
+    try:
+        return Config(**{name: make() for name, make in configurables.items()})
+    except ConfigError as e:  # gin appends "In call to configurable ..." lines; keep ours
+        raise ConfigError(f"{path}: {str(e).splitlines()[0]}") from None
+    finally:
+        gin.clear_config()
+
+
+def load_config(path: str | pathlib.Path | None = None,
+                overrides: typing.Iterable[str] | typing.Mapping[str, typing.Any] = ()) -> Config:
+    """Reads a .py (defining config()) or .gin file, then applies --set overrides."""
+    if path is None:
+        cfg = Config()
+    else:
+        p = pathlib.Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist (configs/ has tiny.py, "
+                              "llama3_8b.py, llama3_70b.py, llama3_405b.py and .gin twins)")
+        if p.suffix == ".py":
+            cfg = _load_py(p)
+        elif p.suffix == ".gin":
+            cfg = _load_gin(p)
+        else:
+            raise ConfigError(f"config file {str(p)!r}: expected a .py or .gin file")
+    try:
+        return apply_overrides(cfg, overrides)
+    except TypeError as e:  # dataclasses.replace with a wrong type slips through as TypeError
+        raise ConfigError(str(e)) from None
+
+
+def format_config(cfg: Config) -> str:
+    lines = []
+    for name in SECTIONS:
+        section = getattr(cfg, name)
+        vals = ", ".join(f"{f.name}={getattr(section, f.name)!r}" for f in dataclasses.fields(section))
+        lines.append(f"  {name}: {vals}")
+    return "\n".join(lines)
+
+
+__all__ = ["Config", "ConfigError", "ModelConfig", "MeshConfig", "PipelineConfig", "TrainConfig",
+           "OptimConfig", "DataConfig", "CheckpointConfig", "SECTIONS", "load_config",
+           "apply_overrides", "format_config", "parse_override"]

@@ -1,0 +1,212 @@
+"""build_data: the run's tokenizer, training iterator and validation batches, from the config.
+
+Every source is reduced to two window sets (train and held-out validation) that can produce
+any window by index; grain then shuffles window indices per epoch, batches them into global
+batches and each process gathers only its own contiguous rows. Because the order is a pure
+function of (train.seed, step), the iterator state is a single index: resuming from it
+yields exactly the batches an uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import pathlib
+
+import numpy as np
+
+from titanax.config import Config, ConfigError
+from titanax.data import corpus, shards
+from titanax.data.packing import StreamWindows, TokenStream, pack
+from titanax.data.shards import DataError
+from titanax.data.tokenizer import Tokenizer, load_or_train
+
+# Seed streams of the synthetic source, so validation never repeats training tokens.
+_SYNTH_TRAIN, _SYNTH_VAL = 0, 1
+_SYNTH_WINDOWS = 2**31 - 1  # "infinite": no window is ever reused within a run
+
+
+class SyntheticWindows:
+    """Uniform random token windows; window i is a pure function of (seed, stream, i)."""
+
+    def __init__(self, vocab_size: int, seq_len: int, seed: int, stream: int, n: int):
+        self.vocab_size, self.seq_len, self.seed, self.stream, self.n = \
+            vocab_size, seq_len, seed, stream, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def rows(self, indices) -> np.ndarray:
+        return np.stack([
+            np.random.default_rng([self.seed, self.stream, int(i)]).integers(
+                0, self.vocab_size, self.seq_len + 1, dtype=np.uint32)
+            for i in indices])
+
+
+@dataclasses.dataclass
+class Data:
+    cfg: Config
+    tokenizer: Tokenizer | None
+    train_windows: object  # StreamWindows | SyntheticWindows
+    val_windows: object
+    eos_id: int | None
+    summary: str
+    process_index: int = 0
+    process_count: int = 1
+
+    @property
+    def local_batch(self) -> int:
+        return self.cfg.train.batch_size // self.process_count
+
+    def _local_rows(self) -> slice:
+        lo = self.process_index * self.local_batch
+        return slice(lo, lo + self.local_batch)
+
+    def _pack(self, windows) -> dict:
+        masking = self.cfg.data.document_masking
+        return pack(windows, self.eos_id, masking)
+
+    def train_iterator(self):
+        """Infinite iterator of this process's batches, with get_state()/set_state()."""
+        import grain
+
+        train = self.cfg.train
+        rows = self._local_rows()
+        windows = self.train_windows
+        ds = grain.MapDataset.range(len(windows))
+        if self.cfg.data.shuffle and not isinstance(windows, SyntheticWindows):
+            # Shuffle then repeat: grain folds the epoch into the seed, so every epoch gets
+            # its own (deterministic) order.
+            ds = ds.shuffle(seed=train.seed % 2**32)
+        ds = ds.repeat().batch(train.batch_size, drop_remainder=True)
+        # Every process draws the same global index batch and gathers only its own rows.
+        ds = ds.map(lambda idx: self._pack(windows.rows(idx[rows])))
+        read = grain.ReadOptions(num_threads=2, prefetch_buffer_size=4)
+        return iter(ds.to_iter_dataset(read))
+
+    def val_batches(self) -> list[dict]:
+        """train.eval_batches fixed batches of held-out windows (fewer if the split is small)."""
+        g = self.cfg.train.batch_size
+        n = min(self.cfg.train.eval_batches, len(self.val_windows) // g)
+        if n == 0:
+            raise DataError(
+                f"the validation split holds {len(self.val_windows)} windows of "
+                f"train.seq_len+1={self.cfg.train.seq_len + 1} tokens, fewer than one batch of "
+                f"train.batch_size={g}; lower train.batch_size or train.seq_len, or raise "
+                f"data.val_fraction (now {self.cfg.data.val_fraction})")
+        rows = self._local_rows()
+        return [self._pack(self.val_windows.rows(np.arange(k * g, (k + 1) * g)[rows]))
+                for k in range(n)]
+
+    def describe(self) -> str:
+        return self.summary
+
+
+def build_data(cfg: Config, workdir: str | pathlib.Path, process_index: int = 0,
+               process_count: int = 1) -> Data:
+    if cfg.train.batch_size % process_count:
+        raise ConfigError(f"train.batch_size: {cfg.train.batch_size} is not divisible by the "
+                          f"{process_count} processes; use a multiple of {process_count}")
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index {process_index} outside [0, {process_count})")
+    workdir = pathlib.Path(workdir)
+    source = cfg.data.source
+    if source == "synthetic":
+        parts = _synthetic(cfg)
+    elif source == "embedded":
+        parts = _embedded(cfg, workdir)
+    else:
+        parts = _shard_folder(cfg, pathlib.Path(source))
+    tokenizer, train_stream, val_stream, eos_id, summary = parts
+    seq_len = cfg.train.seq_len
+    if isinstance(train_stream, SyntheticWindows):
+        train_w, val_w = train_stream, val_stream
+    else:
+        train_w, val_w = StreamWindows(train_stream, seq_len), StreamWindows(val_stream, seq_len)
+    if len(train_w) == 0:
+        raise DataError(f"data.source={source!r}: the training split has {len(train_stream)} "
+                        f"tokens, less than one window of train.seq_len+1={seq_len + 1}; "
+                        "lower train.seq_len or use more data")
+    return Data(cfg, tokenizer, train_w, val_w, eos_id, summary, process_index, process_count)
+
+
+def _synthetic(cfg: Config):
+    v, L, seed = cfg.model.vocab_size, cfg.train.seq_len, cfg.train.seed
+    n_val = cfg.train.eval_batches * cfg.train.batch_size
+    train = SyntheticWindows(v, L, seed, _SYNTH_TRAIN, _SYNTH_WINDOWS)
+    val = SyntheticWindows(v, L, seed, _SYNTH_VAL, n_val)
+    summary = (f"data: synthetic (uniform random tokens, seed {seed}), no documents, "
+               f"vocab {v}")
+    return None, train, val, None, summary
+
+
+def split_documents(docs: list[str], val_fraction: float) -> tuple[list[str], list[str]]:
+    """Holds out every k-th document whole: no file is split between training and validation,
+    and validation samples the library and its test suites in the proportions training sees."""
+    n_val = min(len(docs) - 1, max(1, round(len(docs) * val_fraction)))
+    stride = len(docs) // n_val
+    val_ids = set(range(stride - 1, len(docs), stride)[:n_val])
+    return ([d for i, d in enumerate(docs) if i not in val_ids],
+            [docs[i] for i in sorted(val_ids)])
+
+
+def _embedded(cfg: Config, workdir: pathlib.Path):
+    data = cfg.data
+    docs, fingerprint = corpus.load_with_fingerprint(data.embedded_max_bytes)
+    if len(docs) < 2:
+        raise DataError(f"data.embedded_max_bytes={data.embedded_max_bytes} selects "
+                        f"{len(docs)} file(s) of {corpus.stdlib_root()}; at least 2 are needed "
+                        "for a train/validation split; raise it")
+    workdir.mkdir(parents=True, exist_ok=True)
+    tok = load_or_train(data, cfg.model, workdir, docs=docs)
+    train_docs, val_docs = split_documents(docs, data.val_fraction)
+    n_val = len(val_docs)
+    key = hashlib.sha256(f"{fingerprint}:{shards.file_sha256(tok.path)}:{n_val}:strided".encode())
+    key = key.hexdigest()[:16]
+    paths = [workdir / f"embedded_tokens_{key}_{split}.npy" for split in ("train", "val")]
+    streams = _load_cached(paths)
+    if streams is None:
+        streams = [_tokenize(train_docs, tok), _tokenize(val_docs, tok)]
+        for path, arr in zip(paths, streams):
+            shards.save_npy_atomic(path, arr)
+    train, val = streams
+    summary = (f"data: embedded (Python stdlib sources, {len(docs)} documents: "
+               f"{len(docs) - n_val} train / {n_val} val), train {len(train):,} tokens, "
+               f"val {len(val):,} tokens, vocab {tok.vocab_size} ({tok.path})")
+    return tok, TokenStream([train]), TokenStream([val]), tok.eos_id, summary
+
+
+def _load_cached(paths) -> list[np.ndarray] | None:
+    if not all(p.is_file() for p in paths):
+        return None
+    try:
+        return [np.load(p, mmap_mode="r", allow_pickle=False) for p in paths]
+    except Exception:  # a damaged cache is rebuilt, not trusted
+        return None
+
+
+def _tokenize(docs: list[str], tok: Tokenizer, chunk: int = 1024) -> np.ndarray:
+    """Documents -> one uint32 stream, each document followed by eos."""
+    pieces = []
+    # Chunks keep the Python int lists small; encode_batch still uses every core per chunk.
+    for i in range(0, len(docs), chunk):
+        for ids in tok.encode_batch(docs[i:i + chunk]):
+            pieces.append(np.asarray(ids, dtype=np.uint32))
+            pieces.append(np.asarray([tok.eos_id], dtype=np.uint32))
+    return np.concatenate(pieces)
+
+
+def _shard_folder(cfg: Config, folder: pathlib.Path):
+    meta, arrays = shards.open_shards(folder, cfg.model.vocab_size)
+    # data.tokenizer, else the folder's own copy; a folder without one trains fine (no decode).
+    has_tok = cfg.data.tokenizer or (folder / "tokenizer.json").is_file()
+    tok = load_or_train(cfg.data, cfg.model, folder) if has_tok else None
+    stream = TokenStream(arrays)
+    n = len(stream)
+    # The last val_fraction of the token stream is held out (shards are written in input
+    # order, so this is the tail of the inputs).
+    n_val = max(1, int(n * cfg.data.val_fraction))
+    n_docs = sum(s.get("n_docs", 0) for s in meta["shards"])
+    summary = (f"data: shards {folder} ({len(arrays)} shards, {n_docs} documents), train "
+               f"{n - n_val:,} tokens, val {n_val:,} tokens, vocab {meta.get('vocab_size')}")
+    return tok, stream.view(0, n - n_val), stream.view(n - n_val, n), meta.get("eos_id"), summary

@@ -1,0 +1,307 @@
+"""Token shard folders: the on-disk format, its validation, and the resumable writer.
+
+A folder holds
+  meta.json            format/version, vocab_size, eos_id, bos_id, tokenizer_sha256, source,
+                       shards [{file, n_tokens, n_docs}], done_inputs (inputs whose documents
+                       are all in listed shards), partial_input ({path, records} or null: how
+                       far into one input the listed shards reach)
+  shard_00000.npy ...  uint32 1-D, documents concatenated, each followed by eos
+  tokenizer.json       a copy of the tokenizer that wrote them
+
+A shard only exists under its final name once completely written (temp name, then rename),
+and it only counts once meta.json lists it; meta.json itself is replaced atomically. So a run
+killed at any point resumes from the last listed shard and never trusts a partial file.
+Shards are read memory-mapped with allow_pickle=False: a shard can never run code.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+
+import numpy as np
+
+from titanax.config import ConfigError
+
+FORMAT = "titanax-token-shards"
+VERSION = 1
+META = "meta.json"
+# Plain-text extensions read from an input folder by default (override with glob). .jsonl
+# files are read line by line, the text under text_key; everything else is one document.
+TEXT_EXTENSIONS = (".txt", ".md", ".rst", ".py", ".jsonl")
+_FIX = "re-run `python -m launch.prepare_data` into a fresh --out folder"
+
+
+class DataError(ConfigError):
+    """A data file is missing or malformed; the message names the file and the fix."""
+
+
+def shard_name(index: int) -> str:
+    return f"shard_{index:05d}.npy"
+
+
+# --- atomic writes -----------------------------------------------------------------------------
+
+def _tmp_name(path: pathlib.Path) -> pathlib.Path:
+    # Per-process temp names: several hosts sharing a folder never write into the same file.
+    return path.with_name(f".{path.name}.tmp{os.getpid()}")
+
+
+def save_npy_atomic(path: str | pathlib.Path, array: np.ndarray) -> None:
+    path = pathlib.Path(path)
+    tmp = _tmp_name(path)
+    with open(tmp, "wb") as f:  # a file object stops np.save from appending ".npy"
+        np.save(f, array, allow_pickle=False)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_json_atomic(path: str | pathlib.Path, obj) -> None:
+    path = pathlib.Path(path)
+    tmp = _tmp_name(path)
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def file_sha256(path: str | pathlib.Path) -> str:
+    return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()
+
+
+# --- reading -----------------------------------------------------------------------------------
+
+def read_meta(folder: str | pathlib.Path) -> dict:
+    folder = pathlib.Path(folder)
+    path = folder / META
+    if not folder.is_dir():
+        raise DataError(f"data.source: {str(folder)!r} is neither 'embedded', 'synthetic' nor a "
+                        "folder; write token shards with `python -m launch.prepare_data`")
+    if not path.is_file():
+        raise DataError(f"{path}: missing, so {folder} is not a token shard folder; write one "
+                        "with `python -m launch.prepare_data --out ...`")
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path}: unreadable ({e}); {_FIX}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise DataError(f"{path}: not a {FORMAT} meta.json; {_FIX}")
+    if meta.get("version") != VERSION:
+        raise DataError(f"{path}: format version {meta.get('version')}, this code reads "
+                        f"{VERSION}; {_FIX}")
+    return meta
+
+
+def open_shards(folder: str | pathlib.Path, vocab_size: int | None = None
+                ) -> tuple[dict, list[np.ndarray]]:
+    """Validates every listed shard and returns (meta, memory-mapped 1-D token arrays).
+
+    vocab_size: model.vocab_size; every token id must be below it (checked on all tokens).
+    """
+    folder = pathlib.Path(folder)
+    meta = read_meta(folder)
+    if not meta.get("shards"):
+        raise DataError(f"{folder / META}: lists no shards (was prepare_data interrupted "
+                        "before its first shard?); re-run the same prepare_data command")
+    if vocab_size is not None and meta.get("vocab_size", 0) > vocab_size:
+        raise DataError(f"model.vocab_size: {folder} was tokenized with a "
+                        f"{meta['vocab_size']}-token vocabulary but model.vocab_size="
+                        f"{vocab_size}; set model.vocab_size >= {meta['vocab_size']}")
+    arrays = [_open_shard(folder, entry, vocab_size) for entry in meta["shards"]]
+    return meta, arrays
+
+
+def _open_shard(folder: pathlib.Path, entry: dict, vocab_size: int | None) -> np.ndarray:
+    path = folder / entry["file"]
+    if not path.is_file():
+        raise DataError(f"{path}: listed in {META} but missing; restore it or {_FIX}")
+    try:
+        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    except Exception as e:  # truncated header, pickled object arrays, not .npy at all...
+        raise DataError(f"{path}: unreadable or corrupt ({type(e).__name__}: {e}); "
+                        f"delete it and {_FIX}") from None
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise DataError(f"{path}: dtype {arr.dtype} is not an integer type; token shards hold "
+                        f"uint32 ids; {_FIX}")
+    if arr.ndim != 1:
+        raise DataError(f"{path}: shape {arr.shape}, expected a 1-D token array; {_FIX}")
+    if arr.size == 0:
+        raise DataError(f"{path}: empty shard (0 tokens); delete it from {META} or {_FIX}")
+    if "n_tokens" in entry and entry["n_tokens"] != arr.size:
+        raise DataError(f"{path}: holds {arr.size} tokens but {META} says {entry['n_tokens']} "
+                        f"(truncated or replaced?); {_FIX}")
+    if vocab_size is not None:
+        hi, lo = int(arr.max()), int(arr.min())
+        if hi >= vocab_size or lo < 0:
+            bad = hi if hi >= vocab_size else lo
+            raise DataError(f"{path}: token id {bad} (max id {hi}) is outside "
+                            f"[0, model.vocab_size={vocab_size}); set model.vocab_size > {hi} "
+                            "or re-tokenize with a tokenizer that fits the model")
+    return arr
+
+
+# --- writing (launch/prepare_data.py) ----------------------------------------------------------
+
+def list_inputs(input_path: str | pathlib.Path, glob: str | None = None
+                ) -> tuple[pathlib.Path, list[str]]:
+    """(root, sorted relative paths) of the files to tokenize: one .jsonl file, or a folder."""
+    p = pathlib.Path(input_path)
+    if p.is_file():
+        return p.parent, [p.name]
+    if not p.is_dir():
+        raise DataError(f"--input {str(p)!r}: no such file or folder")
+    rels = []
+    for dirpath, dirnames, filenames in os.walk(p):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]  # .git and friends
+        for name in filenames:
+            rel = (pathlib.Path(dirpath) / name).relative_to(p).as_posix()
+            if glob:
+                if fnmatch.fnmatch(rel, glob) or fnmatch.fnmatch(name, glob):
+                    rels.append(rel)
+            elif name.endswith(TEXT_EXTENSIONS) and not name.startswith("."):
+                rels.append(rel)
+    if not rels:
+        what = f"matching {glob!r}" if glob else f"with extensions {list(TEXT_EXTENSIONS)}"
+        raise DataError(f"--input {str(p)!r}: no files {what} (use --glob to choose others)")
+    return p, sorted(rels)
+
+
+def _records(root: pathlib.Path, rel: str, text_key: str, skip: int):
+    """Yields (records consumed so far, text, bytes read) for one input file, after `skip`."""
+    path = root / rel
+    if not rel.endswith(".jsonl"):
+        if skip < 1:
+            raw = path.read_bytes()
+            yield 1, raw.decode("utf-8", errors="replace"), len(raw)
+        return
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if lineno <= skip:
+                continue
+            text = ""
+            if line.strip():
+                try:
+                    obj = json.loads(line)
+                except ValueError as e:
+                    raise DataError(f"{path}:{lineno}: not valid JSON ({e})") from None
+                if not isinstance(obj, dict) or text_key not in obj:
+                    keys = list(obj) if isinstance(obj, dict) else type(obj).__name__
+                    raise DataError(f"{path}:{lineno}: no {text_key!r} field (found {keys}); "
+                                    "pass --text-key")
+                text = str(obj[text_key])
+            yield lineno, text, len(line)
+
+
+def prepare_shards(tokenizer_path: str | pathlib.Path, input_path: str | pathlib.Path,
+                   out_dir: str | pathlib.Path, shard_tokens: int = 50_000_000,
+                   text_key: str = "text", glob: str | None = None, progress: bool = True,
+                   batch_chars: int = 4_000_000) -> dict:
+    """Tokenizes input into a shard folder, resuming an interrupted run. Returns meta."""
+    from tqdm import tqdm
+
+    from titanax.data.tokenizer import Tokenizer
+
+    if shard_tokens <= 0:
+        raise DataError(f"--shard-tokens must be > 0, got {shard_tokens}")
+    out = pathlib.Path(out_dir)
+    tok = Tokenizer.load(tokenizer_path)
+    root, rels = list_inputs(input_path, glob)
+    identity = {"tokenizer_sha256": file_sha256(tokenizer_path),
+                "source": str(pathlib.Path(input_path).resolve()), "text_key": text_key,
+                "glob": glob}
+    meta = _start_or_resume(out, tok, identity)
+    shutil.copyfile(tokenizer_path, _tmp_name(out / "tokenizer.json"))
+    os.replace(_tmp_name(out / "tokenizer.json"), out / "tokenizer.json")
+
+    done = set(meta["done_inputs"])
+    partial = meta["partial_input"]
+    todo = [r for r in rels if r not in done]
+    total_bytes = sum((root / r).stat().st_size for r in todo)
+    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing",
+               disable=not progress)
+    writer = _ShardWriter(out, meta, shard_tokens, tok.eos_id)
+
+    def events():
+        for rel in todo:
+            skip = partial["records"] if partial and partial["path"] == rel else 0
+            for consumed, text, nbytes in _records(root, rel, text_key, skip):
+                bar.update(nbytes)
+                if text.strip():
+                    yield ("doc", rel, consumed, text)
+            yield ("end", rel, None, None)
+
+    batch, chars = [], 0
+    for ev in events():
+        batch.append(ev)
+        chars += len(ev[3] or "")
+        if chars >= batch_chars or len(batch) >= 4096:
+            writer.add(batch, tok)
+            batch, chars = [], 0
+    writer.add(batch, tok)
+    writer.flush()
+    bar.close()
+    return writer.meta
+
+
+def _start_or_resume(out: pathlib.Path, tok, identity: dict) -> dict:
+    if (out / META).is_file():
+        meta = read_meta(out)
+        for key, value in identity.items():
+            if meta.get(key) != value:
+                raise DataError(f"{out}: was written with {key}={meta.get(key)!r}, this run has "
+                                f"{value!r}; use a fresh --out folder (or delete {out})")
+        for stale in out.glob(".shard_*.npy.tmp*"):
+            stale.unlink()  # a shard whose writer was killed mid-write: never counted
+        return meta
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"format": FORMAT, "version": VERSION, "vocab_size": tok.vocab_size,
+            "eos_id": tok.eos_id, "bos_id": tok.bos_id, **identity, "shards": [],
+            "done_inputs": [], "partial_input": None}
+    write_json_atomic(out / META, meta)
+    return meta
+
+
+class _ShardWriter:
+    """Buffers tokenized documents; writes a shard (then meta.json) every ~shard_tokens."""
+
+    def __init__(self, out: pathlib.Path, meta: dict, shard_tokens: int, eos_id: int):
+        self.out, self.meta, self.shard_tokens, self.eos_id = out, meta, shard_tokens, eos_id
+        self.pieces: list[np.ndarray] = []
+        self.n_tokens = 0
+        self.n_docs = 0
+        self.ended: list[str] = []
+        self.partial = meta["partial_input"]
+
+    def add(self, batch: list[tuple], tok) -> None:
+        texts = [ev[3] for ev in batch if ev[0] == "doc"]
+        encoded = iter(tok.encode_batch(texts)) if texts else iter(())
+        for kind, rel, consumed, _ in batch:
+            if kind == "end":
+                self.ended.append(rel)
+                if self.partial and self.partial["path"] == rel:
+                    self.partial = None
+                continue
+            ids = next(encoded)
+            self.pieces.append(np.asarray(ids + [self.eos_id], dtype=np.uint32))
+            self.n_tokens += len(ids) + 1
+            self.n_docs += 1
+            self.partial = {"path": rel, "records": consumed}
+            if self.n_tokens >= self.shard_tokens:
+                self.flush()
+
+    def flush(self) -> None:
+        """Writes the buffered documents as the next shard, then records it in meta.json."""
+        if self.n_tokens:
+            name = shard_name(len(self.meta["shards"]))
+            save_npy_atomic(self.out / name, np.concatenate(self.pieces))
+            self.meta["shards"].append({"file": name, "n_tokens": self.n_tokens,
+                                        "n_docs": self.n_docs})
+        elif not self.ended and self.partial == self.meta["partial_input"]:
+            return  # nothing new to record
+        self.meta["done_inputs"] = sorted(set(self.meta["done_inputs"]) | set(self.ended))
+        self.meta["partial_input"] = self.partial
+        write_json_atomic(self.out / META, self.meta)
+        self.pieces, self.n_tokens, self.n_docs, self.ended = [], 0, 0, []

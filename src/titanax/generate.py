@@ -1,0 +1,85 @@
+"""Sampling from a trained model with a KV cache: one prefill over the prompt, then one token
+per step, each step a single compiled function of (params, cache, position)."""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from titanax.checkpoint.orbax_io import Checkpointer
+from titanax.config import CheckpointConfig, Config
+from titanax.models.llama import init_cache
+from titanax.parallel.mesh import single_device_mesh
+from titanax.parallel.rules import model_context
+from titanax.train.optim import make_optimizer
+from titanax.train.state import abstract_train_state
+
+
+def load_for_inference(workdir, step: int | None = None):
+    """(config, graphdef, params, step) from a run folder's latest (or given) checkpoint."""
+    workdir = pathlib.Path(workdir)
+    ckpt = Checkpointer(workdir / "checkpoints", CheckpointConfig(async_save=False))
+    step = ckpt.latest_step() if step is None else step
+    if step is None:
+        raise FileNotFoundError(f"no checkpoint under {ckpt.directory}; train first with "
+                                f"`python -m launch.train --workdir {workdir}`")
+    cfg = Config.from_dict(ckpt.read_config(step))
+    mesh = single_device_mesh()
+    graphdef, abstract, _ = abstract_train_state(cfg, mesh, make_optimizer(cfg))
+    with model_context(mesh):
+        state, _, _ = ckpt.restore(step, abstract)
+    ckpt.close()
+    return cfg, graphdef, state["params"], step
+
+
+def find_tokenizer(cfg: Config, workdir) -> pathlib.Path | None:
+    candidates = [pathlib.Path(workdir) / "tokenizer.json"]
+    if cfg.data.tokenizer:
+        candidates.append(pathlib.Path(cfg.data.tokenizer))
+    if cfg.data.source not in ("embedded", "synthetic"):
+        candidates.append(pathlib.Path(cfg.data.source) / "tokenizer.json")
+    return next((p for p in candidates if p.is_file()), None)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
+def _forward(graphdef, params, tokens_BS, cache, cache_index):
+    model = nnx.merge(graphdef, params)
+    logits_BSV, cache = model(tokens_BS, cache=cache, cache_index=cache_index)
+    return logits_BSV[:, -1].astype(jnp.float32), cache
+
+
+def _sample(logits_BV, key, temperature: float):
+    if temperature == 0.0:
+        return jnp.argmax(logits_BV, axis=-1)
+    return jax.random.categorical(key, logits_BV / temperature, axis=-1)
+
+
+def generate(cfg: Config, graphdef, params, prompt_ids: list[int], *, max_new_tokens: int,
+             temperature: float = 0.0, seed: int = 0, eos_id: int | None = None):
+    """Yields new token ids one at a time (stops at eos or max_new_tokens)."""
+    if not prompt_ids:
+        raise ValueError("the prompt encodes to no tokens; give a non-empty prompt")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
+    total = len(prompt_ids) + max_new_tokens
+    if total > cfg.model.max_seq_len:
+        raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens "
+                         f"({max_new_tokens}) exceeds model.max_seq_len={cfg.model.max_seq_len}")
+    cache = init_cache(cfg.model, 1, total)
+    key = jax.random.key(seed)
+    logits, cache = _forward(graphdef, params, jnp.asarray([prompt_ids], jnp.int32), cache,
+                             jnp.int32(0))
+    pos = len(prompt_ids)
+    for _ in range(max_new_tokens):
+        key, sub = jax.random.split(key)
+        token = int(_sample(logits, sub, temperature)[0])
+        if eos_id is not None and token == eos_id:
+            return
+        yield token
+        logits, cache = _forward(graphdef, params, jnp.asarray([[token]], jnp.int32), cache,
+                                 jnp.int32(pos))
+        pos += 1

@@ -1,0 +1,57 @@
+"""Llama building blocks that hold no attention logic: RMSNorm and rotary embeddings."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, *, eps: float, param_dtype, stack: int | None = None):
+        shape, names = ((stack, dim), ("layers", "norm")) if stack else ((dim,), ("norm",))
+        self.scale = nnx.Param(jnp.ones(shape, param_dtype), out_sharding=names)
+        self.eps = eps
+
+    def __call__(self, x):
+        # Statistics in float32 whatever the compute dtype: bf16 sums of squares lose too much.
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: str = "none", factor: float = 8.0,
+                  low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
+                  original_max_seq_len: int = 8192) -> np.ndarray:
+    """Inverse frequencies [head_dim // 2], with Llama 3.1's scaling when scaling='llama3'.
+
+    Llama 3.1: wavelengths longer than original_len / low_freq_factor are stretched by `factor`,
+    those shorter than original_len / high_freq_factor are kept, and the band between is a
+    linear blend in original_len / wavelength (the same formula transformers uses).
+    """
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    if scaling == "none":
+        return inv_freq.astype(np.float32)
+    low_freq_wavelen = original_max_seq_len / low_freq_factor
+    high_freq_wavelen = original_max_seq_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_max_seq_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return np.where(is_medium, blended, scaled).astype(np.float32)
+
+
+def apply_rope(x_BSHD, positions_BS, inv_freq):
+    """Rotates pairs (i, i + D/2): the 'rotate half' layout HF Llama checkpoints use, so
+    weights leave and enter titanax without permutation."""
+    angles_BSF = positions_BS[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)
+    cos = jnp.cos(angles_BSF)[:, :, None, :]
+    sin = jnp.sin(angles_BSF)[:, :, None, :]
+    x32 = x_BSHD.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BSHD.dtype)

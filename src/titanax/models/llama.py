@@ -1,0 +1,153 @@
+"""Llama 3 in Flax NNX: RMSNorm, RoPE (llama3 scaling), grouped-query attention, SwiGLU MLP,
+untied output layer. The layers are one stacked Block (parameters [layers, ...]) run with
+jax.lax.scan, so compile time does not grow with depth.
+
+Parameters carry logical axis names only; parallel/rules.py maps them to the mesh. Matmuls and
+attention go through titanax.ops so kernels plug in by config.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from titanax import ops
+from titanax.config import ModelConfig
+from titanax.models.layers import RMSNorm, apply_rope, rope_inv_freq
+from titanax.parallel.rules import shard_activation
+
+_REMAT_POLICIES = {
+    "full": None,  # save nothing: recompute the whole layer in the backward pass
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _param(rngs: nnx.Rngs, shape, names, std, dtype):
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, dtype), out_sharding=names)
+
+
+class Block(nnx.Module):
+    """All n_layers decoder layers at once: every parameter has a leading 'layers' axis.
+    Called on one layer's slice of the state (see Llama.__call__)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        L, d, hd = cfg.n_layers, cfg.d_model, cfg.resolved_head_dim
+        pdt = jnp.dtype(cfg.param_dtype)
+        std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        self.attn_norm = RMSNorm(d, eps=cfg.norm_eps, param_dtype=pdt, stack=L)
+        self.wq = _param(rngs, (L, d, cfg.n_heads, hd), ("layers", "embed", "heads", "head_dim"), std, pdt)
+        self.wk = _param(rngs, (L, d, cfg.n_kv_heads, hd), ("layers", "embed", "kv_heads", "head_dim"), std, pdt)
+        self.wv = _param(rngs, (L, d, cfg.n_kv_heads, hd), ("layers", "embed", "kv_heads", "head_dim"), std, pdt)
+        self.wo = _param(rngs, (L, cfg.n_heads, hd, d), ("layers", "heads", "head_dim", "embed"), out_std, pdt)
+        self.mlp_norm = RMSNorm(d, eps=cfg.norm_eps, param_dtype=pdt, stack=L)
+        self.w_gate = _param(rngs, (L, d, cfg.ffn_dim), ("layers", "embed", "mlp"), std, pdt)
+        self.w_up = _param(rngs, (L, d, cfg.ffn_dim), ("layers", "embed", "mlp"), std, pdt)
+        self.w_down = _param(rngs, (L, cfg.ffn_dim, d), ("layers", "mlp", "embed"), out_std, pdt)
+        self.cfg = cfg
+
+    def __call__(self, x_BSD, positions_BS, segment_ids_BS, kv=None, cache_index=None):
+        cfg = self.cfg
+        dt, prec = jnp.dtype(cfg.dtype), cfg.matmul_precision
+        # A numpy constant at trace time (an array attribute would become module state).
+        inv_freq = rope_inv_freq(cfg.resolved_head_dim, cfg.rope_theta, cfg.rope_scaling,
+                                 cfg.rope_factor, cfg.rope_low_freq_factor,
+                                 cfg.rope_high_freq_factor, cfg.rope_original_max_seq_len)
+        h_BSD = self.attn_norm(x_BSD)
+        q_BSHK = ops.linear(h_BSD, self.wq[...], "bsd,dhk->bshk", precision=prec, dtype=dt)
+        k_BSHK = ops.linear(h_BSD, self.wk[...], "bsd,dhk->bshk", precision=prec, dtype=dt)
+        v_BSHK = ops.linear(h_BSD, self.wv[...], "bsd,dhk->bshk", precision=prec, dtype=dt)
+        q_BSHK = shard_activation(apply_rope(q_BSHK, positions_BS, inv_freq),
+                                  ("batch", "seq", "heads", "head_dim"))
+        k_BSHK = shard_activation(apply_rope(k_BSHK, positions_BS, inv_freq),
+                                  ("batch", "seq", "kv_heads", "head_dim"))
+        if kv is None:  # training / scoring: the sequence attends to itself
+            new_kv = None
+            out_BSHK = ops.attention(q_BSHK, k_BSHK, v_BSHK, impl=cfg.attention_impl,
+                                     causal=True, segment_ids=segment_ids_BS)
+        else:  # decoding: write the new keys/values into the cache at cache_index
+            k_cache, v_cache = kv
+            k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k_BSHK.astype(k_cache.dtype), cache_index, axis=1)
+            v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v_BSHK.astype(v_cache.dtype), cache_index, axis=1)
+            new_kv = (k_cache, v_cache)
+            out_BSHK = ops.attention(q_BSHK, k_cache, v_cache, impl=cfg.attention_impl,
+                                     causal=True, q_offset=cache_index,
+                                     kv_valid_len=cache_index + q_BSHK.shape[1])
+        x_BSD = x_BSD + ops.linear(out_BSHK, self.wo[...], "bshk,hkd->bsd", precision=prec, dtype=dt)
+        x_BSD = shard_activation(x_BSD, ("batch", "seq", "embed"))
+
+        h_BSD = self.mlp_norm(x_BSD)
+        gate_BSF = ops.linear(h_BSD, self.w_gate[...], "bsd,df->bsf", precision=prec, dtype=dt)
+        up_BSF = ops.linear(h_BSD, self.w_up[...], "bsd,df->bsf", precision=prec, dtype=dt)
+        act_BSF = shard_activation(jax.nn.silu(gate_BSF) * up_BSF, ("batch", "seq", "mlp"))
+        x_BSD = x_BSD + ops.linear(act_BSF, self.w_down[...], "bsf,fd->bsd", precision=prec, dtype=dt)
+        return shard_activation(x_BSD, ("batch", "seq", "embed")), new_kv
+
+
+class Llama(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        pdt = jnp.dtype(cfg.param_dtype)
+        self.cfg = cfg
+        self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg.init_std, pdt)
+        self.layers = Block(cfg, rngs=rngs)
+        self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
+        self.output = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std, pdt)
+
+    def __call__(self, tokens_BS, positions_BS=None, segment_ids_BS=None, cache=None,
+                 cache_index=None):
+        """Logits [B, S, vocab] in the compute dtype, and the updated KV cache (or None).
+
+        cache: {'k', 'v'} of [layers, B, max_len, kv_heads, head_dim] from init_cache();
+        cache_index: how many positions of the cache are already filled.
+        """
+        cfg = self.cfg
+        dt = jnp.dtype(cfg.dtype)
+        B, S = tokens_BS.shape
+        if positions_BS is None:
+            start = 0 if cache_index is None else cache_index
+            positions_BS = jnp.broadcast_to(start + jnp.arange(S, dtype=jnp.int32), (B, S))
+        x_BSD = jnp.take(self.embed[...], tokens_BS, axis=0).astype(dt)
+        x_BSD = shard_activation(x_BSD, ("batch", "seq", "embed"))
+
+        graphdef, layer_state = nnx.split(self.layers)
+
+        def one_layer(x_BSD, xs):
+            state, kv = xs
+            block = nnx.merge(graphdef, state)
+            return block(x_BSD, positions_BS, segment_ids_BS, kv, cache_index)
+
+        if cfg.remat != "none":
+            one_layer = jax.checkpoint(one_layer, policy=_REMAT_POLICIES[cfg.remat],
+                                       prevent_cse=False)
+        kv_xs = None if cache is None else (cache["k"], cache["v"])
+        x_BSD, new_kv = jax.lax.scan(one_layer, x_BSD, (layer_state, kv_xs))
+
+        h_BSD = self.final_norm(x_BSD)
+        logits_BSV = ops.linear(h_BSD, self.output[...], "bsd,dv->bsv",
+                                precision=cfg.matmul_precision, dtype=dt)
+        logits_BSV = shard_activation(logits_BSV, ("batch", "seq", "vocab"))
+        new_cache = None if cache is None else {"k": new_kv[0], "v": new_kv[1]}
+        return logits_BSV, new_cache
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> dict:
+    dtype = jnp.dtype(dtype or cfg.dtype)
+    shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.resolved_head_dim)
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+def count_params(cfg: ModelConfig, *, exclude_embedding: bool = False) -> int:
+    """Exact parameter count from jax.eval_shape: nothing is allocated."""
+    from titanax.parallel.mesh import single_device_mesh
+    from titanax.parallel.rules import model_context
+
+    with model_context(single_device_mesh()):
+        abstract = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+    state = nnx.state(abstract, nnx.Param)
+    total = sum(math.prod(x.shape) for x in jax.tree.leaves(state))
+    if exclude_embedding:
+        total -= cfg.vocab_size * cfg.d_model
+    return total

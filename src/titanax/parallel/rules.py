@@ -1,0 +1,78 @@
+"""THE table: logical axis names (used by model code) -> mesh axes (pipeline, data, fsdp, tensor).
+
+Parameters and activations get separate tables (as in levanter): FSDP shards parameters and
+optimizer state along 'embed', while activations are sharded along 'batch' over both data and
+fsdp. Tensor parallelism is Megatron-style: heads and mlp columns on 'tensor'. Nothing outside
+this file names a mesh axis for a logical one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+MESH_AXES = ("pipeline", "data", "fsdp", "tensor")
+
+PARAM_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("layers", None),  # the pipeline issue maps stages here
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+    ("norm", None),
+)
+
+ACTIVATION_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("seq", None),
+    ("embed", None),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+    ("layers", None),
+    ("cache_seq", None),
+)
+
+
+def _to_spec(names: tuple[str | None, ...], rules) -> P:
+    table = dict(rules)
+    out = []
+    for name in names:
+        if name is None:
+            out.append(None)
+            continue
+        if name not in table:
+            raise KeyError(f"logical axis {name!r} has no rule in parallel/rules.py; add it to "
+                           "both tables")
+        out.append(table[name])
+    return P(*out)
+
+
+def param_spec(names: tuple[str | None, ...]) -> P:
+    return _to_spec(names, PARAM_RULES)
+
+
+def activation_spec(names: tuple[str | None, ...]) -> P:
+    return _to_spec(names, ACTIVATION_RULES)
+
+
+def shard_activation(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+    """Constrains an activation's sharding by logical names; a no-op without a mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or mesh.size == 1:
+        return x
+    return jax.lax.with_sharding_constraint(x, activation_spec(names))
+
+
+@contextlib.contextmanager
+def model_context(mesh: jax.sharding.Mesh):
+    """Everything model creation needs: the mesh set, and the parameter rules active."""
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(PARAM_RULES):
+        yield

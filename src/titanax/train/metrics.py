@@ -1,0 +1,127 @@
+"""Throughput accounting and metric writers.
+
+FLOPs per token = 6*N + 12*L*d*S: N the parameters without the input embedding (the output
+layer counts), L layers, d model width, S sequence length; the second term is attention's
+score and value matmuls (forward + backward, causal mask not discounted), as NVIDIA and MaxText
+report MFU. MFU = tokens/s * FLOPs per token / (devices * peak FLOP/s per device).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from titanax.config import ModelConfig
+from titanax.perf.hardware import lookup_device
+
+FLOP_FORMULA = "FLOPs/token = 6*N + 12*L*d*S (N: params without input embedding)"
+
+
+def flops_per_token(model: ModelConfig, seq_len: int, n_params_no_embed: int) -> float:
+    return 6.0 * n_params_no_embed + 12.0 * model.n_layers * model.d_model * seq_len
+
+
+def measure_matmul_peak(n: int = 2048, repeats: int = 5, devices=None) -> float:
+    """FLOP/s of one large float32 matmul through XLA on one device (the CPU probe): the best of
+    a few runs, so the measured peak is what this machine's XLA can do, not a datasheet."""
+    device = (devices or jax.devices())[0]
+    a = jax.device_put(jnp.ones((n, n), jnp.float32), device)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f(a).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n**3 / best
+
+
+def peak_flops_per_device(configured: float, compute_dtype: str) -> tuple[float, str]:
+    """(peak FLOP/s per device, where it came from)."""
+    if configured > 0:
+        return configured, "train.peak_flops"
+    dev = jax.devices()[0]
+    hw = lookup_device(getattr(dev, "device_kind", ""))
+    if hw is not None:
+        return hw.bf16_flops, f"{hw.name} datasheet (dense bf16)"
+    if dev.platform == "cpu":
+        # All simulated CPU devices share the same cores: the probe measures the whole machine,
+        # so each device's share is the probe divided by the device count.
+        total = measure_matmul_peak()
+        return total / jax.device_count(), f"CPU matmul probe {total / 1e9:.1f} GFLOP/s"
+    return 0.0, f"unknown device kind {dev.device_kind!r}: set train.peak_flops"
+
+
+class MetricsWriter:
+    """metrics.jsonl plus TensorBoard events under WORKDIR/tb; writes only on process 0."""
+
+    def __init__(self, workdir: pathlib.Path, *, enabled: bool = True):
+        self.enabled = enabled
+        self.path = pathlib.Path(workdir) / "metrics.jsonl"
+        self._tb = None
+        if enabled:
+            from tensorboardX import SummaryWriter
+
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._tb = SummaryWriter(str(pathlib.Path(workdir) / "tb"))
+
+    def write(self, step: int, values: dict) -> None:
+        if not self.enabled:
+            return
+        row = {"step": int(step), **{k: _plain(v) for k, v in values.items()}}
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        for k, v in row.items():
+            if k != "step" and isinstance(v, (int, float)):
+                self._tb.add_scalar(k, v, step)
+        self._tb.flush()
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _plain(v):
+    if isinstance(v, (np.generic, jax.Array)):
+        return np.asarray(v).item()
+    return v
+
+
+def read_metrics(workdir) -> list[dict]:
+    path = pathlib.Path(workdir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_loss(workdir) -> pathlib.Path | None:
+    """WORKDIR/loss.png: training and validation loss against step."""
+    rows = read_metrics(workdir)
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+    val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train), label="train loss")
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    out = pathlib.Path(workdir) / "loss.png"
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

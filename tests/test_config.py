@@ -1,0 +1,84 @@
+import pathlib
+
+import pytest
+
+from titanax.config import (Config, ConfigError, ModelConfig, TrainConfig, apply_overrides,
+                            load_config)
+
+CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
+
+
+@pytest.mark.parametrize("name", ["tiny", "llama3_8b", "llama3_70b", "llama3_405b"])
+def test_gin_and_py_build_the_same_config(name):
+    assert load_config(CONFIGS / f"{name}.py") == load_config(CONFIGS / f"{name}.gin")
+
+
+def test_set_overrides_coerce_types():
+    cfg = load_config(CONFIGS / "tiny.py", ["train.steps=7", "optim.lr=1e-4",
+                                            "data.shuffle=false", "model.attention_impl=cudnn",
+                                            "train.batch_size=4_096"])
+    assert cfg.train.steps == 7 and cfg.optim.lr == 1e-4 and cfg.data.shuffle is False
+    assert cfg.model.attention_impl == "cudnn" and cfg.train.batch_size == 4096
+    # Untouched fields keep the file's values.
+    assert cfg.model.d_model == load_config(CONFIGS / "tiny.py").model.d_model
+
+
+def test_overrides_apply_to_gin_configs_too():
+    cfg = load_config(CONFIGS / "tiny.gin", ["model.n_layers=2"])
+    assert cfg.model.n_layers == 2
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.step=5", "Did you mean 'train.steps'"),
+    ("modle.d_model=5", "Did you mean 'model.d_model'"),
+    ("train.steps=abc", "train.steps: expected an integer"),
+    ("optim.lr=fast", "optim.lr: expected a number"),
+    ("data.shuffle=maybe", "data.shuffle: expected a boolean"),
+    ("train.steps", "expected section.field=value"),
+    ("model.n_kv_heads=3", "multiple of model.n_kv_heads=3"),
+    ("model.d_model=100", "not divisible by model.n_heads"),
+    ("model.attention_impl=flash", "not one of"),
+    ("model.dtype=bfloat61", "Did you mean 'bfloat16'"),
+    ("train.seq_len=4096", "exceeds model.max_seq_len"),
+    ("train.grad_accum=3", "divisible by train.grad_accum=3"),
+    ("optim.min_lr_ratio=2", "optim.min_lr_ratio: must lie in [0, 1]"),
+    ("mesh.data=0", "mesh.data: must be a positive degree or -1"),
+    ("train.steps=0", "train.steps: must be > 0"),
+])
+def test_bad_values_fail_before_anything_runs(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(CONFIGS / "tiny.py", [override])
+    assert message in str(e.value)
+
+
+def test_gin_errors_name_the_binding(tmp_path):
+    bad = tmp_path / "bad.gin"
+    bad.write_text("model.d_modle = 3\n")
+    with pytest.raises(ConfigError, match=r"d_modle.*Did you mean 'model.d_model'"):
+        load_config(bad)
+    bad.write_text("model.d_model = 'wide'\n")
+    with pytest.raises(ConfigError, match="model.d_model: expected int, got str"):
+        load_config(bad)
+
+
+def test_python_config_must_define_config(tmp_path):
+    f = tmp_path / "c.py"
+    f.write_text("x = 1\n")
+    with pytest.raises(ConfigError, match="must define config"):
+        load_config(f)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.py")
+
+
+def test_dataclasses_are_frozen_and_typed():
+    cfg = Config()
+    with pytest.raises(Exception):
+        cfg.train.steps = 3  # type: ignore[misc]
+    with pytest.raises(ConfigError, match="train.steps: expected int"):
+        TrainConfig(steps=2.5)  # type: ignore[arg-type]
+    assert ModelConfig(rope_theta=10000).rope_theta == 10000.0  # ints are fine for floats
+
+
+def test_round_trip_through_dict():
+    cfg = apply_overrides(Config(), {"train.steps": 12, "model.n_layers": 2})
+    assert Config.from_dict(cfg.to_dict()) == cfg
