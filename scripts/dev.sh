@@ -2,7 +2,7 @@
 # One entry point that sets up a fresh machine (no GPU needed) and then runs what you ask:
 #   bash scripts/dev.sh train [launch.train flags...]   # the default tiny run on CPU
 #   bash scripts/dev.sh test  [pytest flags...]         # the test suite
-#   bash scripts/dev.sh setup                           # only create .venv
+#   bash scripts/dev.sh setup                           # only create .venv (and .venv-torch)
 # Set-up: a Python 3.12 virtual environment in .venv with the pinned versions of
 # constraints.txt (jax/jaxlib 0.11.2, the GPU image's version). Re-running it is cheap.
 set -euo pipefail
@@ -13,7 +13,7 @@ find_python() {
            "$(command -v pyenv >/dev/null 2>&1 && echo "$(pyenv root)/versions/3.12.1/bin/python3")" \
            "$HOME/.pyenv/versions/3.12.1/bin/python3" python3; do
     [ -n "$p" ] || continue
-    if command -v "$p" >/dev/null 2>&1 && "$p" -c 'import sys; sys.exit(sys.version_info[:2] < (3, 12))'; then
+    if command -v "$p" >/dev/null 2>&1 && "$p" -c 'import sys; sys.exit(sys.version_info[:2] < (3, 12))' 2>/dev/null; then
       echo "$p"; return 0
     fi
   done
@@ -33,11 +33,28 @@ setup() {
   touch "$stamp"
 }
 
+# The PyTorch peer (Python 3.11: the CPU torch wheel on these machines is built for it): used by
+# tests that check HF exports with transformers and by the PyTorch baseline benchmark.
+setup_torch() {
+  local stamp=.venv-torch/.titanax-installed
+  if [ -f "$stamp" ] && [ "$stamp" -nt constraints-torch.txt ]; then
+    return 0
+  fi
+  local py=${TITANAX_TORCH_PYTHON:-python3.11}
+  if ! command -v "$py" >/dev/null 2>&1; then
+    echo "note: no $py; tests that compare against transformers will skip" >&2
+    return 0
+  fi
+  [ -x .venv-torch/bin/python ] || "$py" -m venv .venv-torch
+  .venv-torch/bin/python -m pip install -q -c constraints-torch.txt torch transformers safetensors numpy
+  touch "$stamp"
+}
+
 cmd=${1:-test}; shift || true
 setup
 case "$cmd" in
-  setup) ;;
+  setup) setup_torch ;;
   train) exec .venv/bin/python -m launch.train "$@" ;;
-  test)  exec .venv/bin/python -m pytest -q "$@" ;;
+  test)  setup_torch; exec .venv/bin/python -m pytest -q "$@" ;;
   *) echo "usage: bash scripts/dev.sh train|test|setup [args...]" >&2; exit 2 ;;
 esac
