@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import sys
 
 from launch.common import add_config_flags, add_host_devices_flag, fail, setup_jax
 
@@ -27,12 +28,15 @@ def main(argv=None) -> None:
     workdir = args.workdir or f"runs/{pathlib.Path(args.config).stem}"
     setup_jax(args.host_devices)
 
-    from titanax.train.loop import train
+    from titanax.train.loop import TrainingDiverged, train
 
     try:
         train(cfg, workdir)
     except ConfigError as e:
         fail(str(e))
+    except TrainingDiverged as e:  # the message names the steps and what to change
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

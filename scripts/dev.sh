@@ -50,11 +50,29 @@ setup_torch() {
   touch "$stamp"
 }
 
+# The CUDA PJRT plugin (4.9 GB with its CUDA wheels) for deviceless GPU compiles in the tests
+# (titanax.perf.aot): pip --target into .venv/cuda-plugin, outside .venv's site-packages, so
+# only the subprocesses that put it on sys.path (with JAX_PLATFORMS=cpu) ever load CUDA.
+setup_cuda_plugin() {
+  local dir=.venv/cuda-plugin stamp=.venv/cuda-plugin/.titanax-installed
+  if [ -f "$stamp" ] && [ "$stamp" -nt constraints-cuda.txt ]; then
+    return 0
+  fi
+  rm -rf "$dir.partial"
+  if .venv/bin/python -m pip install -q --target "$dir.partial" -c constraints-cuda.txt \
+       "jax-cuda12-plugin[with-cuda]==0.11.2"; then
+    rm -rf "$dir" && mv "$dir.partial" "$dir" && touch "$stamp"
+  else
+    rm -rf "$dir.partial"
+    echo "note: could not install the CUDA plugin; deviceless GPU compile tests will skip" >&2
+  fi
+}
+
 cmd=${1:-test}; shift || true
 setup
 case "$cmd" in
   setup) setup_torch ;;
   train) exec .venv/bin/python -m launch.train "$@" ;;
-  test)  setup_torch; exec .venv/bin/python -m pytest -q "$@" ;;
+  test)  setup_torch; setup_cuda_plugin; exec .venv/bin/python -m pytest -q "$@" ;;
   *) echo "usage: bash scripts/dev.sh train|test|setup [args...]" >&2; exit 2 ;;
 esac

@@ -53,8 +53,11 @@ def _check_positive(section: str, obj, *names: str) -> None:
             _fail(f"{section}.{name}", f"must be > 0, got {getattr(obj, name)}")
 
 
-ATTENTION_IMPLS = ("xla", "cudnn", "pallas", "auto")
-MATMUL_PRECISIONS = ("default", "highest")
+# 'auto': pallas_kernels.flash_attention picks the kernel by GPU generation (xla on a CPU).
+ATTENTION_IMPLS = ("xla", "cudnn", "triton", "mosaic_sm90", "auto")
+# FP8 recipes (pallas_kernels/fp8): the attention projections and the MLP run FP8 GEMMs; the
+# embedding, output layer, norms and softmax stay in model.dtype.
+MATMUL_PRECISIONS = ("default", "highest", "fp8_tensorwise", "fp8_delayed", "mxfp8")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 ROPE_SCALINGS = ("none", "llama3")
@@ -84,6 +87,7 @@ class ModelConfig:
     init_std: float = 0.02
     attention_impl: str = "xla"
     matmul_precision: str = "default"
+    fp8_amax_history: int = 16  # steps of amax history per tensor for fp8_delayed
     dtype: str = "bfloat16"  # compute
     param_dtype: str = "float32"  # master weights
     remat: str = "none"
@@ -95,7 +99,8 @@ class ModelConfig:
     def __post_init__(self):
         _check_types("model", self)
         _check_positive("model", self, "vocab_size", "d_model", "n_layers", "n_heads",
-                        "n_kv_heads", "ffn_dim", "rope_theta", "max_seq_len", "norm_eps")
+                        "n_kv_heads", "ffn_dim", "rope_theta", "max_seq_len", "norm_eps",
+                        "fp8_amax_history")
         if self.head_dim < 0:
             _fail("model.head_dim", "must be >= 0 (0 means d_model // n_heads)")
         if self.head_dim == 0 and self.d_model % self.n_heads:
@@ -145,13 +150,27 @@ class MeshConfig:
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    microbatches: int = 1
-    schedule: str = "gpipe"
+    # Used when mesh.pipeline > 1 (see parallel/pipeline.py and docs/parallelism.md).
+    microbatches: int = 1  # per pipelined forward/backward (per train.grad_accum microbatch)
+    schedule: str = "gpipe"  # gpipe: one layer chunk per stage; circular: virtual_stages each
+    virtual_stages: int = 0  # layer chunks per stage; 0: 1 for gpipe, 2 for circular
+
+    @property
+    def resolved_virtual_stages(self) -> int:
+        return self.virtual_stages or (2 if self.schedule == "circular" else 1)
 
     def __post_init__(self):
         _check_types("pipeline", self)
         _check_positive("pipeline", self, "microbatches")
         _check_choice("pipeline.schedule", self.schedule, PIPELINE_SCHEDULES)
+        if self.virtual_stages < 0:
+            _fail("pipeline.virtual_stages", "must be >= 0 (0: 1 for gpipe, 2 for circular)")
+        if self.schedule == "gpipe" and self.virtual_stages > 1:
+            _fail("pipeline.virtual_stages", f"{self.virtual_stages} needs "
+                  "pipeline.schedule=circular (gpipe runs one layer chunk per stage)")
+        if self.schedule == "circular" and self.virtual_stages == 1:
+            _fail("pipeline.virtual_stages", "circular with one chunk per stage is gpipe; set "
+                  "pipeline.virtual_stages >= 2 or pipeline.schedule=gpipe")
 
 
 @dataclass(frozen=True)
@@ -168,11 +187,14 @@ class TrainConfig:
     # measure it once with a matmul probe at start.
     peak_flops: float = 0.0
     progress_bar: bool = True
+    # Steps with a non-finite loss or gradient are skipped (weights and optimizer state kept);
+    # this many in a row stop the run: the model has diverged or the data is broken.
+    max_bad_steps: int = 5
 
     def __post_init__(self):
         _check_types("train", self)
         _check_positive("train", self, "steps", "batch_size", "seq_len", "log_every",
-                        "eval_batches", "grad_accum")
+                        "eval_batches", "grad_accum", "max_bad_steps")
         if self.eval_every < 0:
             _fail("train.eval_every", "must be >= 0")
         if self.peak_flops < 0:
@@ -234,13 +256,19 @@ class CheckpointConfig:
     every_steps: int = 100  # 0: only at the end
     keep: int = 3
     async_save: bool = True
-    restore: str = ""  # another run's checkpoint folder to start from
+    restore: str = ""  # another run's workdir, checkpoints/ folder or step folder to start from
+    permanent_every: int = 0  # also keep every step divisible by this for good; 0: off
 
     def __post_init__(self):
         _check_types("checkpoint", self)
         if self.every_steps < 0:
             _fail("checkpoint.every_steps", "must be >= 0 (0: only at the end)")
         _check_positive("checkpoint", self, "keep")
+        if self.permanent_every < 0:
+            _fail("checkpoint.permanent_every", "must be >= 0 (0: off)")
+        if self.permanent_every and self.every_steps and self.permanent_every % self.every_steps:
+            _fail("checkpoint.permanent_every", f"{self.permanent_every} is not a multiple of "
+                  f"checkpoint.every_steps={self.every_steps}, so those steps are never saved")
 
 
 @dataclass(frozen=True)
@@ -260,6 +288,8 @@ class Config:
         if self.train.seq_len > self.model.max_seq_len:
             _fail("train.seq_len", f"{self.train.seq_len} exceeds model.max_seq_len="
                   f"{self.model.max_seq_len}; raise model.max_seq_len or shorten the sequence")
+        check_parallel_layout(self, dict(data=self.mesh.data, fsdp=self.mesh.fsdp,
+                                         tensor=self.mesh.tensor, pipeline=self.mesh.pipeline))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -272,6 +302,47 @@ class Config:
             known = {f.name for f in dataclasses.fields(section_cls)}
             kwargs[name] = section_cls(**{k: v for k, v in values.items() if k in known})
         return cls(**kwargs)
+
+
+def check_parallel_layout(cfg: Config, degrees: dict[str, int]) -> None:
+    """Model and batch sizes against mesh degrees (-1: not known yet, skipped). Runs here with
+    the configured degrees and again in parallel/mesh.py once -1 is resolved."""
+    m, tensor, pp = cfg.model, degrees["tensor"], degrees["pipeline"]
+    if pp == -1 and cfg.pipeline.schedule == "circular":
+        _fail("mesh.pipeline", "-1 with pipeline.schedule=circular: circular runs store the "
+              "layer stack stage-major for their stage count, so set mesh.pipeline explicitly")
+    if tensor > 0:
+        for name in ("n_heads", "n_kv_heads"):
+            if getattr(m, name) % tensor:
+                _fail(f"model.{name}", f"{getattr(m, name)} is not divisible by mesh.tensor="
+                      f"{tensor} (tensor parallelism splits heads); choose mesh.tensor dividing "
+                      f"{getattr(m, name)}")
+        if cfg.train.seq_len % tensor:
+            _fail("train.seq_len", f"{cfg.train.seq_len} is not divisible by mesh.tensor="
+                  f"{tensor} (sequence parallelism splits the norm regions along the sequence)")
+    if pp > 1:
+        v = cfg.pipeline.resolved_virtual_stages
+        if m.n_layers % (pp * v):
+            _fail("model.n_layers", f"{m.n_layers} layers do not split into mesh.pipeline={pp} "
+                  f"stages x pipeline.virtual_stages={v} equal chunks; make n_layers a multiple "
+                  f"of {pp * v}")
+        micro = cfg.pipeline.microbatches
+        rows = cfg.train.batch_size // cfg.train.grad_accum
+        if rows % micro:
+            _fail("pipeline.microbatches", f"{micro} does not divide the {rows} sequences of a "
+                  "step (train.batch_size / train.grad_accum)")
+        if cfg.pipeline.schedule == "circular" and micro < pp:
+            _fail("pipeline.microbatches", f"the circular schedule needs at least as many "
+                  f"microbatches as stages (mesh.pipeline={pp}), got {micro}")
+    if degrees["data"] > 0 and degrees["fsdp"] > 0:
+        ways = degrees["data"] * degrees["fsdp"]
+        micro = cfg.pipeline.microbatches if pp > 1 else 1
+        rows = cfg.train.batch_size // (cfg.train.grad_accum * micro)
+        if cfg.train.batch_size % ways or rows % ways:
+            _fail("train.batch_size", f"{cfg.train.batch_size} sequences in microbatches of "
+                  f"{rows} (grad_accum={cfg.train.grad_accum}, pipeline microbatches={micro}) "
+                  f"do not split over mesh data x fsdp = {ways}; make each microbatch a "
+                  f"multiple of {ways}")
 
 
 SECTIONS: dict[str, type] = {

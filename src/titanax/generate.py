@@ -3,6 +3,7 @@ per step, each step a single compiled function of (params, cache, position)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import pathlib
 
@@ -11,9 +12,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from titanax.checkpoint.orbax_io import Checkpointer
-from titanax.config import CheckpointConfig, Config
+from titanax.config import CheckpointConfig, Config, MeshConfig, PipelineConfig
 from titanax.models.llama import init_cache
 from titanax.parallel.mesh import single_device_mesh
+from titanax.parallel.pipeline import stored_layer_order, to_logical_order
 from titanax.parallel.rules import model_context
 from titanax.train.optim import make_optimizer
 from titanax.train.state import abstract_train_state
@@ -27,13 +29,20 @@ def load_for_inference(workdir, step: int | None = None):
     if step is None:
         raise FileNotFoundError(f"no checkpoint under {ckpt.directory}; train first with "
                                 f"`python -m launch.train --workdir {workdir}`")
-    cfg = Config.from_dict(ckpt.read_config(step))
+    run_cfg = Config.from_dict(ckpt.read_config(step))
+    # Sampling runs on one device whatever layout trained the model; the arrays' shapes do not
+    # depend on the layout, only (circular pipelines) the stored order of the layers.
+    cfg = dataclasses.replace(run_cfg, mesh=MeshConfig(), pipeline=PipelineConfig())
     mesh = single_device_mesh()
     graphdef, abstract, _ = abstract_train_state(cfg, mesh, make_optimizer(cfg))
     with model_context(mesh):
         state, _, _ = ckpt.restore(step, abstract)
     ckpt.close()
-    return cfg, graphdef, state["params"], step
+    params = state["params"]
+    if stored_layer_order(run_cfg) is not None:
+        params["layers"] = to_logical_order(params["layers"], run_cfg.mesh.pipeline,
+                                            run_cfg.pipeline.resolved_virtual_stages)
+    return cfg, graphdef, params, step
 
 
 def find_tokenizer(cfg: Config, workdir) -> pathlib.Path | None:

@@ -1,53 +1,249 @@
 """Orbax checkpoints under WORKDIR/checkpoints/<step>/: the train state (sharded arrays, written
-by every host as orbax expects), the data iterator position and the config used."""
+by every host as orbax expects), the data iterator position, the config used and the loop's
+counters. Saves are asynchronous; each committed step gets a manifest (checkpoint/integrity.py)
+so that a damaged newest step is found, reported and skipped for the previous good one.
+
+Items of a step (names are stable: generate.py, export and HF import read and write them):
+  state   {'step', 'params', 'opt_state'}, restored onto whatever mesh the abstract state
+          carries (so a run can move between mesh shapes and process counts)
+  config  the run's Config as JSON
+  data    the grain train iterator's state (JSON), optional
+  run     loop counters that are not train state (skipped steps), optional
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
+import re
+import threading
+import time
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+from orbax.checkpoint import checkpoint_managers as policies
 
-from titanax.config import CheckpointConfig
+from titanax.checkpoint import integrity
+from titanax.config import CheckpointConfig, Config, ConfigError, ModelConfig
+
+# Fields that change how the same weights are computed, not what they are: a checkpoint may be
+# resumed with other values (say a GPU attention kernel after a CPU run).
+EXECUTION_ONLY_MODEL_FIELDS = ("attention_impl", "matmul_precision", "dtype", "remat")
+
+
+@dataclasses.dataclass
+class Restored:
+    step: int
+    state: dict
+    data_state: dict | None
+    config: dict
+    run_state: dict  # {} for checkpoints that carry none
 
 
 class Checkpointer:
-    def __init__(self, directory: str | pathlib.Path, cfg: CheckpointConfig):
+    def __init__(self, directory: str | pathlib.Path, cfg: CheckpointConfig, *,
+                 read_only: bool = False):
+        """read_only: another run's checkpoints (checkpoint.restore): never written, cleaned
+        or quarantined."""
         self.directory = pathlib.Path(directory).absolute()
+        self.read_only = read_only
+        keep = [policies.LatestN(cfg.keep)]
+        if cfg.permanent_every:
+            keep.append(policies.EveryNSteps(cfg.permanent_every))
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save, create=True)
+            enable_async_checkpointing=cfg.async_save and not read_only,
+            create=not read_only, read_only=read_only,
+            # Orbax deletes old steps only after a new one has committed, so the last complete
+            # checkpoint survives any failed or interrupted save.
+            preservation_policy=policies.AnyPreservationPolicy(keep),
+            # Temporary folders of saves cut short by a kill: never a step, only clutter.
+            cleanup_tmp_directories=not read_only)
         # Handlers named up front, so reading one item (say the config) needs no guessing.
         handlers = {"state": ocp.StandardCheckpointHandler(),
-                    "config": ocp.JsonCheckpointHandler(), "data": ocp.JsonCheckpointHandler()}
+                    "config": ocp.JsonCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
+                    "run": ocp.JsonCheckpointHandler()}
         self.manager = ocp.CheckpointManager(self.directory, options=options,
                                              item_handlers=handlers)
+        self._sealers: list[threading.Thread] = []  # manifest writers not joined yet
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def save(self, step: int, state, *, data_state: dict | None, config: dict) -> None:
+    def all_steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
+    def step_dir(self, step: int) -> pathlib.Path:
+        return self.directory / str(step)
+
+    def save(self, step: int, state, *, data_state: dict | None, config: dict,
+             run_state: dict | None = None) -> None:
+        """Starts an asynchronous save (returns once the arrays are copied off the devices).
+        `state` is saved whole, so whatever the train state holds (FP8 scaling history, an RNG
+        key) is checkpointed with it."""
+        # Like orbax with the previous save, finish the previous manifest first (long done
+        # unless checksumming is slower than the save interval): `keep` may now collect that
+        # step, and must not while it is being read.
+        self._join_sealers()
         items = {"state": ocp.args.StandardSave(state), "config": ocp.args.JsonSave(config)}
         if data_state is not None:
             items["data"] = ocp.args.JsonSave(data_state)
+        if run_state is not None:
+            items["run"] = ocp.args.JsonSave(run_state)
         self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+        if jax.process_index() == 0:
+            # Checksumming a large checkpoint takes a while: never on the step path.
+            sealer = threading.Thread(target=self._seal_when_committed, args=(step,),
+                                      name=f"titanax-manifest-{step}", daemon=True)
+            sealer.start()
+            self._sealers.append(sealer)
+
+    def _seal_when_committed(self, step: int) -> None:
+        """Writes the step's manifest once orbax is done with the save (committed: the folder
+        renamed into place, metadata written); nothing if the save failed (no folder). The next
+        save joins this thread before it starts, so no other save can begin meanwhile."""
+        while self.manager.is_saving_in_progress():
+            time.sleep(0.05)
+        if self.step_dir(step).is_dir():
+            integrity.write_manifest(self.step_dir(step))
 
     def restore(self, step: int, abstract_state):
         """(state placed as abstract_state's shardings say, data iterator state or None, config)."""
-        names = {p.name for p in (self.directory / str(step)).iterdir() if p.is_dir()}
+        r = self._restore(step, abstract_state)
+        return r.state, r.data_state, r.config
+
+    def _restore(self, step: int, abstract_state) -> Restored:
+        names = {p.name for p in self.step_dir(step).iterdir() if p.is_dir()}
         items = {"state": ocp.args.StandardRestore(abstract_state),
                  "config": ocp.args.JsonRestore()}
-        if "data" in names:
-            items["data"] = ocp.args.JsonRestore()
+        for optional in ("data", "run"):
+            if optional in names:
+                items[optional] = ocp.args.JsonRestore()
         out = self.manager.restore(step, args=ocp.args.Composite(**items))
-        return out["state"], out.get("data") if "data" in names else None, out["config"]
+        return Restored(step, out["state"], out["data"] if "data" in names else None,
+                        out["config"], out["run"] if "run" in names else {})
 
     def read_config(self, step: int) -> dict:
         return self.manager.restore(step, args=ocp.args.Composite(
             config=ocp.args.JsonRestore()))["config"]
 
+    def restore_latest_good(self, abstract_state, *, model: ModelConfig | None = None,
+                            step: int | None = None, log=print) -> Restored | None:
+        """Restores the newest step that is intact (or only `step`); None if there is no step.
+
+        A step is skipped (and reported) when its manifest does not match the files or it fails
+        to restore. Skipped steps newer than the restored one are moved aside to
+        `<step>.corrupt` in a writable directory, so they are never restored, overwritten or
+        counted by `keep` (which would collect good steps in their place); nothing is deleted.
+        If no step restores, this raises instead of letting the run start from scratch.
+        model: refuse (ConfigError) a checkpoint of a different architecture, naming fields.
+        """
+        bad: list[tuple[int, str]] = []
+        candidates = [step] if step is not None else list(reversed(self.all_steps()))
+        for step in candidates:
+            # One full read of the step: process 0 does it for everyone.
+            damage = _agreed(integrity.find_damage(self.step_dir(step))
+                             if jax.process_index() == 0 else None)
+            if damage is None:
+                try:
+                    config = self.read_config(step)
+                except Exception as e:  # noqa: BLE001 - any failure to read means unusable
+                    damage = f"its config does not read ({type(e).__name__}: {e})"
+                damage = _agreed(damage)
+            if damage is None and model is not None:
+                check_same_model(config, model, source=self.step_dir(step))
+            if damage is None:
+                try:
+                    restored = self._restore(step, abstract_state)
+                except Exception as e:  # noqa: BLE001
+                    damage = f"restoring it failed ({type(e).__name__}: {str(e)[:300]})"
+                damage = _agreed(damage)
+            if damage is not None:
+                log(f"checkpoint {self.step_dir(step)} is damaged: {damage}; "
+                    f"falling back to the previous one")
+                bad.append((step, damage))
+                continue
+            self._quarantine([s for s, _ in bad], log)
+            return restored
+        if bad:
+            listing = "\n".join(f"  step {s}: {why}" for s, why in bad)
+            raise RuntimeError(
+                f"no checkpoint under {self.directory} restores:\n{listing}\nNothing was moved "
+                "or deleted. If they are beyond repair, move them away to start from scratch, "
+                "or use --set checkpoint.restore=PATH to start from another run.")
+        return None
+
+    def _quarantine(self, steps: list[int], log) -> None:
+        if not steps or self.read_only:
+            return
+        if jax.process_index() == 0:
+            for step in steps:
+                target = self.directory / f"{step}.corrupt"
+                n = 1
+                while target.exists():
+                    n += 1
+                    target = self.directory / f"{step}.corrupt{n}"
+                self.step_dir(step).rename(target)
+                log(f"moved the damaged checkpoint aside to {target}")
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("titanax_checkpoint_quarantine")
+        self.manager.reload()
+
     def wait(self) -> None:
+        """Blocks until the last save is committed and its manifest written."""
         self.manager.wait_until_finished()
+        self._join_sealers()
+
+    def _join_sealers(self) -> None:
+        for sealer in self._sealers:
+            sealer.join()
+        self._sealers = []
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
+        self.wait()
         self.manager.close()
+
+
+def _agreed(damage: str | None) -> str | None:
+    """Every process takes the same path: a step one process finds damaged is damaged."""
+    if jax.process_count() == 1:
+        return damage
+    flags = multihost_utils.process_allgather(np.asarray(damage is not None, np.int32))
+    if damage is None and np.any(flags):
+        return "another process found it damaged"
+    return damage
+
+
+def check_same_model(saved_config: dict, model: ModelConfig, *, source) -> None:
+    """ConfigError naming every architecture field that differs between a checkpoint's config
+    and the current one (execution-only fields may differ)."""
+    saved = Config.from_dict(saved_config).model
+
+    def differs(name: str) -> bool:
+        old, new = getattr(saved, name), getattr(model, name)
+        if name == "matmul_precision":  # fp8_delayed keeps amax histories in the state
+            return old != new and "fp8_delayed" in (old, new)
+        return old != new and name not in EXECUTION_ONLY_MODEL_FIELDS
+
+    diffs = [f"model.{f.name}: {getattr(saved, f.name)!r} -> {getattr(model, f.name)!r}"
+             for f in dataclasses.fields(ModelConfig) if differs(f.name)]
+    if diffs:
+        raise ConfigError(
+            f"the checkpoint {source} holds a different model than this config asks for "
+            f"(checkpoint -> config):\n  " + "\n  ".join(diffs) + "\nSet those fields back to "
+            "the checkpoint's values, or train the new model in a new --workdir.")
+
+
+def resolve_restore_source(path: str | pathlib.Path) -> tuple[pathlib.Path, int | None]:
+    """checkpoint.restore=PATH -> (checkpoints folder, step or None for its latest good one).
+    PATH may be a run's workdir, its checkpoints/ folder, or one step folder in it."""
+    path = pathlib.Path(path).expanduser().absolute()
+    if (path / "checkpoints").is_dir():
+        return path / "checkpoints", None
+    if re.fullmatch(r"\d+", path.name) and (path / "_CHECKPOINT_METADATA").is_file():
+        return path.parent, int(path.name)
+    if path.is_dir():
+        return path, None
+    raise ConfigError(f"checkpoint.restore={str(path)!r} does not exist; give a run's workdir, "
+                      "its checkpoints/ folder or one step folder in it")

@@ -17,7 +17,10 @@ from flax import nnx
 from titanax import ops
 from titanax.config import ModelConfig
 from titanax.models.layers import RMSNorm, apply_rope, rope_inv_freq
+from titanax.parallel.pipeline import PipelineSchedule, pipeline_stages, run_pipelined
 from titanax.parallel.rules import shard_activation
+
+_FP8_SITES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the FP8 matmuls
 
 _REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the whole layer in the backward pass
@@ -47,7 +50,15 @@ class Block(nnx.Module):
         self.w_gate = _param(rngs, (L, d, cfg.ffn_dim), ("layers", "embed", "mlp"), std, pdt)
         self.w_up = _param(rngs, (L, d, cfg.ffn_dim), ("layers", "embed", "mlp"), std, pdt)
         self.w_down = _param(rngs, (L, cfg.ffn_dim, d), ("layers", "mlp", "embed"), out_std, pdt)
+        if cfg.matmul_precision == "fp8_delayed":  # amax histories per FP8 call site
+            for name in _FP8_SITES:
+                setattr(self, f"fp8_{name}", ops.make_fp8_meta(L, cfg.fp8_amax_history))
         self.cfg = cfg
+
+    def _meta(self, name):
+        """This layer's amax histories for weight `name` (fp8_delayed), else None."""
+        meta = getattr(self, f"fp8_{name}", None)
+        return None if meta is None else ops.fp8_meta_dict(meta[...])
 
     def __call__(self, x_BSD, positions_BS, segment_ids_BS, kv=None, cache_index=None):
         cfg = self.cfg
@@ -57,9 +68,12 @@ class Block(nnx.Module):
                                  cfg.rope_factor, cfg.rope_low_freq_factor,
                                  cfg.rope_high_freq_factor, cfg.rope_original_max_seq_len)
         h_BSD = self.attn_norm(x_BSD)
-        q_BSHK = ops.linear(h_BSD, self.wq[...], "bsd,dhk->bshk", precision=prec, dtype=dt)
-        k_BSHK = ops.linear(h_BSD, self.wk[...], "bsd,dhk->bshk", precision=prec, dtype=dt)
-        v_BSHK = ops.linear(h_BSD, self.wv[...], "bsd,dhk->bshk", precision=prec, dtype=dt)
+        q_BSHK = ops.linear(h_BSD, self.wq[...], "bsd,dhk->bshk", precision=prec, dtype=dt,
+                    fp8_meta=self._meta("wq"))
+        k_BSHK = ops.linear(h_BSD, self.wk[...], "bsd,dhk->bshk", precision=prec, dtype=dt,
+                    fp8_meta=self._meta("wk"))
+        v_BSHK = ops.linear(h_BSD, self.wv[...], "bsd,dhk->bshk", precision=prec, dtype=dt,
+                    fp8_meta=self._meta("wv"))
         q_BSHK = shard_activation(apply_rope(q_BSHK, positions_BS, inv_freq),
                                   ("batch", "seq", "heads", "head_dim"))
         k_BSHK = shard_activation(apply_rope(k_BSHK, positions_BS, inv_freq),
@@ -76,15 +90,19 @@ class Block(nnx.Module):
             out_BSHK = ops.attention(q_BSHK, k_cache, v_cache, impl=cfg.attention_impl,
                                      causal=True, q_offset=cache_index,
                                      kv_valid_len=cache_index + q_BSHK.shape[1])
-        x_BSD = x_BSD + ops.linear(out_BSHK, self.wo[...], "bshk,hkd->bsd", precision=prec, dtype=dt)
-        x_BSD = shard_activation(x_BSD, ("batch", "seq", "embed"))
+        x_BSD = x_BSD + ops.linear(out_BSHK, self.wo[...], "bshk,hkd->bsd", precision=prec, dtype=dt,
+                    fp8_meta=self._meta("wo"))
+        x_BSD = shard_activation(x_BSD, ("batch", "norm_seq", "embed"))
 
         h_BSD = self.mlp_norm(x_BSD)
-        gate_BSF = ops.linear(h_BSD, self.w_gate[...], "bsd,df->bsf", precision=prec, dtype=dt)
-        up_BSF = ops.linear(h_BSD, self.w_up[...], "bsd,df->bsf", precision=prec, dtype=dt)
+        gate_BSF = ops.linear(h_BSD, self.w_gate[...], "bsd,df->bsf", precision=prec, dtype=dt,
+                    fp8_meta=self._meta("w_gate"))
+        up_BSF = ops.linear(h_BSD, self.w_up[...], "bsd,df->bsf", precision=prec, dtype=dt,
+                    fp8_meta=self._meta("w_up"))
         act_BSF = shard_activation(jax.nn.silu(gate_BSF) * up_BSF, ("batch", "seq", "mlp"))
-        x_BSD = x_BSD + ops.linear(act_BSF, self.w_down[...], "bsf,fd->bsd", precision=prec, dtype=dt)
-        return shard_activation(x_BSD, ("batch", "seq", "embed")), new_kv
+        x_BSD = x_BSD + ops.linear(act_BSF, self.w_down[...], "bsf,fd->bsd", precision=prec, dtype=dt,
+                    fp8_meta=self._meta("w_down"))
+        return shard_activation(x_BSD, ("batch", "norm_seq", "embed")), new_kv
 
 
 class Llama(nnx.Module):
@@ -97,11 +115,13 @@ class Llama(nnx.Module):
         self.output = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std, pdt)
 
     def __call__(self, tokens_BS, positions_BS=None, segment_ids_BS=None, cache=None,
-                 cache_index=None):
+                 cache_index=None, pipeline: PipelineSchedule | None = None):
         """Logits [B, S, vocab] in the compute dtype, and the updated KV cache (or None).
 
         cache: {'k', 'v'} of [layers, B, max_len, kv_heads, head_dim] from init_cache();
         cache_index: how many positions of the cache are already filled.
+        pipeline: run the layer stack staged over the mesh's 'pipeline' axis (when it is > 1;
+        training and scoring only) instead of one scan.
         """
         cfg = self.cfg
         dt = jnp.dtype(cfg.dtype)
@@ -110,24 +130,32 @@ class Llama(nnx.Module):
             start = 0 if cache_index is None else cache_index
             positions_BS = jnp.broadcast_to(start + jnp.arange(S, dtype=jnp.int32), (B, S))
         x_BSD = jnp.take(self.embed[...], tokens_BS, axis=0).astype(dt)
-        x_BSD = shard_activation(x_BSD, ("batch", "seq", "embed"))
+        x_BSD = shard_activation(x_BSD, ("batch", "norm_seq", "embed"))
 
         graphdef, layer_state = nnx.split(self.layers)
 
-        def one_layer(x_BSD, xs):
-            state, kv = xs
+        def one_layer(x_BSD, state, kv, positions_BS, segment_ids_BS):
             block = nnx.merge(graphdef, state)
             return block(x_BSD, positions_BS, segment_ids_BS, kv, cache_index)
 
         if cfg.remat != "none":
             one_layer = jax.checkpoint(one_layer, policy=_REMAT_POLICIES[cfg.remat],
                                        prevent_cse=False)
-        kv_xs = None if cache is None else (cache["k"], cache["v"])
-        x_BSD, new_kv = jax.lax.scan(one_layer, x_BSD, (layer_state, kv_xs))
+        if pipeline is not None and cache is None and pipeline_stages() > 1:
+            x_BSD = run_pipelined(lambda x, state, ex: one_layer(x, state, None, *ex)[0],
+                                  layer_state, x_BSD, (positions_BS, segment_ids_BS), pipeline)
+            new_kv = None
+        else:
+            kv_xs = None if cache is None else (cache["k"], cache["v"])
+            x_BSD, new_kv = jax.lax.scan(
+                lambda x, xs: one_layer(x, *xs, positions_BS, segment_ids_BS),
+                x_BSD, (layer_state, kv_xs))
 
         h_BSD = self.final_norm(x_BSD)
+        # fp8=False: the output layer stays in the compute dtype under every FP8 recipe (its
+        # logits feed the softmax directly; FP8 recipes keep it high precision).
         logits_BSV = ops.linear(h_BSD, self.output[...], "bsd,dv->bsv",
-                                precision=cfg.matmul_precision, dtype=dt)
+                                precision=cfg.matmul_precision, dtype=dt, fp8=False)
         logits_BSV = shard_activation(logits_BSV, ("batch", "seq", "vocab"))
         new_cache = None if cache is None else {"k": new_kv[0], "v": new_kv[1]}
         return logits_BSV, new_cache
@@ -146,7 +174,7 @@ def count_params(cfg: ModelConfig, *, exclude_embedding: bool = False) -> int:
 
     with model_context(single_device_mesh()):
         abstract = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
-    state = nnx.state(abstract, nnx.Param)
+    state = nnx.state(abstract, nnx.All(nnx.Param, nnx.Not(ops.Fp8Meta)))  # no amax histories
     total = sum(math.prod(x.shape) for x in jax.tree.leaves(state))
     if exclude_embedding:
         total -= cfg.vocab_size * cfg.d_model

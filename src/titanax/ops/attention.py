@@ -2,14 +2,22 @@
 
 `impl` picks the backend by config (model.attention_impl): 'xla' is the reference written here
 (grouped-query attention without repeating K/V in memory, softmax in float32); 'cudnn' is
-jax.nn.dot_product_attention (cuDNN's fused kernel on GPU, XLA elsewhere). The Pallas flash
-kernels plug in here too.
+jax.nn.dot_product_attention (cuDNN's fused kernel on GPU, XLA elsewhere); 'triton',
+'mosaic_sm90' and 'auto' go to pallas_kernels.flash_attention (Pallas flash kernels with their
+own backward; 'auto' picks by GPU generation, and on a CPU falls back to 'xla'). On a CPU the
+Pallas kernels run in interpret mode, which is slow and meant for tests. Decoding with a KV
+cache (q_offset / kv_valid_len) always takes the XLA path: the flash kernels are for training
+and prefill, where queries and keys are the same sequence.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+import pallas_kernels
+
+FLASH_IMPLS = ("auto", "triton", "mosaic_sm90")
 
 _NEG_INF = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -54,6 +62,14 @@ def attention(q_BSHD, k_BTKD, v_BTKD, *, impl: str = "xla", causal: bool = True,
               segment_ids=None, kv_segment_ids=None, q_offset=0, kv_valid_len=None,
               softmax_scale: float | None = None):
     S, T = q_BSHD.shape[1], k_BTKD.shape[1]
+    decoding = not (isinstance(q_offset, int) and q_offset == 0) or kv_valid_len is not None
+    if impl in FLASH_IMPLS and not decoding and kv_segment_ids is None and S == T:
+        return pallas_kernels.flash_attention(
+            q_BSHD, k_BTKD, v_BTKD, causal=causal, softmax_scale=softmax_scale,
+            segment_ids=segment_ids, impl=impl, interpret=jax.default_backend() == "cpu"
+            and impl != "auto")
+    if impl in FLASH_IMPLS:
+        impl = "xla"
     if q_BSHD.shape[2] % k_BTKD.shape[2]:
         raise ValueError(f"query heads {q_BSHD.shape[2]} must be a multiple of kv heads "
                          f"{k_BTKD.shape[2]}")
@@ -69,4 +85,5 @@ def attention(q_BSHD, k_BTKD, v_BTKD, *, impl: str = "xla", causal: bool = True,
         return jax.nn.dot_product_attention(
             q_BSHD, k_BTKD, v_BTKD, mask=mask, scale=scale,
             implementation="cudnn" if on_gpu else None)
-    raise ValueError(f"unknown attention impl {impl!r}; use 'xla' or 'cudnn'")
+    raise ValueError(f"unknown attention impl {impl!r}; use 'xla', 'cudnn' or one of "
+                     f"{FLASH_IMPLS}")

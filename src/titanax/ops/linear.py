@@ -1,20 +1,99 @@
 """Matmuls as the model calls them: parameters stay in param_dtype, compute runs in dtype.
 
 `precision` comes from model.matmul_precision: 'default' multiplies in the compute dtype with
-float32 accumulation where the backend does so; 'highest' asks for full-precision passes. FP8
-recipes plug in here.
+float32 accumulation where the backend does so; 'highest' asks for full-precision passes;
+'fp8_tensorwise', 'fp8_delayed' and 'mxfp8' run the product as FP8 GEMMs through
+pallas_kernels.fp8.fp8_linear (e4m3 forward, e5m2 gradients), flattened to one 2-D matmul
+[tokens, in] x [in, out]. Call sites that must stay in the compute dtype whatever the recipe
+(the output layer) pass fp8=False.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
 
 _PRECISION = {"default": None, "highest": jax.lax.Precision.HIGHEST}
+FP8_RECIPES = ("fp8_tensorwise", "fp8_delayed", "mxfp8")
 
 
-def linear(x, w, spec: str, *, precision: str = "default", dtype=jnp.bfloat16):
-    """einsum(spec, x, w) with both operands cast to the compute dtype."""
+def _split_spec(spec: str) -> tuple[str, str, str]:
+    """'bsd,dhk->bshk' -> ('bs', 'd', 'hk'): x's kept axes, contracted axes, w's kept axes.
+    FP8 needs x = kept + contracted and w = contracted + kept, so both flatten to 2-D."""
+    ins, out = spec.replace(" ", "").split("->")
+    xs, ws = ins.split(",")
+    contracted = "".join(c for c in xs if c in ws and c not in out)
+    x_keep, w_keep = xs[:len(xs) - len(contracted)], ws[len(contracted):]
+    if (not contracted or xs != x_keep + contracted or ws != contracted + w_keep
+            or out != x_keep + w_keep):
+        raise ValueError(f"FP8 linear needs a spec of the form 'AK,KB->AB' (contracted axes last "
+                         f"in x, first in w), got {spec!r}")
+    return x_keep, contracted, w_keep
+
+
+def linear(x, w, spec: str, *, precision: str = "default", dtype=jnp.bfloat16,
+           fp8: bool = True, fp8_meta=None):
+    """einsum(spec, x, w) with both operands cast to the compute dtype, or FP8 GEMMs when
+    precision names an FP8 recipe and fp8 is True. fp8_meta: the call site's amax histories
+    ({'x', 'w', 'g'}), needed by 'fp8_delayed' only."""
+    if precision in FP8_RECIPES and fp8:
+        from pallas_kernels.fp8 import fp8_linear  # the kernels package loads on first FP8 use
+
+        x_keep, contracted, _ = _split_spec(spec)
+        k = math.prod(x.shape[len(x_keep):])
+        lead, tail = x.shape[:len(x_keep)], w.shape[len(contracted):]
+        # Activations arrive in the compute dtype; weights are quantized straight from the
+        # float32 master copy (no detour through bf16 rounding).
+        y = fp8_linear(x.astype(dtype).reshape(-1, k), w.reshape(k, -1),
+                       fp8_meta if precision == "fp8_delayed" else None,
+                       recipe=precision, out_dtype=dtype)
+        return y.reshape(*lead, *tail)
+    if precision in FP8_RECIPES:  # an excluded call site: plain compute-dtype matmul
+        precision = "default"
     if precision not in _PRECISION:
-        raise ValueError(f"unknown matmul precision {precision!r}; use one of {list(_PRECISION)}")
+        raise ValueError(f"unknown matmul precision {precision!r}; use one of "
+                         f"{list(_PRECISION) + list(FP8_RECIPES)}")
     return jnp.einsum(spec, x.astype(dtype), w.astype(dtype), precision=_PRECISION[precision])
+
+
+# --- delayed scaling state ------------------------------------------------------------------
+
+from flax import nnx  # noqa: E402
+
+
+class Fp8Meta(nnx.Param):
+    """fp8_delayed amax histories of one call site: [layers, 3 (x, w, grad), history] float32,
+    stacked like the weights so the layer scan slices them. A Param subclass on purpose: it
+    then travels with the weights through sharding, checkpoints, eval and pipeline staging
+    with no extra code there; the train step keeps it out of the optimizer (split_fp8_meta)
+    and writes the updated histories back after the update (merge_fp8_meta)."""
+
+
+def make_fp8_meta(n_layers: int, history: int) -> Fp8Meta:
+    return Fp8Meta(jnp.zeros((n_layers, 3, history), jnp.float32),
+                   out_sharding=("layers", None, None))
+
+
+def fp8_meta_dict(meta):
+    """[3, history] (one layer's slice) -> the {'x', 'w', 'g'} that fp8_linear takes."""
+    return None if meta is None else {"x": meta[0], "w": meta[1], "g": meta[2]}
+
+
+def _is_meta(path) -> bool:
+    return any(str(getattr(k, "key", getattr(k, "name", ""))).startswith("fp8_") for k in path)
+
+
+def split_fp8_meta(grads):
+    """(grads with the histories' entries zeroed, the new histories). fp8_linear returns the
+    updated histories as their 'gradient'; they must not reach the optimizer or the norm."""
+    clean = jax.tree_util.tree_map_with_path(
+        lambda p, g: jnp.zeros_like(g) if _is_meta(p) else g, grads)
+    return clean, grads
+
+
+def merge_fp8_meta(params, new_meta):
+    """params with every history replaced by its new value from split_fp8_meta."""
+    return jax.tree_util.tree_map_with_path(
+        lambda p, v, m: m.astype(v.dtype) if _is_meta(p) else v, params, new_meta)

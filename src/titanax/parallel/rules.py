@@ -2,8 +2,13 @@
 
 Parameters and activations get separate tables (as in levanter): FSDP shards parameters and
 optimizer state along 'embed', while activations are sharded along 'batch' over both data and
-fsdp. Tensor parallelism is Megatron-style: heads and mlp columns on 'tensor'. Nothing outside
-this file names a mesh axis for a logical one.
+fsdp. Tensor parallelism is Megatron-style: column-parallel wq/wk/wv/w_gate/w_up (heads, kv_heads,
+mlp out features on 'tensor'), then row-parallel wo/w_down (same names as in features), with
+sequence parallelism in the norm regions: the residual stream between them is 'norm_seq',
+split along the sequence over 'tensor', so XLA turns each row-parallel all-reduce into a
+reduce-scatter and gathers the sequence again before the next column matmul. Pipeline
+parallelism puts the stacked layers' leading axis on 'pipeline' (parallel/pipeline.py runs the
+stages). Nothing outside this file names a mesh axis for a logical one.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 MESH_AXES = ("pipeline", "data", "fsdp", "tensor")
 
 PARAM_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
-    ("layers", None),  # the pipeline issue maps stages here
+    ("layers", "pipeline"),  # stage s holds its consecutive layers [L/PP, ...]
     ("vocab", "tensor"),
     ("embed", "fsdp"),
     ("heads", "tensor"),
@@ -30,6 +35,7 @@ PARAM_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 ACTIVATION_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("batch", ("data", "fsdp")),
     ("seq", None),
+    ("norm_seq", "tensor"),  # sequence parallelism: residual stream and norms
     ("embed", None),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),

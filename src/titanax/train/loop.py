@@ -1,7 +1,16 @@
-"""The training loop: data -> step -> metrics -> checkpoints. No model logic lives here."""
+"""The training loop: data -> step -> metrics -> checkpoints. No model logic lives here.
+
+Fault tolerance: a run resumes from its workdir's newest intact checkpoint (a damaged one is
+reported and skipped), SIGTERM/SIGUSR1 save at the next step boundary and return normally,
+and steps with a non-finite loss or gradient are skipped and counted. The train state holds no
+RNG: the step has no dropout or sampling, so it is a pure function of (state, batch), and the
+data order is fixed by train.seed plus the grain iterator position saved with every checkpoint.
+A resumed run therefore logs the same losses, step for step, as one never interrupted.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -12,14 +21,15 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from titanax.checkpoint.orbax_io import Checkpointer
-from titanax.config import Config, format_config
+from titanax.checkpoint.orbax_io import Checkpointer, resolve_restore_source
+from titanax.config import Config, ConfigError, format_config
 from titanax.data.pipeline import build_data
 from titanax.models.llama import count_params
 from titanax.parallel.mesh import build_mesh, describe_mesh
 from titanax.parallel.rules import activation_spec, model_context
 from titanax.train import metrics as M
 from titanax.train.optim import lr_schedule, make_optimizer
+from titanax.train.preemption import PreemptionWatch
 from titanax.train.state import abstract_train_state, create_train_state
 from titanax.train.step import make_eval_step, make_train_step
 
@@ -31,6 +41,92 @@ class RunResult:
     val_losses: dict[int, float]
     tokens_per_s: float  # mean over the logged intervals after the first
     workdir: pathlib.Path
+    skipped_steps: int = 0  # updates skipped for a non-finite loss or gradient, whole run
+    preempted: bool = False  # stopped early by SIGTERM/SIGUSR1 after saving a checkpoint
+
+
+class TrainingDiverged(RuntimeError):
+    """train.max_bad_steps consecutive steps had a non-finite loss or gradient."""
+
+
+class _BadStepCounter:
+    """Counts skipped steps and stops the run after too many in a row. Reads each step's
+    'skipped' flag one step late, after the next step is dispatched, so the host never waits
+    for the device just to look at it."""
+
+    def __init__(self, limit: int, run_state: dict):
+        self.limit = limit
+        self.total = int(run_state.get("skipped_steps", 0))
+        self.streak = int(run_state.get("bad_streak", 0))
+        self._pending = None  # (step, metrics) not looked at yet
+
+    def push(self, step: int, metrics) -> None:
+        self.flush()
+        self._pending = (step, metrics)
+
+    def flush(self) -> None:
+        if self._pending is None:
+            return
+        step, metrics = self._pending
+        self._pending = None
+        if int(metrics["skipped"]) == 0:
+            self.streak = 0
+            return
+        self.total += 1
+        self.streak += 1
+        if self.streak >= self.limit:
+            raise TrainingDiverged(
+                f"{self.streak} consecutive steps (up to step {step}) had a non-finite loss or "
+                f"gradient norm (train.max_bad_steps={self.limit}); their updates were skipped, "
+                f"so the weights are those before step {step - self.streak + 1}. The model "
+                "has diverged or the data is broken: lower optim.lr or raise optim.warmup_steps, "
+                "check the data, and resume from the last checkpoint.")
+
+    def state(self) -> dict:
+        return {"skipped_steps": self.total, "bad_streak": self.streak}
+
+
+def _match_layer_order(state, shardings, saved_cfg: Config, cfg: Config):
+    """Circular pipeline runs store the layer stack stage-major (parallel/pipeline.py), in an
+    order that depends on the pipeline layout. A checkpoint restored under another layout gets
+    its stacked leaves ('layers' in params and in the optimizer moments) put into this run's
+    order, on device, keeping this run's shardings."""
+    from titanax.parallel.pipeline import stored_layer_order
+
+    old, new = stored_layer_order(saved_cfg), stored_layer_order(cfg)
+    if old is None and new is None or (old is not None and new is not None
+                                       and np.array_equal(old, new)):
+        return state
+    n = cfg.model.n_layers
+    to_logical = np.argsort(old) if old is not None else np.arange(n)
+    take = to_logical[new] if new is not None else to_logical  # stored_new[k] = stored_old[take[k]]
+
+    def reorder(path, x):
+        if any(getattr(k, "key", None) == "layers" for k in path):
+            return x[take]
+        return x
+
+    return jax.jit(lambda st: jax.tree_util.tree_map_with_path(reorder, st),
+                   out_shardings=shardings, donate_argnums=0)(state)
+
+
+def _drop_metrics_from(workdir: pathlib.Path, step: int) -> None:
+    """A restarted run writes again the rows from `step` on (it repeats the steps after its
+    checkpoint, or everything when it starts over): drop the old ones, and any row a kill cut
+    short, so metrics.jsonl holds each step once, as an uninterrupted run writes it."""
+    path = workdir / "metrics.jsonl"
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] < step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            pass
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(f"{line}\n" for line in kept))
+    tmp.replace(path)
 
 
 def _global_batch(batch: dict, sharding: NamedSharding, global_batch_size: int) -> dict:
@@ -61,7 +157,6 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, log=print, devices=None) 
     mesh = build_mesh(cfg.mesh, devices)
     batch_ways = math.prod(mesh.shape[a] for a in ("data", "fsdp"))
     if cfg.train.batch_size % batch_ways:
-        from titanax.config import ConfigError
         raise ConfigError(f"train.batch_size={cfg.train.batch_size} must be divisible by "
                           f"mesh data x fsdp = {batch_ways}")
     data = build_data(cfg, workdir, jax.process_index(), jax.process_count())
@@ -79,30 +174,38 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, log=print, devices=None) 
         f"  peak {peak / 1e9:.1f} GFLOP/s per device from {peak_src}\n"
         f"  {describe_mesh(mesh)}\n  data: {data.describe()}\n{format_config(cfg)}")
 
-    # State: resume from this workdir's latest checkpoint, else checkpoint.restore, else init.
+    # State: resume from this workdir's newest intact checkpoint, else checkpoint.restore,
+    # else init. The abstract state carries this run's mesh, so restoring reshards.
     train_iter = data.train_iterator()
-    start_step = 0
-    latest = ckpt.latest_step()
-    restore_from = None
-    if latest is not None:
-        restore_from = (ckpt, latest)
-    elif cfg.checkpoint.restore:
-        other = Checkpointer(cfg.checkpoint.restore, dataclasses.replace(cfg.checkpoint, async_save=False))
-        if other.latest_step() is None:
-            from titanax.config import ConfigError
-            raise ConfigError(f"checkpoint.restore={cfg.checkpoint.restore!r} holds no checkpoint")
-        restore_from = (other, other.latest_step())
-    if restore_from is not None:
-        source, step = restore_from
-        graphdef, abstract, shardings = abstract_train_state(cfg, mesh, tx)
-        with model_context(mesh):
-            state, data_state, _ = source.restore(step, abstract)
-        if source is ckpt and data_state is not None:
-            train_iter.set_state(data_state)
+    graphdef, abstract, shardings = abstract_train_state(cfg, mesh, tx)
+    with model_context(mesh):
+        restored = ckpt.restore_latest_good(abstract, model=cfg.model, log=log)
+        source = ckpt
+        if restored is None and cfg.checkpoint.restore:
+            folder, only_step = resolve_restore_source(cfg.checkpoint.restore)
+            source = Checkpointer(folder, cfg.checkpoint, read_only=True)
+            restored = source.restore_latest_good(abstract, model=cfg.model, step=only_step,
+                                                  log=log)
+            source.close()
+            if restored is None:
+                raise ConfigError(f"checkpoint.restore={cfg.checkpoint.restore!r} holds no "
+                                  f"checkpoint (looked in {folder})")
+    run_state = {}
+    if restored is not None:
+        state = _match_layer_order(restored.state, shardings, Config.from_dict(restored.config),
+                                   cfg)
         start_step = int(state["step"])
-        log(f"resumed from {source.directory}/{step} at step {start_step}")
+        if source is ckpt:
+            # Another run's data position means nothing here: only our own is restored.
+            if restored.data_state is not None:
+                train_iter.set_state(restored.data_state)
+            run_state = restored.run_state
+        log(f"resumed from {source.directory}/{restored.step} at step {start_step}")
     else:
+        start_step = 0
         graphdef, state, shardings = create_train_state(cfg, mesh, tx)
+    if is_main:  # step 0 is evaluated again by a run that starts there
+        _drop_metrics_from(workdir, start_step + 1 if start_step else 0)
 
     batch_sharding = NamedSharding(mesh, activation_spec(("batch", "seq")))
     step_fn = jax.jit(make_train_step(cfg, graphdef, tx, schedule),
@@ -114,11 +217,17 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, log=print, devices=None) 
     writer = M.MetricsWriter(workdir, enabled=is_main)
     bs = cfg.train.batch_size
 
+    bad_steps = _BadStepCounter(cfg.train.max_bad_steps, run_state)
+
     def save(step):
-        ckpt.save(step, state, data_state=train_iter.get_state(), config=cfg.to_dict())
+        bad_steps.flush()  # the counters saved must include this step
+        ckpt.save(step, state, data_state=train_iter.get_state(), config=cfg.to_dict(),
+                  run_state=bad_steps.state())
 
     losses, val_losses, rates = {}, {}, []
-    with model_context(mesh):
+    preempted = False
+    # closing(ckpt): also on an error, wait for the save in flight; it is a good checkpoint.
+    with model_context(mesh), PreemptionWatch() as watch, contextlib.closing(ckpt):
         if start_step == 0:
             val = _evaluate(eval_fn, state["params"], val_batches, batch_sharding, bs)
             val_losses[0] = val
@@ -136,10 +245,12 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, log=print, devices=None) 
             batch = _global_batch(next(train_iter), batch_sharding, bs)
             state, m = step_fn(state, batch)
             step += 1
+            bad_steps.push(step, m)
             if bar is not None:
                 bar.update(1)
             if step % cfg.train.log_every == 0 or step == cfg.train.steps:
                 m = jax.device_get(m)
+                bad_steps.flush()
                 now = time.perf_counter()
                 tps = (step - step_last) * tokens_per_step / (now - t_last)
                 # The first interval includes compilation: keep it out of the average.
@@ -148,7 +259,8 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, log=print, devices=None) 
                 t_last, step_last = now, step
                 mfu = tps * fpt / (peak * jax.device_count()) if peak else 0.0
                 row = {"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
-                       "lr": float(m["lr"]), "tokens_per_s": tps, "mfu": mfu}
+                       "lr": float(m["lr"]), "tokens_per_s": tps, "mfu": mfu,
+                       "skipped_steps": bad_steps.total}
                 losses[step] = row["loss"]
                 writer.write(step, row)
                 if bar is not None:
@@ -164,16 +276,23 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, log=print, devices=None) 
                 t_last = time.perf_counter()  # evaluation time is not training throughput
             if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
                 save(step)
+            if step < cfg.train.steps and watch.stop_requested():
+                preempted = True
+                break
         if bar is not None:
             bar.close()
+        bad_steps.flush()
         if ckpt.latest_step() != step:
             save(step)
-        ckpt.close()
     writer.close()
+    if preempted:
+        log(f"preempted ({watch.describe()}): saved a checkpoint at step {step} in "
+            f"{ckpt.directory}; rerun the same command to resume")
+        return RunResult(step, losses, val_losses, 0.0, workdir, bad_steps.total, True)
     if is_main:
         M.plot_loss(workdir)
     mean_rate = float(np.mean(rates)) if rates else 0.0
     log(f"done: step {step}, final loss {losses.get(step, float('nan')):.4f}, "
         f"val_loss {val_losses.get(step, float('nan')):.4f}, {mean_rate:,.0f} tokens/s; "
         f"checkpoints in {ckpt.directory}")
-    return RunResult(step, losses, val_losses, mean_rate, workdir)
+    return RunResult(step, losses, val_losses, mean_rate, workdir, bad_steps.total)

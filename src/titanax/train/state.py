@@ -1,5 +1,6 @@
 """Sharded train state, created on device: the init function is jitted with out_shardings from
-the parameters' logical axes, so no host ever holds the full weights."""
+the parameters' logical axes, so no host ever holds the full weights. Circular pipeline runs
+store the layer stack stage-major (parallel/pipeline.py); the permutation happens here, once."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from titanax.config import Config
 from titanax.models.llama import Llama
-from titanax.parallel.rules import model_context
+from titanax.parallel.mesh import check_layout
+from titanax.parallel.pipeline import to_storage_order
+from titanax.parallel.rules import activation_spec, model_context
 
 
 def _state_shardings(abstract_state, mesh):
@@ -22,12 +25,15 @@ def _state_shardings(abstract_state, mesh):
                         is_leaf=lambda x: isinstance(x, P) or x is None)
 
 
-def _make_init(cfg: Config, tx: optax.GradientTransformation):
+def _make_init(cfg: Config, tx: optax.GradientTransformation, mesh):
     box = {}
+    stages, virtual = mesh.shape["pipeline"], cfg.pipeline.resolved_virtual_stages
 
     def init():
         model = Llama(cfg.model, rngs=nnx.Rngs(params=cfg.train.seed))
         graphdef, params = nnx.split(model, nnx.Param)
+        # The same logical weights whatever the layout; only their order in the stack differs.
+        params["layers"] = to_storage_order(params["layers"], stages, virtual)
         box["graphdef"] = graphdef
         return {"step": jnp.zeros((), jnp.int32), "params": params,
                 "opt_state": tx.init(params)}
@@ -36,8 +42,10 @@ def _make_init(cfg: Config, tx: optax.GradientTransformation):
 
 
 def abstract_train_state(cfg: Config, mesh, tx):
-    """(graphdef, abstract state with shardings, shardings) without allocating anything."""
-    init, box = _make_init(cfg, tx)
+    """(graphdef, abstract state with shardings, shardings) without allocating anything.
+    Checks the model and batch against the mesh first (ConfigError naming the fix)."""
+    check_layout(cfg, mesh)
+    init, box = _make_init(cfg, tx, mesh)
     with model_context(mesh):
         abstract = jax.eval_shape(init)
         shardings = _state_shardings(abstract, mesh)
@@ -49,7 +57,17 @@ def abstract_train_state(cfg: Config, mesh, tx):
 def create_train_state(cfg: Config, mesh, tx):
     """(graphdef, state, shardings); state = {'step', 'params', 'opt_state'}, on device."""
     graphdef, _, shardings = abstract_train_state(cfg, mesh, tx)
-    init, _ = _make_init(cfg, tx)
+    init, _ = _make_init(cfg, tx, mesh)
     with model_context(mesh):
         state = jax.jit(init, out_shardings=shardings)()
     return graphdef, state, shardings
+
+
+def jit_train_step(cfg: Config, mesh, graphdef, shardings, tx, schedule):
+    """The train step jitted as the loop runs it: state and batch sharded, state donated."""
+    from titanax.train.step import make_train_step
+
+    batch_sharding = NamedSharding(mesh, activation_spec(("batch", "seq")))
+    return jax.jit(make_train_step(cfg, graphdef, tx, schedule),
+                   in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None),
+                   donate_argnums=(0,))

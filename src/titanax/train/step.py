@@ -7,26 +7,37 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from titanax import ops
 from titanax.config import Config
+from titanax.parallel.pipeline import PipelineSchedule
 
 
-def token_nll(graphdef, params, batch, *, document_masking: bool):
-    """Per-token negative log-likelihood [B, S] in float32."""
+def token_nll(graphdef, params, batch, *, document_masking: bool,
+              pipeline: PipelineSchedule | None = None):
+    """Per-token negative log-likelihood [B, S] in float32. pipeline: stage the layers over the
+    mesh's 'pipeline' axis when it is > 1."""
     model = nnx.merge(graphdef, params)
     segment_ids = batch["segment_ids"] if document_masking else None
-    logits_BSV, _ = model(batch["inputs"], batch["positions"], segment_ids)
+    logits_BSV, _ = model(batch["inputs"], batch["positions"], segment_ids, pipeline=pipeline)
     logp_BSV = jax.nn.log_softmax(logits_BSV.astype(jnp.float32), axis=-1)
     return -jnp.take_along_axis(logp_BSV, batch["targets"][..., None], axis=-1)[..., 0]
 
 
-def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation, schedule):
+def make_loss_fn(cfg: Config, graphdef):
+    """mean_loss(params, batch): the scalar the train step differentiates."""
     masking = cfg.data.document_masking
-    accum = cfg.train.grad_accum
+    pipeline = PipelineSchedule.from_config(cfg.pipeline)
 
     def mean_loss(params, batch):
-        return token_nll(graphdef, params, batch, document_masking=masking).mean()
+        return token_nll(graphdef, params, batch, document_masking=masking,
+                         pipeline=pipeline).mean()
 
-    grad_fn = jax.value_and_grad(mean_loss)
+    return mean_loss
+
+
+def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation, schedule):
+    accum = cfg.train.grad_accum
+    grad_fn = jax.value_and_grad(make_loss_fn(cfg, graphdef))
 
     def train_step(state, batch):
         params = state["params"]
@@ -43,11 +54,22 @@ def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation, sch
             zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
             (loss, grads), _ = jax.lax.scan(add, zeros, micro)
             loss, grads = jax.tree.map(lambda x: x / accum, (loss, grads))
+        # fp8_delayed: the amax histories (ops.Fp8Meta, inside params) get their updated values
+        # as "gradients"; they bypass the optimizer and the norm and are written back below.
+        grads, fp8_meta = ops.split_fp8_meta(grads)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
-        new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates),
-                     "opt_state": opt_state}
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"])}
+        # One NaN/inf (an overflow, a broken batch) would poison the weights and Adam's moments
+        # for good: such a step keeps the old ones. 'step' still advances (a batch was consumed;
+        # the data position and the step count stay in lockstep) and the loop counts the skip.
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        keep_old_if_bad = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+        new_state = {"step": state["step"] + 1,
+                     "params": jax.tree.map(keep_old_if_bad, ops.merge_fp8_meta(
+                         optax.apply_updates(params, updates), fp8_meta), params),
+                     "opt_state": jax.tree.map(keep_old_if_bad, opt_state, state["opt_state"])}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]),
+                   "skipped": (~finite).astype(jnp.int32)}
         return new_state, metrics
 
     return train_step
@@ -55,9 +77,10 @@ def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation, sch
 
 def make_eval_step(cfg: Config, graphdef):
     masking = cfg.data.document_masking
+    pipeline = PipelineSchedule.from_config(cfg.pipeline)
 
     def eval_step(params, batch):
-        nll = token_nll(graphdef, params, batch, document_masking=masking)
+        nll = token_nll(graphdef, params, batch, document_masking=masking, pipeline=pipeline)
         return nll.sum(), jnp.asarray(nll.size, jnp.float32)
 
     return eval_step

@@ -1,0 +1,39 @@
+"""python -m launch.export_hf --workdir DIR --out DIR [--step N] [--dtype bfloat16|float32]
+                              [--max-shard-size 5GB]
+Writes a run's checkpoint as a Hugging Face LlamaForCausalLM folder (config.json,
+generation_config.json, safetensors shards + index, tokenizer files), streaming: host memory
+stays near one shard, not the model."""
+
+from __future__ import annotations
+
+import argparse
+
+from launch.common import fail
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m launch.export_hf", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workdir", required=True, help="run folder holding checkpoints/")
+    p.add_argument("--out", required=True, help="new (or empty) folder for the HF model")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--max-shard-size", default="5GB",
+                   help="largest safetensors shard, e.g. 5GB, 500MB, 2GiB (default 5GB)")
+    args = p.parse_args(argv)
+
+    from titanax.checkpoint.hf_export import export_hf, parse_size
+
+    try:
+        max_bytes = parse_size(args.max_shard_size)
+        r = export_hf(args.workdir, args.out, step=args.step, dtype=args.dtype,
+                      max_shard_bytes=max_bytes)
+    except (FileNotFoundError, FileExistsError, ValueError) as e:
+        fail(str(e))
+    tok = f", tokenizer from {r.tokenizer}" if r.tokenizer else ", no tokenizer found for the run"
+    print(f"exported step {r.step}: {r.tensors} tensors, {r.bytes / 1e9:.3f} GB {args.dtype} in "
+          f"{r.shards} shard(s) to {r.out}{tok}")
+
+
+if __name__ == "__main__":
+    main()

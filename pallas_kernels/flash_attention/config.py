@@ -1,0 +1,76 @@
+"""Block sizes and pipeline knobs of the flash attention kernels, with per-GPU defaults.
+
+One frozen dataclass for every backend: the Triton-style grid kernels read block_q/block_kv
+(forward) and block_q_bwd/block_kv_bwd (backward), num_warps and num_stages; the Mosaic GPU
+kernels read the same block sizes plus max_concurrent_steps (TMA pipeline depth). Invalid
+values fail here, at construction, instead of deep inside a kernel compile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashConfig:
+    block_q: int = 128
+    block_kv: int = 128
+    block_q_bwd: int = 64
+    block_kv_bwd: int = 64
+    num_warps: int | None = None  # Triton: None = 4 for head_dim <= 64 else 8
+    num_stages: int = 2  # Triton software pipelining depth
+    max_concurrent_steps: int = 2  # Mosaic: K/V (or Q/dO) tiles in flight per CTA
+
+    def __post_init__(self):
+        for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd"):
+            v = getattr(self, name)
+            # Triton needs power-of-two tiles and tl.dot needs >= 16 rows/cols.
+            if not isinstance(v, int) or v < 16 or not _is_pow2(v):
+                raise ValueError(f"FlashConfig.{name}={v!r}: must be a power of two >= 16")
+        if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"FlashConfig.num_warps={self.num_warps}: use 1, 2, 4, 8 or 16")
+        if self.num_stages < 1:
+            raise ValueError(f"FlashConfig.num_stages={self.num_stages}: must be >= 1")
+        if self.max_concurrent_steps < 2:
+            raise ValueError(f"FlashConfig.max_concurrent_steps={self.max_concurrent_steps}: "
+                             "the TMA pipeline needs at least 2 slots")
+
+    def check_mosaic(self) -> None:
+        """wgmma/tcgen05 tiles are 64 rows per warpgroup: Mosaic needs multiples of 64."""
+        for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd"):
+            if getattr(self, name) % 64:
+                raise ValueError(f"FlashConfig.{name}={getattr(self, name)}: the Mosaic GPU "
+                                 "kernels need a multiple of 64")
+
+
+# Per-GPU defaults. sm90 (H100/H200, 227 KiB smem per CTA): FA3's 2 consumer warpgroups x 64
+# query rows, 128-key tiles double-buffered; at head_dim 256 K/V tiles shrink to 64 keys so two
+# stages of K and V (4 x 64 x 256 x 2 B = 128 KiB) plus Q (64 KiB) stay under the limit.
+_DEFAULTS = {
+    ("sm90", 64): FlashConfig(block_q=64, block_kv=128, block_q_bwd=64, block_kv_bwd=64,
+                              max_concurrent_steps=3),
+    ("sm90", 128): FlashConfig(block_q=64, block_kv=128, block_q_bwd=64, block_kv_bwd=64,
+                               max_concurrent_steps=2),
+    ("sm90", 256): FlashConfig(block_q=64, block_kv=64, block_q_bwd=64, block_kv_bwd=64,
+                               max_concurrent_steps=2),
+    ("triton", 64): FlashConfig(block_q=128, block_kv=64, block_q_bwd=64, block_kv_bwd=64,
+                                num_warps=4, num_stages=3),
+    ("triton", 128): FlashConfig(block_q=128, block_kv=64, block_q_bwd=64, block_kv_bwd=64,
+                                 num_warps=8, num_stages=2),
+    ("triton", 256): FlashConfig(block_q=64, block_kv=32, block_q_bwd=32, block_kv_bwd=32,
+                                 num_warps=8, num_stages=2),
+}
+# Interpret mode on CPU pays ~9 ms per grid step and nothing per tile element: few big tiles.
+_INTERPRET = FlashConfig(block_q=128, block_kv=128, block_q_bwd=128, block_kv_bwd=128)
+
+
+def default_config(impl: str, head_dim: int, *, interpret: bool = False) -> FlashConfig:
+    if interpret and impl == "triton":
+        return _INTERPRET
+    family = "sm90" if impl in ("mosaic_sm90", "mosaic_sm100") else "triton"
+    hd = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+    return _DEFAULTS[(family, hd)]

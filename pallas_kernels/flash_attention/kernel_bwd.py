@@ -1,0 +1,158 @@
+"""Flash attention backward as Pallas grid kernels (Triton backend; interpret mode on CPU).
+
+FlashAttention-2's split: delta = rowsum(dO * O) in XLA, then two kernels that each recompute
+P = exp(S - lse) from the saved log-sum-exp, so nothing quadratic is stored.
+  dq:  grid (q blocks, batch, q heads); streams K/V blocks of the kv head.
+  dkv: grid (kv blocks, batch, kv heads); streams Q/dO blocks of all `group` q heads that share
+       this kv head and sums their contributions in registers, so GQA needs no [B, T, Hq, D]
+       temporaries and no reduction afterwards.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from .kernel_fwd import block_mask, dot
+from .reference import MASK_VALUE
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, scale, causal,
+               block_q, block_kv, kv_len, has_segments):
+    if has_segments:
+        qseg_ref, kseg_ref, dq_ref = rest
+    else:
+        (dq_ref,) = rest
+    kv_len_padded = k_ref.shape[0]
+    qi = pl.program_id(0)
+    q, do = q_ref[...], do_ref[...]
+    lse, delta = lse_ref[...], delta_ref[...]
+    q_pos = qi * block_q + jnp.arange(block_q)
+    q_seg = qseg_ref[...] if has_segments else None
+
+    def body(j, dq):
+        ks = pl.ds(pl.multiple_of(j * block_kv, block_kv), block_kv)
+        k, v = k_ref[ks, :], v_ref[ks, :]
+        s = dot(q, k, trans_b=True) * scale
+        mask = block_mask(q_pos, j * block_kv + jnp.arange(block_kv), causal=causal,
+                          kv_len=kv_len, kv_len_padded=kv_len_padded, q_seg=q_seg,
+                          k_seg=kseg_ref[ks] if has_segments else None)
+        if mask is not None:
+            s = jnp.where(mask, s, MASK_VALUE)
+        p = jnp.exp(s - lse[:, None])
+        dp = dot(do, v, trans_b=True)
+        ds = p * (dp - delta[:, None])
+        return dq + dot(ds.astype(k.dtype), k)
+
+    n_kv = kv_len_padded // block_kv
+    hi = (jnp.minimum(lax.div((qi + 1) * block_q + block_kv - 1, block_kv), n_kv)
+          if causal else n_kv)
+    dq = lax.fori_loop(0, hi, body, jnp.zeros(q.shape, jnp.float32))
+    dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, scale, causal,
+                block_q, block_kv, kv_len, kv_len_padded, group, has_segments):
+    if has_segments:
+        qseg_ref, kseg_ref, dk_ref, dv_ref = rest
+    else:
+        dk_ref, dv_ref = rest
+    q_len_padded = q_ref.shape[0]
+    kj = pl.program_id(0)
+    k, v = k_ref[...], v_ref[...]
+    k_pos = kj * block_kv + jnp.arange(block_kv)
+    k_seg = kseg_ref[...] if has_segments else None
+    n_q = q_len_padded // block_q
+    # Query blocks wholly before this key block cannot see it under the causal mask.
+    lo = lax.div(kj * block_kv, block_q) if causal else 0
+
+    def q_body(i, carry, g):
+        dk, dv = carry
+        qs = pl.ds(pl.multiple_of(i * block_q, block_q), block_q)
+        q, do = q_ref[qs, g, :], do_ref[qs, g, :]
+        lse, delta = lse_ref[g, qs], delta_ref[g, qs]
+        s = dot(q, k, trans_b=True) * scale
+        mask = block_mask(i * block_q + jnp.arange(block_q), k_pos, causal=causal,
+                          kv_len=kv_len, kv_len_padded=kv_len_padded,
+                          q_seg=qseg_ref[qs] if has_segments else None, k_seg=k_seg)
+        if mask is not None:
+            s = jnp.where(mask, s, MASK_VALUE)
+        p = jnp.exp(s - lse[:, None])  # [bq, bk]
+        dv = dv + dot(p.astype(do.dtype), do, trans_a=True)
+        dp = dot(do, v, trans_b=True)
+        ds = p * (dp - delta[:, None])
+        dk = dk + dot(ds.astype(q.dtype), q, trans_a=True)
+        return dk, dv
+
+    def g_body(g, carry):
+        return lax.fori_loop(lo, n_q, functools.partial(q_body, g=g), carry)
+
+    zeros = jnp.zeros(k.shape, jnp.float32)
+    dk, dv = lax.fori_loop(0, group, g_body, (zeros, zeros))
+    dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def flash_bwd(q, k, v, o, lse, do, q_seg, kv_seg, *, scale, causal, kv_len, config, interpret):
+    """Padded inputs as flash_fwd's, o/do like q, lse [B, Hq, Sp] -> (dq, dk, dv)."""
+    B, Sp, Hq, D = q.shape
+    Tp, Hkv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    bq, bk = config.block_q_bwd, config.block_kv_bwd
+    has_segments = q_seg is not None
+    # delta_i = sum_d dO_id O_id: one fused XLA reduction, read once per kernel program.
+    delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
+    num_warps = config.num_warps or (4 if D <= 64 else 8)
+    params = pltriton.CompilerParams(num_warps=num_warps, num_stages=config.num_stages)
+    static = dict(scale=scale, causal=causal, block_q=bq, block_kv=bk, kv_len=kv_len,
+                  has_segments=has_segments)
+
+    dq_specs = [
+        pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),   # q
+        pl.BlockSpec((None, Tp, None, D), lambda i, b, h: (b, 0, h // G, 0)),  # k
+        pl.BlockSpec((None, Tp, None, D), lambda i, b, h: (b, 0, h // G, 0)),  # v
+        pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),   # do
+        pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),         # lse
+        pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),         # delta
+    ]
+    args = [q, k, v, do, lse, delta]
+    if has_segments:
+        dq_specs += [pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
+                     pl.BlockSpec((None, Tp), lambda i, b, h: (b, 0))]
+        args += [q_seg, kv_seg]
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, **static),
+        grid=(Sp // bq, B, Hq),
+        in_specs=dq_specs,
+        out_specs=pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=params, interpret=interpret, name="titanax_flash_bwd_dq",
+    )(*args)
+
+    # The G q heads of kv head h are h*G .. h*G+G-1: one block of G along the head axis.
+    dkv_specs = [
+        pl.BlockSpec((None, Sp, G, D), lambda j, b, h: (b, 0, h, 0)),      # q
+        pl.BlockSpec((None, bk, None, D), lambda j, b, h: (b, j, h, 0)),   # k
+        pl.BlockSpec((None, bk, None, D), lambda j, b, h: (b, j, h, 0)),   # v
+        pl.BlockSpec((None, Sp, G, D), lambda j, b, h: (b, 0, h, 0)),      # do
+        pl.BlockSpec((None, G, Sp), lambda j, b, h: (b, h, 0)),            # lse
+        pl.BlockSpec((None, G, Sp), lambda j, b, h: (b, h, 0)),            # delta
+    ]
+    if has_segments:
+        dkv_specs += [pl.BlockSpec((None, Sp), lambda j, b, h: (b, 0)),
+                      pl.BlockSpec((None, bk), lambda j, b, h: (b, j))]
+    kv_spec = pl.BlockSpec((None, bk, None, D), lambda j, b, h: (b, j, h, 0))
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkv_kernel, group=G, kv_len_padded=Tp, **static),
+        grid=(Tp // bk, B, Hkv),
+        in_specs=dkv_specs,
+        out_specs=[kv_spec, kv_spec],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        compiler_params=params, interpret=interpret, name="titanax_flash_bwd_dkv",
+    )(*args)
+    return dq, dk, dv

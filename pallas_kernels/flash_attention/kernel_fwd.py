@@ -1,0 +1,121 @@
+"""Flash attention forward as a Pallas grid kernel (Triton backend; interpret mode on CPU).
+
+Grid (q blocks, batch, q heads). Each program keeps one [block_q, D] query tile and streams
+the K/V of its kv head (q head // group: GQA without copying K/V) in block_kv tiles with the
+online softmax of FlashAttention-2, then writes the output tile and the log-sum-exp (natural
+log, float32) that the backward pass needs. Inputs arrive padded to whole blocks; keys at or
+beyond kv_len are masked, padded query rows are computed and dropped by the caller.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from .reference import MASK_VALUE
+
+
+def dot(a, b, *, trans_a=False, trans_b=False):
+    """a @ b (a^T, b^T on request) accumulated in float32; fp32 inputs stay fp32 (no tf32)."""
+    prec = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+    return lax.dot_general(a, b, dims, precision=prec, preferred_element_type=jnp.float32)
+
+
+def block_mask(q_pos, k_pos, *, causal, kv_len, kv_len_padded, q_seg=None, k_seg=None):
+    """[bq, bk] visibility of one tile, or None when every entry is visible."""
+    mask = None
+    def _and(m, new):
+        return new if m is None else m & new
+    if causal:
+        mask = _and(mask, k_pos[None, :] <= q_pos[:, None])
+    if kv_len != kv_len_padded:
+        mask = _and(mask, jnp.broadcast_to(k_pos[None, :] < kv_len, (q_pos.size, k_pos.size)))
+    if q_seg is not None:
+        mask = _and(mask, q_seg[:, None] == k_seg[None, :])
+    return mask
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, *rest, scale, causal, block_q, block_kv, kv_len,
+                has_segments):
+    if has_segments:
+        qseg_ref, kseg_ref, o_ref, lse_ref = rest
+    else:
+        o_ref, lse_ref = rest
+    kv_len_padded = k_ref.shape[0]
+    qi = pl.program_id(0)
+    q = q_ref[...]
+    q_pos = qi * block_q + jnp.arange(block_q)
+    q_seg = qseg_ref[...] if has_segments else None
+
+    def body(j, carry):
+        o, m, l = carry
+        ks = pl.ds(pl.multiple_of(j * block_kv, block_kv), block_kv)
+        k = k_ref[ks, :]
+        s = dot(q, k, trans_b=True) * scale  # scale before masking: MASK_VALUE * scale overflows
+        k_pos = j * block_kv + jnp.arange(block_kv)
+        mask = block_mask(q_pos, k_pos, causal=causal, kv_len=kv_len, kv_len_padded=kv_len_padded,
+                          q_seg=q_seg, k_seg=kseg_ref[ks] if has_segments else None)
+        if mask is not None:
+            s = jnp.where(mask, s, MASK_VALUE)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[:, None])
+        l = alpha * l + p.sum(axis=-1)
+        v = v_ref[ks, :]
+        o = alpha[:, None] * o + dot(p.astype(v.dtype), v)
+        return o, m_new, l
+
+    n_kv = kv_len_padded // block_kv
+    if causal:  # blocks wholly above the diagonal contribute nothing
+        hi = jnp.minimum(lax.div((qi + 1) * block_q + block_kv - 1, block_kv), n_kv)
+    else:
+        hi = n_kv
+    D = q_ref.shape[-1]
+    # m starts at MASK_VALUE (not -inf): a row masked so far has p = 1 on masked keys, wiped by
+    # alpha = exp(MASK_VALUE - m) = 0 at its first visible key; no inf - inf NaNs anywhere.
+    init = (jnp.zeros((block_q, D), jnp.float32), jnp.full((block_q,), MASK_VALUE, jnp.float32),
+            jnp.zeros((block_q,), jnp.float32))
+    o, m, l = lax.fori_loop(0, hi, body, init)
+    o_ref[...] = (o / l[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = m + jnp.log(l)
+
+
+def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpret):
+    """Padded q [B, Sp, Hq, D], k/v [B, Tp, Hkv, D] -> (out like q, lse [B, Hq, Sp] f32)."""
+    B, Sp, Hq, D = q.shape
+    Tp, Hkv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    bq, bk = config.block_q, config.block_kv
+    has_segments = q_seg is not None
+    kernel = functools.partial(_fwd_kernel, scale=scale, causal=causal, block_q=bq,
+                               block_kv=bk, kv_len=kv_len, has_segments=has_segments)
+    in_specs = [
+        pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
+        pl.BlockSpec((None, Tp, None, D), lambda i, b, h: (b, 0, h // G, 0)),
+        pl.BlockSpec((None, Tp, None, D), lambda i, b, h: (b, 0, h // G, 0)),
+    ]
+    args = [q, k, v]
+    if has_segments:
+        in_specs += [pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
+                     pl.BlockSpec((None, Tp), lambda i, b, h: (b, 0))]
+        args += [q_seg, kv_seg]
+    num_warps = config.num_warps or (4 if D <= 64 else 8)
+    return pl.pallas_call(
+        kernel,
+        grid=(Sp // bq, B, Hq),
+        in_specs=in_specs,
+        out_specs=[pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
+                   pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                   jax.ShapeDtypeStruct((B, Hq, Sp), jnp.float32)],
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps,
+                                                num_stages=config.num_stages),
+        interpret=interpret,
+        name="titanax_flash_fwd",
+    )(*args)

@@ -1,0 +1,314 @@
+"""Flash attention for Hopper (sm_90a) in Pallas Mosaic GPU: TMA, wgmma, warp specialization.
+
+Forward (FlashAttention-3 structure, after jax's ops/gpu/attention_mgpu.py): a CTA owns
+2 x block_q query rows of one (batch, q head); two consumer warpgroups take block_q rows each
+and a producer warpgroup streams K and V tiles of the kv head (q head // group) through a
+max_concurrent_steps-deep ring of 128B-swizzled SMEM buffers with TMA, signalled by mbarriers.
+The consumers run S = Q K^T and O += P V on wgmma with the online softmax in registers, and a
+schedule barrier ping-pongs them so one warpgroup's softmax overlaps the other's matmuls.
+Additions over the upstream kernel: softmax scale, packed-document masking (segment ids ride
+the same TMA ring as K), masking of padded keys (any length), masked finite (no -inf NaNs for
+fully masked tiles), bf16 as well as fp16, and the log-sum-exp (log2 units) for the backward.
+Causal: tiles left of the diagonal take an unmasked fast path, tiles right of it are skipped.
+
+Backward: not a Mosaic kernel yet. flash_bwd below runs kernel_bwd.py's grid kernels (Pallas
+Triton backend, compiled for sm_90a) on the log-sum-exp this forward saves. A Mosaic backward
+(dq and dkv kernels with emit_pipeline_warp_specialized, as upstream's non-causal one) is the
+next step.
+
+The Mosaic GPU interpreter (CPU tests) lacks run_state and register-A wgmma, so under
+interpret=True P goes through SMEM and the PV accumulator is added after the wgmma; the
+compiled kernel keeps both in registers. Same arithmetic, checked in the tests only in the
+interpreted form; the compiled form is checked by the deviceless H100 compile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+# Finite and small enough that (score * log2(e)) cannot overflow to -inf in float32.
+MASK = -1e30
+LOG2E = math.log2(math.e)
+COMPUTE_WGS = 2
+
+
+def pad_multiples(cfg):
+    """Sequence multiples the kernels need: the forward takes 2 x block_q rows per CTA."""
+    return (max(COMPUTE_WGS * cfg.block_q, cfg.block_q_bwd),
+            max(cfg.block_kv, cfg.block_kv_bwd))
+
+
+def _interpret_ctx(interpret: bool):
+    # The Mosaic GPU interpreter (CPU) models SMEM, mbarriers, TMA and wgmma.
+    return plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()) if interpret \
+        else contextlib.nullcontext()
+
+
+def _wgmma_into(acc, issue, interpret: bool):
+    """acc + (the wgmma chain `issue(acc_ref)` issues). On the GPU the wgmma accumulates into
+    acc's registers (pl.run_state); the Mosaic GPU interpreter has no rule for run_state yet, so
+    there a zero accumulator is used and added: the same arithmetic up to fp32 rounding order."""
+    if not interpret:
+        return pl.run_state(issue)(plgpu.ACC.init(acc))
+
+    def scoped(acc_ref):
+        issue(acc_ref)
+        return acc_ref[...]
+    return acc + pl.run_scoped(scoped, plgpu.ACC(acc.shape, jnp.float32))
+
+
+def _tile_mask(q_base, k_base, shape, *, causal, kv_len, q_seg=None, k_seg=None, q_dim=0):
+    """Visibility of a [rows, cols] WGMMA tile; q_dim says which axis indexes queries."""
+    q_ids = plgpu.broadcasted_iota(jnp.int32, shape, q_dim, layout=plgpu.Layout.WGMMA) + q_base
+    k_ids = plgpu.broadcasted_iota(jnp.int32, shape, 1 - q_dim, layout=plgpu.Layout.WGMMA) + k_base
+    mask = k_ids < kv_len
+    if causal:
+        mask &= k_ids <= q_ids
+    if q_seg is not None:
+        mask &= (lax.broadcast_in_dim(q_seg, shape, [q_dim])
+                 == lax.broadcast_in_dim(k_seg, shape, [1 - q_dim]))
+    return mask
+
+
+def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpret):
+    """Padded q [B, Sp, Hq, D], k/v [B, Tp, Hkv, D] -> (out, lse2 [B, Hq, Sp] in log2 units)."""
+    B, Sp, Hq, D = q.shape
+    Tp, Hkv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    dtype = q.dtype
+    block_q, block_kv = config.block_q, config.block_kv
+    n_kv = Tp // block_kv
+    steps = min(config.max_concurrent_steps, n_kv)
+    has_seg = q_seg is not None
+    # Tiles below this index need no mask (all keys valid, no segments, left of the diagonal).
+    kv_full = 0 if has_seg else kv_len // block_kv
+    qk_scale = scale * LOG2E
+
+    def kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, out_ref, lse_ref, scoped):
+        batch = lax.axis_index("batch")
+        q_head = lax.axis_index("heads")
+        wg = lax.axis_index("wg")
+        (qo_smem2, k_smem, v_smem, lse_smem2, qseg_smem2, kseg_smem, p_smem2), bars = scoped
+        (k_bars, v_bars, q_bars, kseg_bars, qseg_bars), consumed, sched = bars
+        k_consumed, v_consumed = consumed
+
+        def sched_barrier():
+            plgpu.barrier_arrive(sched)
+            plgpu.barrier_wait(sched)
+
+        if causal:
+            cta_q_end = (lax.axis_index("q_seq") + 1) * (COMPUTE_WGS * block_q)
+            max_steps = jnp.minimum(pl.cdiv(cta_q_end, jnp.array(block_kv, jnp.int32)), n_kv)
+        else:
+            max_steps = n_kv
+
+        @pl.when(wg < COMPUTE_WGS)
+        def _compute_wg():
+            plgpu.set_max_registers(232, action="increase")
+            qo_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
+            q_base = lax.axis_index("q_seq") * (COMPUTE_WGS * block_q) + wg * block_q
+            if causal:
+                kv_steps = jnp.minimum(pl.cdiv(q_base + block_q, jnp.array(block_kv, jnp.int32)),
+                                       n_kv)
+                full_steps = jnp.minimum(lax.div(q_base, jnp.array(block_kv, jnp.int32)), kv_full)
+            else:
+                kv_steps, full_steps = n_kv, kv_full
+
+            plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_base, block_q), q_head], qo_smem,
+                                    q_bars.at[wg])
+            if has_seg:
+                plgpu.copy_gmem_to_smem(qseg_ref.at[batch, pl.ds(q_base, block_q)],
+                                        qseg_smem2.at[wg], qseg_bars.at[wg])
+                plgpu.barrier_wait(qseg_bars.at[wg])
+                q_seg = plgpu.load(qseg_smem2.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+            plgpu.barrier_wait(q_bars.at[wg])
+
+            m_i = plgpu.layout_cast(jnp.full((block_q,), MASK, jnp.float32),
+                                    plgpu.Layout.WGMMA.reduce(1))
+            l_i = plgpu.layout_cast(jnp.full((block_q,), 0, jnp.float32),
+                                    plgpu.Layout.WGMMA.reduce(1))
+            acc = plgpu.layout_cast(jnp.full((block_q, D), 0, jnp.float32), plgpu.Layout.WGMMA)
+
+            @pl.when(kv_steps > 0)
+            def _():
+                plgpu.barrier_wait(k_bars.at[0])
+
+            pl.when(wg == 1)(sched_barrier)
+
+            def kv_loop(kv_step, carry, masked: bool = False):
+                acc, m_i, l_i = carry
+                slot = lax.rem(kv_step, jnp.array(steps, kv_step.dtype))
+                if masked and has_seg:  # read before K's slot is released to the producer
+                    plgpu.barrier_wait(kseg_bars.at[slot])
+                    k_seg = plgpu.load(kseg_smem.at[slot],
+                                       layout=plgpu.Layout.WGMMA.reduce(0))
+
+                def compute_qk(acc_ref):
+                    plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+                    sched_barrier()
+                    return acc_ref[...]
+                qk = pl.run_scoped(compute_qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+                plgpu.barrier_arrive(k_consumed.at[slot])
+                qk = qk * qk_scale  # log2 domain: exp2 below is one FMA + ex2
+                if masked:
+                    mask = _tile_mask(q_base, kv_step * block_kv, (block_q, block_kv),
+                                      causal=causal, kv_len=kv_len,
+                                      q_seg=q_seg if has_seg else None,
+                                      k_seg=k_seg if has_seg else None)
+                    qk = jnp.where(mask, qk, MASK)
+                m_ij = jnp.maximum(m_i, qk.max(axis=1))
+                alpha = jnp.exp2(m_i - m_ij)
+                m_i = m_ij
+                p = jnp.exp2(qk - lax.broadcast_in_dim(m_ij, qk.shape, [0]))
+                acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
+                l_i *= alpha
+                p16 = p.astype(dtype)
+
+                def end_softmax_barriers():
+                    plgpu.barrier_arrive(sched)  # softmax done
+                    plgpu.barrier_wait(v_bars.at[slot])
+                    plgpu.barrier_wait(sched)  # the tensor core is free
+                if D <= 128:
+                    l_i += p.sum(axis=1)
+                    acc, l_i, m_i, p16 = lax.optimization_barrier((acc, l_i, m_i, p16))
+                    end_softmax_barriers()
+                else:
+                    end_softmax_barriers()
+                    l_i += p.sum(axis=1)
+
+                if interpret:  # the interpreter's wgmma reads A from SMEM only
+                    p_smem2.at[wg][...] = p16
+                    plgpu.commit_smem()
+
+                def compute_pv(acc_ref):
+                    # On the GPU P stays in registers as wgmma's A operand (FA3).
+                    plgpu.wgmma(acc_ref, p_smem2.at[wg] if interpret else p16, v_smem.at[slot])
+                    nxt = kv_step + 1
+                    @pl.when(nxt < kv_steps)
+                    def _wait():
+                        plgpu.barrier_wait(k_bars.at[lax.rem(nxt, jnp.array(steps, nxt.dtype))])
+                acc = _wgmma_into(acc, compute_pv, interpret)
+                plgpu.barrier_arrive(v_consumed.at[slot])
+                return acc, m_i, l_i
+
+            def drain(kv_step, _):
+                # Tiles this warpgroup skips (causal) are still loaded for the other one:
+                # release their slots and keep the schedule barrier in step.
+                slot = lax.rem(kv_step, jnp.array(steps, kv_step.dtype))
+                # Observe the loads too, so every barrier phase is consumed before exit.
+                plgpu.barrier_wait(k_bars.at[slot])
+                plgpu.barrier_wait(v_bars.at[slot])
+                if has_seg:
+                    plgpu.barrier_wait(kseg_bars.at[slot])
+                plgpu.barrier_arrive(k_consumed.at[slot])
+                plgpu.barrier_arrive(v_consumed.at[slot])
+                sched_barrier()
+                sched_barrier()
+
+            carry = (acc, m_i, l_i)
+            carry = lax.fori_loop(0, full_steps, kv_loop, carry)
+            carry = lax.fori_loop(full_steps, kv_steps, functools.partial(kv_loop, masked=True),
+                                  carry)
+            if causal:
+                lax.fori_loop(kv_steps, max_steps, drain, None)
+            acc, m_i, l_i = carry
+            pl.when(wg == 0)(sched_barrier)
+
+            acc /= lax.broadcast_in_dim(l_i, (block_q, D), [0])
+            qo_smem[...] = acc.astype(dtype)
+            lse_smem[...] = m_i + jnp.log2(l_i)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[batch, pl.ds(q_base, block_q), q_head])
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, q_head, pl.ds(q_base, block_q)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == COMPUTE_WGS)
+        def _producer_wg():
+            plgpu.set_max_registers(40, action="decrease")
+            kv_head = lax.div(q_head, jnp.array(G, q_head.dtype))
+
+            def load(step, slot):
+                rows = pl.ds(step * block_kv, block_kv)
+                plgpu.copy_gmem_to_smem(k_ref.at[batch, rows, kv_head], k_smem.at[slot],
+                                        k_bars.at[slot])
+                if has_seg:
+                    plgpu.copy_gmem_to_smem(kseg_ref.at[batch, rows], kseg_smem.at[slot],
+                                            kseg_bars.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[batch, rows, kv_head], v_smem.at[slot],
+                                        v_bars.at[slot])
+            for i in range(steps):
+                @pl.when(i < max_steps)
+                def _():
+                    load(i, i)
+
+            @pl.loop(0, jnp.maximum(max_steps - steps, 0))
+            def _(kv_step):
+                slot = lax.rem(kv_step, jnp.array(steps, kv_step.dtype))
+                plgpu.barrier_wait(k_consumed.at[slot])
+                plgpu.barrier_wait(v_consumed.at[slot])
+                load(kv_step + steps, slot)
+
+            # Wait for the consumers to release the last tiles: no barrier phase is left
+            # unobserved when the CTA exits.
+            @pl.loop(jnp.maximum(max_steps - steps, 0), max_steps)
+            def _(kv_step):
+                slot = lax.rem(kv_step, jnp.array(steps, kv_step.dtype))
+                plgpu.barrier_wait(k_consumed.at[slot])
+                plgpu.barrier_wait(v_consumed.at[slot])
+
+    def entry(q_ref, k_ref, v_ref, *rest):
+        if has_seg:
+            qseg_ref, kseg_ref, out_ref, lse_ref = rest
+        else:
+            (out_ref, lse_ref), qseg_ref, kseg_ref = rest, None, None
+        tx = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+        smem = (
+            plgpu.SMEM((COMPUTE_WGS, block_q, D), dtype, transforms=tx),
+            plgpu.SMEM((steps, block_kv, D), dtype, transforms=tx),
+            plgpu.SMEM((steps, block_kv, D), dtype, transforms=tx),
+            plgpu.SMEM((COMPUTE_WGS, block_q), jnp.float32),
+            plgpu.SMEM((COMPUTE_WGS, block_q), jnp.int32) if has_seg else None,
+            plgpu.SMEM((steps, block_kv), jnp.int32) if has_seg else None,
+            plgpu.SMEM((COMPUTE_WGS, block_q, block_kv), dtype, transforms=tx) if interpret
+            else None,
+        )
+        barriers = (
+            (plgpu.Barrier(num_barriers=steps), plgpu.Barrier(num_barriers=steps),
+             plgpu.Barrier(num_barriers=COMPUTE_WGS), plgpu.Barrier(num_barriers=steps),
+             plgpu.Barrier(num_barriers=COMPUTE_WGS)),
+            (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=steps),) * 2,
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS),
+        )
+        pl.run_scoped(
+            lambda *s: kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, out_ref, lse_ref,
+                              (s[0], (s[1], s[2], s[3]))),
+            smem, *barriers, collective_axes="wg")
+
+    out_type = (jax.ShapeDtypeStruct(q.shape, dtype),
+                jax.ShapeDtypeStruct((B, Hq, Sp), jnp.float32))
+    args = (q, k, v) + ((q_seg, kv_seg) if has_seg else ())
+    with _interpret_ctx(interpret):
+        out, lse = plgpu.kernel(
+            entry, out_type=out_type,
+            grid=(Hq, Sp // (COMPUTE_WGS * block_q), B), grid_names=("heads", "q_seq", "batch"),
+            num_threads=COMPUTE_WGS + 1, thread_name="wg",
+            compiler_params=plgpu.CompilerParams(approx_math=True),
+        )(*args)
+    return out, lse
+
+
+def flash_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, *, scale, causal, kv_len, config, interpret):
+    """Backward of the sm90 forward: the Pallas grid kernels of kernel_bwd.py (Triton backend,
+    which compiles for sm_90a too) on the forward's log-sum-exp converted to natural log. A
+    Mosaic (wgmma) backward is future work; see the module docstring of this file."""
+    from . import kernel_bwd
+    return kernel_bwd.flash_bwd(q, k, v, o, lse2 / LOG2E, do, q_seg, kv_seg, scale=scale,
+                                causal=causal, kv_len=kv_len, config=config, interpret=interpret)

@@ -1,0 +1,74 @@
+"""fp8_matmul: one entry point, the kernel picked by scaling mode, platform and shape.
+
+impl:
+  'auto'        GPU sm_90: the wgmma kernel (tensorwise, whole tiles); anything else
+                (MX included: cuDNN's block-scaled GEMM on Blackwell): 'xla'.
+                With interpret=True: the Pallas grid kernel in interpret mode.
+  'xla'         XLA's own FP8 dot (cuBLASLt on Hopper; jax.nn.scaled_matmul for MX).
+  'reference'   jnp upcast-and-dot (reference.py).
+  'pallas_grid' the portable Pallas grid kernel (matmul_grid.py).
+  'sm90'        the Hopper Mosaic GPU kernel (tensorwise only).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.fp8 import matmul_grid, matmul_sm90
+from pallas_kernels.fp8.config import GridConfig, Sm90Config
+from pallas_kernels.fp8.reference import fp8_matmul_reference, fp8_matmul_xla, scaling_mode
+
+IMPLS = ("auto", "xla", "reference", "pallas_grid", "sm90")
+
+
+def _compute_capability() -> tuple[int, int] | None:
+    dev = jax.devices()[0]
+    if dev.platform != "gpu" or not hasattr(dev, "compute_capability"):
+        return None
+    major, minor = str(dev.compute_capability).split(".")
+    return int(major), int(minor)
+
+
+def resolve_impl(impl: str, mode: str, m: int, n: int, k: int, *, interpret: bool = False,
+                 config=None) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"unknown fp8_matmul impl {impl!r}; use one of {list(IMPLS)}")
+    if impl != "auto":
+        return impl
+    if interpret:
+        return "pallas_grid"
+    cc = _compute_capability()
+    if cc is not None and cc[0] == 9 and mode == "tensorwise":
+        if matmul_sm90.supported(m, n, k, config if isinstance(config, Sm90Config) else Sm90Config()):
+            return "sm90"
+    return "xla"
+
+
+def fp8_matmul(a, a_scale, b, b_scale, out_dtype=jnp.bfloat16, *, impl: str = "auto",
+               config=None, interpret=False):
+    """(a * a_scale) @ (b * b_scale) -> out_dtype, float32 accumulation.
+
+    a [M, K], b [K, N]: float8_e4m3fn or float8_e5m2 (mixed allowed). Scales: float32 scalars
+    (tensorwise; x ~= q * scale) or float8_e8m0fnu a_scale [M, ceil(K/32)] and b_scale
+    [ceil(K/32), N] (MXFP8: one per 32 consecutive elements of K, as quantize_mxfp8(a, axis=1)
+    and quantize_mxfp8(b, axis=0) return them). `interpret`: True runs the Pallas grid kernel
+    on CPU; a plgpu.InterpretGPUParams runs the sm90 kernel under the Mosaic GPU interpreter.
+    """
+    mode = scaling_mode(a, a_scale, b, b_scale)
+    (m, k), n = a.shape, b.shape[1]
+    impl = resolve_impl(impl, mode, m, n, k, interpret=interpret is True, config=config)
+    if impl == "reference":
+        return fp8_matmul_reference(a, a_scale, b, b_scale, out_dtype)
+    if impl == "xla":
+        return fp8_matmul_xla(a, a_scale, b, b_scale, out_dtype)
+    if impl == "pallas_grid":
+        return matmul_grid.fp8_matmul_grid(a, a_scale, b, b_scale, out_dtype,
+                                           config=config or GridConfig(),
+                                           interpret=bool(interpret) or jax.devices()[0].platform == "cpu")
+    gpu_interpret = None if isinstance(interpret, bool) else interpret
+    if mode != "tensorwise":
+        raise ValueError("the sm90 kernel takes tensorwise scales; MX runs through 'xla'")
+    # K-major B for wgmma: inside a jit the transpose fuses into the producer (the cast).
+    return matmul_sm90.fp8_matmul_sm90(a, a_scale, b.T, b_scale, out_dtype,
+                                       config=config or Sm90Config(), interpret=gpu_interpret)

@@ -1,0 +1,75 @@
+"""FP8 formats and kernel knobs: frozen dataclasses validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import ml_dtypes
+
+E4M3 = jnp.float8_e4m3fn  # weights and activations: more mantissa, max 448
+E5M2 = jnp.float8_e5m2  # gradients: more range, max 57344
+E8M0 = jnp.float8_e8m0fnu  # MX block scales: a bare power-of-two exponent, bias 127, 0xFF = NaN
+FP8_DTYPES = (jnp.dtype(E4M3), jnp.dtype(E5M2))
+MX_BLOCK = 32  # OCP Microscaling: 32 consecutive elements share one e8m0 scale
+
+# Largest finite value and emax (exponent of the largest power of two <= max) per format.
+FP8_MAX = {jnp.dtype(E4M3): 448.0, jnp.dtype(E5M2): 57344.0}
+FP8_EMAX = {jnp.dtype(E4M3): 8, jnp.dtype(E5M2): 15}
+assert all(float(ml_dtypes.finfo(d).max) == v for d, v in FP8_MAX.items())
+
+RECIPES = ("fp8_tensorwise", "fp8_delayed", "mxfp8")
+
+
+def check_fp8(dtype) -> jnp.dtype:
+    dtype = jnp.dtype(dtype)
+    if dtype not in FP8_DTYPES:
+        raise ValueError(f"expected float8_e4m3fn or float8_e5m2, got {dtype}")
+    return dtype
+
+
+def _check_multiple(name: str, value: int, of: int) -> None:
+    if value <= 0 or value % of:
+        raise ValueError(f"{name}={value} must be a positive multiple of {of}")
+
+
+@dataclasses.dataclass(frozen=True)
+class GridConfig:
+    """Blocks of the portable Pallas grid kernel (interpret mode on CPU, Triton on GPU).
+    One program per (block_m, block_n) output tile; K is walked in block_k steps inside it, so
+    the accumulator stays float32 in registers and the scales are applied once at the end."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 128
+
+    def __post_init__(self):
+        _check_multiple("block_m", self.block_m, 8)
+        _check_multiple("block_n", self.block_n, 8)
+        # MX scales cover 32 elements of K: a K step must hold whole scale blocks.
+        _check_multiple("block_k", self.block_k, MX_BLOCK)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm90Config:
+    """Tiles of the Hopper wgmma kernel. wgmma has M=64 per warpgroup instruction, N up to 256
+    in multiples of 8; FP8 operands must be K-major with a 128-byte swizzle, i.e. K tiles of
+    128 one-byte elements."""
+
+    tile_m: int = 128
+    tile_n: int = 128
+    tile_k: int = 128
+    max_concurrent_steps: int = 4  # TMA stages in flight (SMEM: steps * (tm + tn) * tk bytes)
+
+    def __post_init__(self):
+        _check_multiple("tile_m", self.tile_m, 64)
+        _check_multiple("tile_n", self.tile_n, 8)
+        if self.tile_n > 256:
+            raise ValueError(f"tile_n={self.tile_n}: wgmma takes N <= 256")
+        _check_multiple("tile_k", self.tile_k, 128)
+        if self.max_concurrent_steps < 2:
+            raise ValueError("max_concurrent_steps must be >= 2 to overlap TMA and wgmma")
+        smem = self.max_concurrent_steps * (self.tile_m + self.tile_n) * self.tile_k
+        if smem + self.tile_m * self.tile_n * 4 > 227 * 1024:
+            raise ValueError(f"tiles need {smem} bytes of SMEM for operands plus the epilogue "
+                             "tile, over Hopper's 227 KiB")

@@ -1,0 +1,102 @@
+"""fp8_linear: y = x @ w with FP8 GEMMs in the forward and both backward products.
+
+  forward  y  = Q4(x) @ Q4(w)           e4m3 x e4m3
+  backward dx = Q5(dy) @ Q4(w)^T        e5m2 x e4m3
+           dw = Q4(x)^T @ Q5(dy)        e4m3 x e5m2
+
+Q4/Q5 quantize to e4m3/e5m2 by the recipe:
+  'fp8_tensorwise' current scaling, one scale per tensor from its own amax;
+  'fp8_delayed'    scales from amax histories of earlier steps (meta = {'x', 'w', 'g'}, each
+                   [history]); the new histories come back as meta's "gradient", which the
+                   train step writes over the old ones (not through the optimizer). The
+                   forward-only path leaves them alone.
+  'mxfp8'          1x32 blocks with e8m0 scales along each product's contraction axis, so x,
+                   w and dy are quantized once per orientation they are contracted in (the
+                   backward re-quantizes x and w from their high-precision residuals).
+The tensorwise recipes keep the FP8 copies of x and w as residuals (half the bytes of bf16).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.fp8.api import fp8_matmul
+from pallas_kernels.fp8.config import E4M3, E5M2, RECIPES
+from pallas_kernels.fp8.quant import quantize_delayed, quantize_mxfp8, quantize_tensorwise
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _fp8_linear(x, w, meta, recipe, out_dtype, impl):
+    return _fwd(x, w, meta, recipe, out_dtype, impl)[0]
+
+
+def _fwd(x, w, meta, recipe, out_dtype, impl):
+    mm = functools.partial(fp8_matmul, impl=impl)
+    if recipe == "fp8_tensorwise":
+        qx, sx = quantize_tensorwise(x, E4M3)
+        qw, sw = quantize_tensorwise(w, E4M3)
+        res = (qx, sx, qw, sw, None)
+    elif recipe == "fp8_delayed":
+        qx, sx, hx = quantize_delayed(x, meta["x"], E4M3)
+        qw, sw, hw = quantize_delayed(w, meta["w"], E4M3)
+        res = (qx, sx, qw, sw, (hx, hw, meta["g"]))
+    else:  # mxfp8: blocks along K (x's axis 1, w's axis 0)
+        qx, sx = quantize_mxfp8(x, axis=1, dtype=E4M3)
+        qw, sw = quantize_mxfp8(w, axis=0, dtype=E4M3)
+        res = (x, None, w, None, None)
+    y = mm(qx, sx, qw, sw, out_dtype)
+    # Shapes and dtypes of the primals ride along as zero-size arrays (residuals must be arrays).
+    return y, (res, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
+
+
+def _bwd(recipe, out_dtype, impl, saved, g):
+    (r_x, sx, r_w, sw, hist), x_like, w_like = saved
+    mm = functools.partial(fp8_matmul, impl=impl)
+    new_meta = None
+    if recipe == "mxfp8":
+        x, w = r_x, r_w
+        qg_n, sg_n = quantize_mxfp8(g, axis=1, dtype=E5M2)  # dx contracts over N
+        qw_n, sw_n = quantize_mxfp8(w, axis=1, dtype=E4M3)
+        dx = mm(qg_n, sg_n, qw_n.T, sw_n.T, x_like.dtype)
+        qx_t, sx_t = quantize_mxfp8(x, axis=0, dtype=E4M3)  # dw contracts over tokens
+        qg_t, sg_t = quantize_mxfp8(g, axis=0, dtype=E5M2)
+        dw = mm(qx_t.T, sx_t.T, qg_t, sg_t, w_like.dtype)
+    else:
+        qx, qw = r_x, r_w
+        if recipe == "fp8_tensorwise":
+            qg, sg = quantize_tensorwise(g, E5M2)
+        else:
+            hx, hw, g_hist = hist
+            qg, sg, hg = quantize_delayed(g, g_hist, E5M2)
+            new_meta = {"x": hx, "w": hw, "g": hg}
+        dx = mm(qg, sg, qw.T, sw, x_like.dtype)
+        dw = mm(qx.T, sx, qg, sg, w_like.dtype)
+    return dx, dw, new_meta
+
+
+_fp8_linear.defvjp(lambda x, w, meta, recipe, out_dtype, impl: _fwd(x, w, meta, recipe, out_dtype, impl), _bwd)
+
+
+def fp8_linear(x, w, meta=None, *, recipe: str = "fp8_tensorwise", out_dtype=None,
+               impl: str = "auto"):
+    """x [T, K] @ w [K, N] -> [T, N] in out_dtype (default x.dtype) with FP8 GEMMs.
+
+    meta: for 'fp8_delayed', {'x', 'w', 'g'} float32 amax histories (new_fp8_meta()); None
+    otherwise. Gradients: dx in x.dtype, dw in w.dtype; with 'fp8_delayed' the gradient for
+    meta is the updated histories (see the module docstring)."""
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown FP8 recipe {recipe!r}; use one of {list(RECIPES)}")
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
+        raise ValueError(f"fp8_linear takes x [T, K] and w [K, N], got {x.shape}, {w.shape}")
+    if (recipe == "fp8_delayed") != (meta is not None):
+        raise ValueError("meta (amax histories) is required for 'fp8_delayed' and only there")
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    return _fp8_linear(x, w, meta, recipe, out_dtype, impl)
+
+
+def new_fp8_meta(history: int, stack: tuple[int, ...] = ()) -> dict:
+    """Zeroed amax histories for one fp8_linear call site (stack: leading dims, e.g. layers)."""
+    return {k: jnp.zeros((*stack, history), jnp.float32) for k in ("x", "w", "g")}

@@ -1,0 +1,93 @@
+"""Hopper (sm_90) FP8 matmul: Pallas Mosaic GPU, TMA-pipelined wgmma on e4m3/e5m2 operands,
+tensorwise scales applied to the float32 accumulator in the epilogue.
+
+One CTA (one warpgroup) per (tile_m, tile_n) output tile. A [M, K] and B^T [N, K] tiles stream
+through `max_concurrent_steps` SMEM stages by TMA (128-byte swizzle); each K step issues one
+wgmma and keeps it in flight while the next tiles land (delay_release=1). FP8 wgmma reads both
+operands K-major, which is why B arrives as B^T: the caller quantizes W^T, so the transpose is
+fused into the cast instead of costing a pass. Any mix of e4m3/e5m2 is accepted (the backward
+multiplies e5m2 gradients by e4m3 weights or activations).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.fp8.config import FP8_DTYPES, Sm90Config
+
+
+def supported(m: int, n: int, k: int, config: Sm90Config = Sm90Config()) -> bool:
+    """Whole tiles only (no masking in this kernel); dispatch falls back otherwise."""
+    return m % config.tile_m == 0 and n % config.tile_n == 0 and k % config.tile_k == 0
+
+
+def _kernel(a_gmem, bt_gmem, s_gmem, out_gmem, *, config: Sm90Config, k_iters: int):
+    tm, tn, tk = config.tile_m, config.tile_n, config.tile_k
+    mi, ni = jax.lax.axis_index("m"), jax.lax.axis_index("n")
+    swizzle = plgpu.find_swizzle(tk * 8)  # 128 bytes of one-byte elements
+    transforms = (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
+
+    def acc_scope(acc_ref):
+        def step(_, a_smem, bt_smem):
+            plgpu.wgmma(acc_ref, a_smem, bt_smem.T)
+            plgpu.wgmma_wait(1)  # the previous step's wgmma is done: its SMEM stage may refill
+
+        plgpu.emit_pipeline(
+            step,
+            grid=(k_iters,),
+            in_specs=[
+                plgpu.BlockSpec((tm, tk), lambda k: (mi, k), transforms=transforms,
+                                delay_release=1),
+                plgpu.BlockSpec((tn, tk), lambda k: (ni, k), transforms=transforms,
+                                delay_release=1),
+            ],
+            max_concurrent_steps=config.max_concurrent_steps,
+        )(a_gmem, bt_gmem)
+        return acc_ref[...]
+
+    acc = pl.run_scoped(acc_scope, plgpu.ACC((tm, tn), jnp.float32))
+    out_dtype = out_gmem.dtype
+    out_swizzle = plgpu.find_swizzle(tn * jnp.dtype(out_dtype).itemsize * 8)
+    out_transforms = (
+        plgpu.TilingTransform((8, out_swizzle // jnp.dtype(out_dtype).itemsize)),
+        plgpu.SwizzleTransform(out_swizzle),
+    )
+
+    @functools.partial(pl.run_scoped,
+                       o_smem=plgpu.SMEM((tm, tn), out_dtype, transforms=out_transforms))
+    def _store(o_smem):
+        # Epilogue: both tensorwise scales in one float32 multiply, then the cast.
+        o_smem[...] = (acc * s_gmem[0]).astype(out_dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[pl.ds(mi * tm, tm), pl.ds(ni * tn, tn)])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def fp8_matmul_sm90(a, a_scale, bt, b_scale, out_dtype=jnp.bfloat16, *,
+                    config: Sm90Config = Sm90Config(), interpret=None):
+    """a [M, K] and bt [N, K] (B transposed: K-major) in e4m3/e5m2, float32 scalar scales.
+    Returns (a * a_scale) @ (bt * b_scale).T in out_dtype. `interpret`: a
+    plgpu.InterpretGPUParams to run on CPU under the Mosaic GPU interpreter."""
+    (m, k), (n, k2) = a.shape, bt.shape
+    if k != k2:
+        raise ValueError(f"a {a.shape} and bt {bt.shape} must share K (bt is B transposed)")
+    for t in (a, bt):
+        if t.dtype not in FP8_DTYPES:
+            raise ValueError(f"operands must be float8_e4m3fn or float8_e5m2, got {t.dtype}")
+    if not supported(m, n, k, config):
+        raise ValueError(f"M={m}, N={n}, K={k} must be multiples of tile_m={config.tile_m}, "
+                         f"tile_n={config.tile_n}, tile_k={config.tile_k}")
+    scale = (jnp.asarray(a_scale, jnp.float32) * jnp.asarray(b_scale, jnp.float32)).reshape(1)
+    kernel = plgpu.kernel(
+        functools.partial(_kernel, config=config, k_iters=k // config.tile_k),
+        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+        grid=(m // config.tile_m, n // config.tile_n),
+        grid_names=("m", "n"),
+        interpret=interpret,
+    )
+    return kernel(a, bt, scale)

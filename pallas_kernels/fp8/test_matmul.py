@@ -1,0 +1,97 @@
+"""FP8 matmul: every implementation against exact integer products and against the reference.
+
+Small integers (|v| <= 16) and power-of-two scales are exact in e4m3/e5m2 and their products
+and sums are exact in float32, so any correct kernel returns exactly the integer matmul.
+"""
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.fp8 import fp8_matmul, GridConfig, quantize_mxfp8, quantize_tensorwise
+from pallas_kernels.fp8.config import E4M3, E5M2, E8M0
+from pallas_kernels.fp8.reference import fp8_matmul_reference
+
+GRID = GridConfig(block_m=32, block_n=32, block_k=64)  # small blocks: several programs, K steps
+
+
+def _ints(key, shape, dtype, lo=-8, hi=9):
+    return jax.random.randint(key, shape, lo, hi).astype(jnp.float32).astype(dtype)
+
+
+def _impl_kwargs(impl):
+    return dict(impl="pallas_grid", config=GRID, interpret=True) if impl == "grid" else dict(impl=impl)
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla", "grid"])
+@pytest.mark.parametrize("dtypes", [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)])
+def test_tensorwise_small_integers_exact(impl, dtypes):
+    ka, kb = jax.random.split(jax.random.key(0))
+    m, k, n = 48, 160, 40  # not multiples of the blocks: padded edges
+    a, b = _ints(ka, (m, k), dtypes[0]), _ints(kb, (k, n), dtypes[1])
+    sa, sb = jnp.float32(0.25), jnp.float32(8.0)
+    out = fp8_matmul(a, sa, b, sb, jnp.float32, **_impl_kwargs(impl))
+    want = (np.float32(a) @ np.float32(b)) * 2.0
+    np.testing.assert_array_equal(np.asarray(out), want)
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla", "grid"])
+def test_mx_small_integers_exact(impl):
+    ka, kb, ks, kt = jax.random.split(jax.random.key(1), 4)
+    m, k, n = 40, 96, 24
+    a, b = _ints(ka, (m, k), E4M3), _ints(kb, (k, n), E5M2)
+    # e8m0 exponents in [-3, 3] per 32-block of K: still exact.
+    ea = jax.random.randint(ks, (m, k // 32), -3, 4)
+    eb = jax.random.randint(kt, (k // 32, n), -3, 4)
+    to_e8m0 = lambda e: jax.lax.bitcast_convert_type((e + 127).astype(jnp.uint8), E8M0)
+    out = fp8_matmul(a, to_e8m0(ea), b, to_e8m0(eb), jnp.float32, **_impl_kwargs(impl))
+    a64 = np.float64(a) * np.repeat(np.exp2(np.asarray(ea)), 32, axis=1)
+    b64 = np.float64(b) * np.repeat(np.exp2(np.asarray(eb)), 32, axis=0)
+    np.testing.assert_array_equal(np.asarray(out), (a64 @ b64).astype(np.float32))
+
+
+@pytest.mark.parametrize("mode", ["tensorwise", "mx"])
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+def test_grid_kernel_matches_reference(mode, out_dtype):
+    kx, kw = jax.random.split(jax.random.key(2))
+    x = jax.random.normal(kx, (72, 200)) * 3.0  # K=200: a partial MX block at the edge
+    w = jax.random.normal(kw, (200, 56)) * 0.02
+    if mode == "tensorwise":
+        (qa, sa), (qb, sb) = quantize_tensorwise(x, E4M3), quantize_tensorwise(w, E4M3)
+    else:
+        (qa, sa), (qb, sb) = quantize_mxfp8(x, axis=1), quantize_mxfp8(w, axis=0)
+    ref = fp8_matmul_reference(qa, sa, qb, sb, jnp.float32)
+    out = fp8_matmul(qa, sa, qb, sb, out_dtype, impl="pallas_grid", config=GRID, interpret=True)
+    # Only the float32 summation order differs (plus the final rounding to out_dtype).
+    tol = 1e-5 if out_dtype == jnp.float32 else 8e-3
+    np.testing.assert_allclose(np.float32(out), np.asarray(ref), rtol=tol,
+                               atol=tol * float(jnp.abs(ref).max()))
+    # And the FP8 product is close to the exact one: e4m3 keeps 3 mantissa bits.
+    exact = np.asarray(x) @ np.asarray(w)
+    assert np.linalg.norm(np.asarray(ref) - exact) / np.linalg.norm(exact) < 0.05
+
+
+def test_overflowing_and_zero_inputs_give_no_nan():
+    z = jnp.zeros((32, 64))
+    qa, sa = quantize_tensorwise(z, E4M3)
+    big = jnp.full((64, 32), 3e38, jnp.float32)
+    qb, sb = quantize_tensorwise(big, E4M3)
+    out = fp8_matmul(qa, sa, qb, sb, jnp.float32, impl="pallas_grid", config=GRID, interpret=True)
+    assert not np.any(np.isnan(np.asarray(out))) and not np.any(np.asarray(out))
+    qa, sa = quantize_mxfp8(z, axis=1)
+    qb, sb = quantize_mxfp8(big, axis=0)
+    out = fp8_matmul(qa, sa, qb, sb, jnp.float32, impl="xla")
+    assert not np.any(np.isnan(np.asarray(out))) and not np.any(np.asarray(out))
+
+
+def test_bad_scales_are_rejected():
+    a = jnp.zeros((8, 64), E4M3)
+    b = jnp.zeros((64, 8), E4M3)
+    with pytest.raises(ValueError, match="scales must be scalars"):
+        fp8_matmul(a, jnp.ones((8,)), b, jnp.float32(1))
+    with pytest.raises(ValueError, match="must be float8"):
+        fp8_matmul(a.astype(jnp.bfloat16), jnp.float32(1), b, jnp.float32(1))
+    with pytest.raises(ValueError, match="unknown fp8_matmul impl"):
+        fp8_matmul(a, jnp.float32(1), b, jnp.float32(1), impl="cublas")

@@ -1,0 +1,146 @@
+"""Quantizers against an independent numpy + ml_dtypes emulation, bit for bit.
+
+The emulation finds exponents from the float32 bit fields (not frexp) and rounds with
+ml_dtypes' float64 -> FP8 casts (not XLA's). float32 subnormal inputs are left out: XLA:CPU
+flushes them to zero (DAZ), which no FP8 training tensor depends on.
+"""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jax.numpy as jnp
+
+from pallas_kernels.fp8 import quant
+from pallas_kernels.fp8.config import E4M3, E5M2
+
+FMT = {"e4m3": (E4M3, ml_dtypes.float8_e4m3fn, 8), "e5m2": (E5M2, ml_dtypes.float8_e5m2, 15)}
+
+
+def np_tensorwise(x, np_dtype):
+    fmax = np.float32(ml_dtypes.finfo(np_dtype).max)
+    x32 = np.asarray(x, np.float32)
+    amax = np.float32(np.max(np.abs(x32))) if x32.size else np.float32(0)
+    with np.errstate(all="ignore"):
+        scale = np.float32(amax / fmax)
+    if not np.isfinite(scale) or scale == 0:
+        scale = np.float32(1.0)
+    y = np.clip(x32 / scale, -fmax, fmax)
+    return y.astype(np_dtype), scale
+
+
+def np_floor_log2(v):
+    """floor(log2(v)) for positive float32 v from the bit fields."""
+    bits = np.asarray(v, np.float32).view(np.uint32).astype(np.int64)
+    exp_field, mant = (bits >> 23) & 0xFF, bits & 0x7FFFFF
+    sub = np.array([int(m).bit_length() - 150 for m in mant.ravel()]).reshape(mant.shape)
+    return np.where(exp_field > 0, exp_field - 127, sub)
+
+
+def np_mxfp8(x, axis, np_dtype, emax):
+    x = np.moveaxis(np.asarray(x, np.float32), axis, -1)
+    n = x.shape[-1]
+    nb = -(-n // 32)
+    xb = np.zeros(x.shape[:-1] + (nb * 32,), np.float32)
+    xb[..., :n] = x
+    xb = xb.reshape(*x.shape[:-1], nb, 32)
+    amax = np.max(np.abs(xb), axis=-1)
+    safe = np.where((amax > 0) & np.isfinite(amax), amax, 1.0).astype(np.float32)
+    e = np.clip(np_floor_log2(safe) - emax, -127, 127)
+    e = np.where(amax == 0, -127, e)
+    fmax = float(ml_dtypes.finfo(np_dtype).max)
+    with np.errstate(all="ignore"):
+        y = xb.astype(np.float64) * np.exp2(-e.astype(np.float64))[..., None]
+    q = np.clip(y, -fmax, fmax).astype(np_dtype).reshape(*x.shape[:-1], nb * 32)[..., :n]
+    bits = np.where(np.isfinite(amax), e + 127, 255).astype(np.uint8)
+    return np.moveaxis(q, -1, axis), np.moveaxis(bits, -1, axis)
+
+
+def _bits(a):
+    return np.asarray(a).view(np.uint8)
+
+
+def _mixed(shape, seed):
+    """Normals times magnitudes from 2**-30 to 2**30: every rounding and saturation regime."""
+    rng = np.random.default_rng(seed)
+    mag = np.exp2(rng.integers(-30, 31, size=shape)).astype(np.float32)
+    return (rng.standard_normal(shape).astype(np.float32) * mag)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("in_dtype", [np.float32, ml_dtypes.bfloat16])
+def test_tensorwise_bit_exact(fmt, in_dtype):
+    dt, np_dt, _ = FMT[fmt]
+    for seed, x in enumerate([_mixed((64, 96), 0), np.random.default_rng(1).standard_normal((33, 7)),
+                              np.zeros((8, 8)), np.array([[1e30, -3.0, 0.0]])]):
+        x = np.asarray(x, np.float32).astype(in_dtype)
+        q, s = quant.quantize_tensorwise(jnp.asarray(x), dt)
+        q_ref, s_ref = np_tensorwise(x, np_dt)
+        assert q.dtype == dt and s.dtype == jnp.float32
+        np.testing.assert_array_equal(np.float32(s), s_ref)
+        np.testing.assert_array_equal(_bits(q), _bits(q_ref))
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_tensorwise_saturates_and_never_nan(fmt):
+    dt, _, _ = FMT[fmt]
+    fmax = float(ml_dtypes.finfo(FMT[fmt][1]).max)
+    x = jnp.array([jnp.inf, -jnp.inf, 1.0, 0.0], jnp.float32)  # amax inf: scale falls back to 1
+    q, s = quant.quantize_tensorwise(x, dt)
+    assert float(s) == 1.0
+    np.testing.assert_array_equal(np.float32(q), [fmax, -fmax, 1.0, 0.0])
+    q0, s0 = quant.quantize_tensorwise(jnp.zeros((4, 4)), dt)
+    assert float(s0) == 1.0 and not np.any(np.float32(q0))
+
+
+def test_delayed_scaling_history_and_overflow():
+    hist = quant.new_amax_history(3)
+    x1 = jnp.full((4,), 2.0)
+    q, s, hist = quant.quantize_delayed(x1, hist, E4M3)
+    assert float(s) == 1.0  # empty history: unit scale
+    np.testing.assert_array_equal(hist, [2.0, 0.0, 0.0])
+    x2 = jnp.array([1e6, -1e6, 1.0, 0.5], jnp.float32)  # far past what the history expects
+    q, s, hist = quant.quantize_delayed(x2, hist, E4M3)
+    np.testing.assert_array_equal(np.float32(s), np.float32(2.0) / np.float32(448.0))
+    assert not np.any(np.isnan(np.float32(q)))
+    np.testing.assert_array_equal(np.float32(q)[:2], [448.0, -448.0])  # saturated, not NaN
+    np.testing.assert_array_equal(hist, [1e6, 2.0, 0.0])
+    _, _, hist = quant.quantize_delayed(x1, hist, E4M3)
+    _, _, hist = quant.quantize_delayed(x1, hist, E4M3)
+    np.testing.assert_array_equal(hist, [2.0, 2.0, 1e6])
+    _, s, hist = quant.quantize_delayed(x1, hist, E4M3)
+    assert float(s) == pytest.approx(1e6 / 448)  # the max over the window, then it ages out
+    _, s, _ = quant.quantize_delayed(x1, hist, E4M3)
+    assert float(s) == np.float32(2.0) / np.float32(448.0)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("shape,axis", [((64, 96), 1), ((64, 96), 0), ((5, 70), -1),
+                                        ((3, 33, 4), 1)])
+def test_mxfp8_bit_exact(fmt, shape, axis):
+    dt, np_dt, emax = FMT[fmt]
+    x = _mixed(shape, 3)
+    x[0, :] = 0.0  # all-zero blocks: X = -127
+    x.reshape(-1)[5] = 3.0e38  # near float32 max: X = 127 - emax
+    x.reshape(-1)[-1] = 1.1754944e-38  # smallest normal: X clamps to -127
+    q, s = quant.quantize_mxfp8(jnp.asarray(x), axis=axis, dtype=dt)
+    q_ref, s_ref = np_mxfp8(x, axis, np_dt, emax)
+    assert q.shape == x.shape and s.dtype == jnp.float8_e8m0fnu
+    assert s.shape[axis % x.ndim] == -(-x.shape[axis] // 32)  # partial edge blocks kept
+    np.testing.assert_array_equal(_bits(s), s_ref)
+    np.testing.assert_array_equal(_bits(q), _bits(q_ref))
+
+
+def test_mxfp8_scale_choice_and_spec_saturation():
+    # One block: amax 1.0 -> X = 0 - 8 = -8 (e4m3), elements scaled by 2**8.
+    x = jnp.zeros((32,)).at[0].set(1.0).at[1].set(-0.75).at[2].set(1.9)
+    q, s = quant.quantize_mxfp8(x, dtype=E4M3)
+    assert _bits(s)[0] == 127 - 8 + 0  # amax 1.9 -> floor(log2) = 0 -> X = -8
+    # 1.9 * 256 = 486.4 > 448: the spec's floor rule overflows the element; saturated to 448.
+    np.testing.assert_array_equal(np.float32(q)[:3], [256.0, -192.0, 448.0])
+    np.testing.assert_array_equal(quant.dequantize_mxfp8(q, s)[:2], [1.0, -0.75])
+    bad = jnp.zeros((64,)).at[3].set(jnp.nan).at[40].set(jnp.inf)
+    _, s = quant.quantize_mxfp8(bad, dtype=E4M3)
+    np.testing.assert_array_equal(_bits(s), [255, 255])  # NaN scale, as the OCP spec says
+    _, s = quant.quantize_mxfp8(jnp.zeros((40,)), dtype=E5M2)
+    np.testing.assert_array_equal(_bits(s), [0, 0])  # all-zero blocks: 2**-127, no NaN

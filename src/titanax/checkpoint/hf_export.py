@@ -1,0 +1,192 @@
+"""A titanax checkpoint -> a Hugging Face Llama folder (config.json, generation_config.json,
+safetensors shards with model.safetensors.index.json, tokenizer files).
+
+Streaming: tensors are read from the orbax checkpoint a slice at a time (checkpoint/reader.py)
+and written into one shard at a time (checkpoint/safetensors_io.py), so host memory holds at
+most one block of layers of one parameter (no more than --max-shard-size) plus one converted
+tensor, never the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import re
+import shutil
+
+import ml_dtypes
+import numpy as np
+
+from titanax.checkpoint import hf
+from titanax.checkpoint.reader import CheckpointReader
+from titanax.checkpoint.safetensors_io import StreamingWriter, dtype_name
+from titanax.config import Config
+from titanax.parallel.pipeline import stored_position
+
+EXPORT_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32),
+                 "float16": np.dtype(np.float16)}
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'5GB' -> 5_000_000_000 (HF's convention: GB = 10^9, GiB = 2^30); plain digits are bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"size {text!r}: expected a number with an optional unit "
+                         f"(KB, MB, GB, KiB, MiB, GiB), e.g. 5GB")
+    size = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    if size <= 0:
+        raise ValueError(f"size {text!r} must be > 0")
+    return size
+
+
+@dataclasses.dataclass
+class ExportResult:
+    out: pathlib.Path
+    step: int
+    tensors: int
+    shards: int
+    bytes: int  # tensor data written
+    tokenizer: pathlib.Path | None
+
+
+class _LayerBlocks:
+    """Serves one layer of a stacked parameter from the last block of layers read. Blocks are
+    as many layers as fit in `budget` bytes, rounded to whole stored chunks when possible, so
+    that each chunk is decoded once; export asks for layers in order."""
+
+    def __init__(self, reader: CheckpointReader, budget: int):
+        self.reader, self.budget = reader, budget
+        self.key, self.block = None, None
+
+    def get(self, path, layer: int, n_layers: int, per_layer_bytes: int) -> np.ndarray:
+        if self.key is not None and self.key[0] == path and self.key[1] <= layer < self.key[2]:
+            return self.block[layer - self.key[1]]
+        fit = max(1, self.budget // max(per_layer_bytes, 1))
+        chunk = self.reader.layer_chunk(path)
+        size = (fit // chunk) * chunk if fit >= chunk else fit
+        start = (layer // size) * size
+        stop = min(n_layers, start + size)
+        self.block = None  # drop the previous block before reading the next
+        self.block = self.reader.read(path, slice(start, stop))
+        self.key = (path, start, stop)
+        return self.block[layer - start]
+
+
+def _plan_shards(table, itemsize: int, max_bytes: int) -> list[list]:
+    shards, current, size = [], [], 0
+    for t in table:
+        nbytes = math.prod(t.hf_shape) * itemsize
+        if current and size + nbytes > max_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(t)
+        size += nbytes
+    return shards + [current]
+
+
+def _check_params(reader: CheckpointReader, cfg: Config) -> None:
+    stored = reader.params()
+    position = stored_position(cfg)  # circular-pipeline runs store layers stage-major
+    for t in hf.tensor_table(cfg.model):
+        want = t.shape if t.layer is None else (cfg.model.n_layers, *t.shape)
+        got = stored.get(t.param, (None,))[0]
+        if got != want:
+            raise ValueError(f"checkpoint {reader.state_dir}: parameter {'.'.join(t.param)} has "
+                             f"shape {got}, but its config implies {want}")
+
+
+def _write_tokenizer(tok_path: pathlib.Path, out: pathlib.Path, max_len: int):
+    from titanax.data.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(tok_path)
+    shutil.copyfile(tok_path, out / "tokenizer.json")
+    shipped = tok_path.with_name("tokenizer_config.json")
+    if shipped.is_file():  # an imported HF tokenizer keeps its own (chat template, ...)
+        shutil.copyfile(shipped, out / "tokenizer_config.json")
+    else:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        hf_tok = HFTokenizer.from_file(str(tok_path))
+        config = {"tokenizer_class": "PreTrainedTokenizerFast",
+                  "bos_token": hf_tok.id_to_token(tok.bos_id) if tok.bos_id is not None else None,
+                  "eos_token": hf_tok.id_to_token(tok.eos_id),
+                  "model_max_length": max_len, "clean_up_tokenization_spaces": False}
+        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return tok.bos_id, tok.eos_id
+
+
+def export_hf(workdir: str | pathlib.Path, out: str | pathlib.Path, *, step: int | None = None,
+              dtype: str = "bfloat16", max_shard_bytes: int = 5 * 10**9,
+              progress: bool = True) -> ExportResult:
+    """Writes the run's checkpoint (latest, or `step`) to `out` as an HF LlamaForCausalLM folder.
+    `out` must not exist or be empty; the folder appears complete or not at all."""
+    from titanax.generate import find_tokenizer
+
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"dtype {dtype!r}: choose one of {list(EXPORT_DTYPES)}")
+    out = pathlib.Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} exists and is not an empty folder; choose a new --out")
+    workdir = pathlib.Path(workdir)
+    reader = CheckpointReader(workdir / "checkpoints", step)
+    cfg = Config.from_dict(reader.config_dict)
+    _check_params(reader, cfg)
+    out_dtype = EXPORT_DTYPES[dtype]
+    table = hf.tensor_table(cfg.model)
+    shards = _plan_shards(table, out_dtype.itemsize, max_shard_bytes)
+    stored = reader.params()
+    position = stored_position(cfg)  # circular-pipeline runs store layers stage-major
+
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(table), desc="export", unit="tensor", dynamic_ncols=True)
+        blocks = _LayerBlocks(reader, max_shard_bytes)
+        weight_map, total = {}, 0
+        for i, shard in enumerate(shards):
+            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            plan = [(t.name, t.hf_shape, dtype_name(out_dtype)) for t in shard]
+            with StreamingWriter(tmp / name, plan, metadata={"format": "pt"}) as writer:
+                for t in shard:
+                    if t.layer is None:
+                        ours = reader.read(t.param)
+                    else:
+                        per_layer = math.prod(t.shape) * stored[t.param][1].itemsize
+                        ours = blocks.get(t.param, int(position[t.layer]), cfg.model.n_layers,
+                                          per_layer)
+                    writer.write(t.name, t.to_hf(ours).astype(out_dtype))
+                    weight_map[t.name] = name
+                    total += math.prod(t.hf_shape) * out_dtype.itemsize
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        blocks.block = None
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+        tok_path = find_tokenizer(cfg, workdir)
+        bos_id = eos_id = None
+        if tok_path is not None:
+            bos_id, eos_id = _write_tokenizer(tok_path, tmp, cfg.model.max_seq_len)
+        config = hf.hf_config(cfg.model, dtype=dtype, bos_id=bos_id, eos_id=eos_id)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        generation = {"bos_token_id": bos_id, "eos_token_id": eos_id}
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return ExportResult(out, reader.step, len(table), len(shards), total, tok_path)

@@ -1,0 +1,181 @@
+"""Pipeline parallelism over the 'pipeline' mesh axis: jax.shard_map (manual over 'pipeline'
+only, so data/fsdp/tensor sharding keeps working by propagation inside) and ppermute.
+
+The stacked layers [L, ...] are sharded on 'pipeline' (parallel/rules.py), so stage s holds L/PP
+consecutive rows of the stack and no weight ever moves. Those rows are cut into V chunks
+(virtual stages) of Lc = L/(PP*V) layers. gpipe is V = 1. The circular (interleaved) schedule
+sends each microbatch round the ring of stages V times; for that, stage s's row chunk v must be
+logical layer chunk v*PP + s, so circular runs store the stack in that stage-major order
+(`storage_permutation`; train/state.py applies it once at initialisation, and
+`to_logical_order` undoes it, e.g. for export).
+
+Schedule (docs/parallelism.md): a global batch is cut into M microbatches; work item i = v*M + m
+is microbatch m on its v-th trip round the ring. At tick t stage s runs item t - s (idle when
+that is outside [0, M*V)); its output goes to stage s+1 by ppermute, and the last stage's output
+goes back to stage 0, which parks it until it starts the item's next trip M ticks after the
+previous one (so circular needs M >= PP). T = M*V + PP - 1 ticks, each stage busy M*V of them:
+idle fraction (PP-1) / (M*V + PP - 1), at 1/V of the work per tick.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from titanax.config import PipelineConfig
+
+AXIS = "pipeline"
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineSchedule:
+    microbatches: int = 1
+    virtual_stages: int = 1  # layer chunks per stage: 1 is gpipe, more is circular
+
+    @classmethod
+    def from_config(cls, cfg: PipelineConfig) -> "PipelineSchedule":
+        return cls(cfg.microbatches, cfg.resolved_virtual_stages)
+
+
+def pipeline_stages() -> int:
+    """Size of the 'pipeline' axis of the mesh in context (1 without one)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or AXIS not in mesh.axis_names:
+        return 1
+    return mesh.shape[AXIS]
+
+
+def schedule_table(stages: int, microbatches: int, virtual_stages: int = 1) -> np.ndarray:
+    """[ticks, stages]: the work item (v*M + m) each stage runs at each tick, -1 when idle; the
+    same arithmetic as the tick loop in `run_pipelined`."""
+    ticks = microbatches * virtual_stages + stages - 1
+    item = np.arange(ticks)[:, None] - np.arange(stages)[None, :]
+    return np.where((item >= 0) & (item < microbatches * virtual_stages), item, -1)
+
+
+def bubble_fraction(stages: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """Analytic idle share of stage time: (PP-1) / (M*V + PP-1)."""
+    return (stages - 1) / (microbatches * virtual_stages + stages - 1)
+
+
+def storage_permutation(n_layers: int, stages: int, virtual_stages: int) -> np.ndarray:
+    """perm with stored[k] = logical[perm[k]]: stored chunk s*V + v is logical chunk v*PP + s,
+    so stage s's consecutive rows are the chunks it runs. The identity for gpipe (V = 1)."""
+    chunk = n_layers // (stages * virtual_stages)
+    s, v = np.meshgrid(np.arange(stages), np.arange(virtual_stages), indexing="ij")
+    logical_chunk = (v * stages + s).reshape(-1)  # indexed by stored chunk s*V + v
+    return (logical_chunk[:, None] * chunk + np.arange(chunk)[None, :]).reshape(-1)
+
+
+def stored_layer_order(cfg) -> np.ndarray | None:
+    """For a run's Config (e.g. read from its checkpoint): perm with stored layer k = logical
+    layer perm[k], or None when the stack is stored in logical order (all but circular PP)."""
+    stages, virtual = cfg.mesh.pipeline, cfg.pipeline.resolved_virtual_stages
+    if stages <= 1 or virtual == 1:
+        return None
+    return storage_permutation(cfg.model.n_layers, stages, virtual)
+
+
+def stored_position(cfg) -> np.ndarray:
+    """pos[l] = where logical layer l sits in the run's stored [L, ...] stack (identity unless
+    circular PP). A checkpoint keeps its run's order; readers map through this."""
+    perm = stored_layer_order(cfg)
+    return np.arange(cfg.model.n_layers) if perm is None else np.argsort(perm)
+
+
+def to_storage_order(layer_tree, stages: int, virtual_stages: int):
+    """Logical layer order -> the stage-major order circular runs store (leading axis)."""
+    if virtual_stages == 1 or stages == 1:
+        return layer_tree
+    leaves = jax.tree.leaves(layer_tree)
+    perm = storage_permutation(leaves[0].shape[0], stages, virtual_stages)
+    return jax.tree.map(lambda a: jnp.take(a, perm, axis=0), layer_tree)
+
+
+def to_logical_order(layer_tree, stages: int, virtual_stages: int):
+    """Inverse of to_storage_order: what a one-device model (or an export) expects."""
+    if virtual_stages == 1 or stages == 1:
+        return layer_tree
+    leaves = jax.tree.leaves(layer_tree)
+    inv = np.argsort(storage_permutation(leaves[0].shape[0], stages, virtual_stages))
+    return jax.tree.map(lambda a: jnp.take(a, inv, axis=0), layer_tree)
+
+
+def _to_microbatches(a, M: int):
+    """[B, ...] -> [M, B/M, ...] with microbatch m = rows i*M + m: each data shard keeps its own
+    rows (a plain [M, B/M] split would move rows between data-parallel devices)."""
+    return jnp.swapaxes(a.reshape(a.shape[0] // M, M, *a.shape[1:]), 0, 1)
+
+
+def _from_microbatches(a_M):
+    return jnp.swapaxes(a_M, 0, 1).reshape(-1, *a_M.shape[2:])
+
+
+def run_pipelined(layer_fn, layer_state, x_BSD, extras, schedule: PipelineSchedule,
+                  *, with_busy: bool = False):
+    """layer_fn(x_bSD, one_layer_state, extras_b) -> x_bSD applied over all stacked layers, as
+    jax.lax.scan would, but staged over the 'pipeline' axis. extras: a pytree of [B, ...] arrays
+    split into microbatches with x (positions, segment ids). with_busy: also return how many
+    ticks each stage did real work ([PP] int32), for bubble measurements."""
+    stages, V, M = pipeline_stages(), schedule.virtual_stages, schedule.microbatches
+    if x_BSD.shape[0] % M:
+        raise ValueError(f"batch of {x_BSD.shape[0]} does not split into {M} microbatches")
+    if V > 1 and M < stages:
+        raise ValueError(f"the circular schedule needs microbatches >= stages, got {M} < {stages}")
+    ticks = M * V + stages - 1
+    x_MbSD = _to_microbatches(x_BSD, M)
+    extras_M = jax.tree.map(lambda a: _to_microbatches(a, M), extras)
+    ring = [(k, (k + 1) % stages) for k in range(stages)]
+
+    def stage_fn(local_state, x_MbSD, extras_M):
+        s = jax.lax.axis_index(AXIS)
+        # This stage's rows [L/PP, ...] as [V, Lc, ...]: chunk v is its v-th trip's layers.
+        chunks = jax.tree.map(lambda a: a.reshape(V, a.shape[0] // V, *a.shape[1:]), local_state)
+
+        def run_chunk(v, x_bSD, extras_b):
+            chunk = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, v, keepdims=False),
+                                 chunks)
+            return jax.lax.scan(lambda x, layer: (layer_fn(x, layer, extras_b), None),
+                                x_bSD, chunk)[0]
+
+        vary = lambda a: jax.lax.pcast(a, AXIS, to="varying")
+        # Stage 0's inputs: the fresh microbatches, overwritten by items coming back round.
+        parked_MbSD = vary(x_MbSD)
+        out_MbSD = vary(jnp.zeros_like(x_MbSD))
+        recv_bSD = vary(jnp.zeros_like(x_MbSD[0]))
+
+        def tick(carry, t):
+            parked_MbSD, out_MbSD, recv_bSD = carry
+            back = t - stages  # the item the last stage finished at tick t-1, now at stage 0
+            slot = jnp.remainder(back, M)
+            park = (s == 0) & (back >= 0) & (back < M * (V - 1))  # it has trips left
+            parked_MbSD = jax.lax.dynamic_update_index_in_dim(
+                parked_MbSD, jnp.where(park, recv_bSD, parked_MbSD[slot]), slot, 0)
+            item = t - s
+            busy = (item >= 0) & (item < M * V)
+            item = jnp.clip(item, 0, M * V - 1)
+            v, m = item // M, item % M
+            x_bSD = jnp.where(s == 0, parked_MbSD[m], recv_bSD)
+            extras_b = jax.tree.map(lambda a: a[m], extras_M)
+            y_bSD = run_chunk(v, x_bSD, extras_b)
+            done = busy & (s == stages - 1) & (v == V - 1)
+            out_MbSD = jax.lax.dynamic_update_index_in_dim(
+                out_MbSD, jnp.where(done, y_bSD, out_MbSD[m]), m, 0)
+            recv_bSD = jax.lax.ppermute(y_bSD, AXIS, ring)
+            return (parked_MbSD, out_MbSD, recv_bSD), busy
+
+        (_, out_MbSD, _), busy_T = jax.lax.scan(
+            tick, (parked_MbSD, out_MbSD, recv_bSD), jnp.arange(ticks))
+        # Only the last stage holds the outputs; the sum hands them to every stage.
+        out_MbSD = jax.lax.psum(jnp.where(s == stages - 1, out_MbSD, 0), AXIS)
+        return out_MbSD, busy_T.sum(dtype=jnp.int32)[None]
+
+    out_MbSD, busy_P = jax.shard_map(
+        stage_fn, in_specs=(P(AXIS), P(), P()), out_specs=(P(), P(AXIS)),
+        axis_names={AXIS})(layer_state, x_MbSD, extras_M)
+    out_BSD = _from_microbatches(out_MbSD)
+    return (out_BSD, busy_P) if with_busy else out_BSD

@@ -1,0 +1,124 @@
+"""Deviceless (ahead-of-time) GPU compiles: lower and compile for an H100 or B200 on a CPU box.
+
+Needs the CUDA PJRT plugin (`jax-cuda12-plugin[with-cuda]`, pinned in constraints-cuda.txt)
+importable, which scripts/dev.sh installs into .venv/cuda-plugin, outside the main environment
+so ordinary runs never probe for CUDA. Run in a process with JAX_PLATFORMS=cpu and that folder
+on sys.path (`cuda_plugin_env()` builds such an environment for a subprocess):
+
+    topo = gpu_topology("h100")                      # compile-only devices, 8 per host
+    compiled = compile_for("h100", fn, *abstract_args)  # jax.stages.Compiled; raises on failure
+
+The target configs are XLA's GpuTargetConfigProto text: the chip's SM count, shared memory
+(the 227 KiB opt-in per block is what a Pallas/Mosaic kernel may use, so an over-budget kernel
+fails the compile as it would on the chip), registers, clocks, and the compute capability that
+picks sm_90a / sm_100a code generation.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[3]
+CUDA_PLUGIN_DIR = REPO / ".venv" / "cuda-plugin"
+
+_DEVICE_INFO = """\
+gpu_device_info {{
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: {smem_per_sm}
+  threads_per_core_limit: 2048
+  core_count: {sms}
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: {hbm_bw}
+  l2_cache_size: {l2}
+  clock_rate_ghz: {clock}
+  device_memory_size: {hbm}
+  shared_memory_per_block_optin: {smem_optin}
+  cuda_compute_capability {{
+    major: {major}
+    minor: {minor}
+  }}
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}}
+platform_name: "CUDA"
+dnn_version_info {{
+  major: 9
+  minor: 8
+}}
+device_description_str: "{name}"
+"""
+
+TARGETS = {
+    # H100 SXM: 132 SMs, 228 KiB smem per SM of which 227 KiB (232448 B) opt-in per block.
+    "h100": dict(name="NVIDIA H100 80GB HBM3", sms=132, smem_per_sm=233472, smem_optin=232448,
+                 hbm_bw=3352320000000, l2=52428800, clock=1.98, hbm=84978434048, major=9,
+                 minor=0),
+    # H200: the H100 die with 141 GB HBM3e.
+    "h200": dict(name="NVIDIA H200", sms=132, smem_per_sm=233472, smem_optin=232448,
+                 hbm_bw=4800000000000, l2=52428800, clock=1.98, hbm=150754820096, major=9,
+                 minor=0),
+    # B200: compute capability 10.0, 148 SMs, 227 KiB opt-in smem per block.
+    "b200": dict(name="NVIDIA B200", sms=148, smem_per_sm=233472, smem_optin=232448,
+                 hbm_bw=8000000000000, l2=132120576, clock=1.965, hbm=191514869760, major=10,
+                 minor=0),
+}
+
+
+def target_config(kind: str) -> str:
+    """GpuTargetConfigProto text for `kind` (h100, h200, b200)."""
+    try:
+        return _DEVICE_INFO.format(**TARGETS[kind.lower()])
+    except KeyError:
+        raise ValueError(f"unknown GPU kind {kind!r}; known: {sorted(TARGETS)}") from None
+
+
+def cuda_plugin_env(env: dict | None = None) -> dict:
+    """Environment for a subprocess that compiles for GPUs without one: CPU runtime, the CUDA
+    plugin folder on PYTHONPATH."""
+    env = dict(os.environ if env is None else env)
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(CUDA_PLUGIN_DIR), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def plugin_available() -> bool:
+    return (CUDA_PLUGIN_DIR / "jax_plugins" / "xla_cuda12").is_dir()
+
+
+def gpu_topology(kind: str, topology: str = "1x1x8"):
+    """Compile-only devices of `kind` ("1x1x8": one host of 8 GPUs)."""
+    if str(CUDA_PLUGIN_DIR) not in sys.path and plugin_available():
+        sys.path.insert(0, str(CUDA_PLUGIN_DIR))
+    from jax.experimental import topologies
+    return topologies.get_topology_desc(f"{kind}-{topology}", "cuda",
+                                        target_config=target_config(kind), topology=topology)
+
+
+def gpu_mesh(kind: str, shape=(1,), axis_names=("x",), topology: str = "1x1x8"):
+    """A jax Mesh over the first prod(shape) compile-only devices of `kind`."""
+    import math
+
+    import jax
+    import numpy as np
+    devices = gpu_topology(kind, topology).devices[:math.prod(shape)]
+    return jax.sharding.Mesh(np.array(devices).reshape(shape), axis_names)
+
+
+def compile_for(kind: str, fn, *args, mesh=None, **jit_kwargs):
+    """jit(fn).lower(*args).compile() for `kind`; args are jax.ShapeDtypeStructs. Inputs are
+    placed on one device of the mesh (default: a 1-device mesh of that GPU), which is also set
+    as the ambient mesh, since Pallas GPU kernels read the SM count from it."""
+    import jax
+    mesh = gpu_mesh(kind) if mesh is None else mesh
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args]
+    with jax.set_mesh(mesh):
+        return jax.jit(fn, **jit_kwargs).lower(*args).compile()

@@ -1,0 +1,122 @@
+"""FP8 recipes in the model: which matmuls go FP8, delayed-scaling state in the train state,
+checkpoint round trip of that state."""
+
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from titanax import ops
+from titanax.checkpoint.orbax_io import Checkpointer
+from titanax.config import ConfigError, apply_overrides, load_config
+from titanax.models.llama import Llama, count_params
+from titanax.parallel.mesh import build_mesh
+from titanax.parallel.rules import model_context
+from titanax.train.optim import lr_schedule, make_optimizer
+from titanax.train.state import abstract_train_state, create_train_state
+from titanax.train.step import make_train_step
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SMALL = {"model.d_model": 64, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2,
+         "model.ffn_dim": 128, "model.vocab_size": 256, "train.batch_size": 4,
+         "train.seq_len": 32, "mesh.data": 1, "model.fp8_amax_history": 4}
+
+
+def _cfg(precision, **extra):
+    return apply_overrides(load_config(ROOT / "configs" / "tiny.py"),
+                           {**SMALL, "model.matmul_precision": precision, **extra})
+
+
+def _batch(cfg, seed=0):
+    rng = np.random.default_rng(seed)
+    B, S = cfg.train.batch_size, cfg.train.seq_len
+    toks = rng.integers(0, cfg.model.vocab_size, (B, S + 1)).astype(np.int32)
+    return {"inputs": toks[:, :-1], "targets": toks[:, 1:],
+            "positions": np.broadcast_to(np.arange(S, dtype=np.int32), (B, S)).copy(),
+            "segment_ids": np.ones((B, S), np.int32)}
+
+
+def test_config_accepts_the_recipes():
+    for p in ("fp8_tensorwise", "fp8_delayed", "mxfp8"):
+        assert _cfg(p).model.matmul_precision == p
+    with pytest.raises(ConfigError, match="matmul_precision"):
+        _cfg("fp8")
+
+
+@pytest.mark.parametrize("precision", ["fp8_tensorwise", "mxfp8"])
+def test_projections_and_mlp_run_fp8_output_layer_does_not(precision, monkeypatch):
+    import pallas_kernels.fp8.linear as fp8_linear_mod
+
+    seen = []
+    real = fp8_linear_mod.fp8_matmul
+
+    def spy(a, a_scale, b, b_scale, out_dtype, **kw):
+        seen.append((a.shape, str(a.dtype), str(b.dtype)))
+        return real(a, a_scale, b, b_scale, out_dtype, **kw)
+
+    monkeypatch.setattr(fp8_linear_mod, "fp8_matmul", spy)
+    cfg = _cfg(precision)
+    with model_context(build_mesh(cfg.mesh, jax.devices()[:1])):
+        graphdef, params = nnx.split(Llama(cfg.model, rngs=nnx.Rngs(0)))
+        toks = jnp.asarray(_batch(cfg)["inputs"])
+        fwd = lambda p: nnx.merge(graphdef, p)(toks)[0]  # noqa: E731
+        jaxpr = jax.make_jaxpr(fwd)(params)
+        # 7 FP8 products in the layer body (q, k, v, o, gate, up, down; the scanned body is
+        # traced once), all e4m3 x e4m3 on [tokens, in]; nothing else (the output layer).
+        assert len(seen) == 7, seen
+        assert all(s[1:] == ("float8_e4m3fn", "float8_e4m3fn") for s in seen)
+        assert {s[0] for s in seen} == {(4 * 32, 64), (4 * 32, 128)}  # d_model and ffn inputs
+        # The output layer's dot stays in the compute dtype (float32 in the tiny config).
+        out_dot = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+        assert out_dot and str(out_dot[-1].invars[1].aval.dtype) == "float32"
+        if precision == "mxfp8":  # numbers: close to the float32 model
+            logits = jax.jit(fwd)(params)
+            ref = nnx.merge(nnx.split(Llama(_cfg("default").model, rngs=nnx.Rngs(0)))[0],
+                            params)(toks)[0]
+            err = float(jnp.linalg.norm(logits - ref) / jnp.linalg.norm(ref))
+            assert err < 0.1, err
+
+
+def test_output_layer_exclusion_is_exact():
+    x = jax.random.normal(jax.random.key(0), (2, 3, 16))
+    w = jax.random.normal(jax.random.key(1), (16, 8))
+    plain = ops.linear(x, w, "bsd,dv->bsv", precision="default", dtype=jnp.float32)
+    excluded = ops.linear(x, w, "bsd,dv->bsv", precision="mxfp8", dtype=jnp.float32, fp8=False)
+    np.testing.assert_array_equal(plain, excluded)
+    with pytest.raises(ValueError, match="AK,KB->AB"):
+        ops.linear(x, w.T, "bsd,vd->bsv", precision="fp8_tensorwise", dtype=jnp.float32)
+
+
+def test_delayed_histories_live_in_state_update_by_step_and_checkpoint(tmp_path):
+    cfg = _cfg("fp8_delayed")
+    assert count_params(cfg.model) == count_params(_cfg("default").model)  # histories aren't params
+    mesh = build_mesh(cfg.mesh, devices=jax.devices()[:1])
+    tx = make_optimizer(cfg)
+    graphdef, state, _ = create_train_state(cfg, mesh, tx)
+    hist = state["params"]["layers"]["fp8_wq"][...]
+    assert hist.shape == (2, 3, 4) and not np.any(np.asarray(hist))
+    step = jax.jit(make_train_step(cfg, graphdef, tx, lr_schedule(cfg)))
+    with model_context(mesh):
+        for i in range(3):
+            state, m = step(state, _batch(cfg, i))
+    assert np.isfinite(float(m["loss"])) and float(m["grad_norm"]) < 100  # histories not in the norm
+    layers = state["params"]["layers"]
+    h = np.asarray(layers["fp8_wq"][...])
+    assert np.all(h[:, :, :3] > 0) and np.all(h[:, :, 3] == 0)  # 3 steps recorded, newest first
+    # The weight history holds the weight's own amax at the step it was used (not an optimizer
+    # update of it): step 3 used the weights after 2 updates, close to the current ones.
+    wq_amax = np.abs(np.asarray(layers["wq"][...])).reshape(2, -1).max(axis=1)
+    np.testing.assert_allclose(h[:, 1, 0], wq_amax, rtol=0.05)
+
+    ckpt = Checkpointer(tmp_path / "ckpt", _cfg("fp8_delayed", **{"checkpoint.async_save": False}).checkpoint)
+    ckpt.save(3, state, data_state=None, config=cfg.to_dict())
+    ckpt.wait()
+    _, abstract, _ = abstract_train_state(cfg, mesh, tx)
+    with model_context(mesh):
+        restored, _, _ = ckpt.restore(3, abstract)
+    ckpt.close()
+    np.testing.assert_array_equal(np.asarray(restored["params"]["layers"]["fp8_w_down"][...]),
+                                  np.asarray(layers["fp8_w_down"][...]))

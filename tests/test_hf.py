@@ -1,0 +1,302 @@
+"""Hugging Face interop, proven against transformers (run in .venv-torch through
+tests/torch_peer.py): export -> transformers logits, transformers model -> import -> titanax
+logits, export -> import identity, training resumes from an import, malformed inputs."""
+
+import json
+import pathlib
+import shutil
+import types
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+from titanax.checkpoint.hf_export import export_hf, parse_size
+from titanax.checkpoint.hf_import import HFImportError, import_hf
+from titanax.checkpoint.orbax_io import Checkpointer
+from titanax.checkpoint.reader import CheckpointReader
+from titanax.checkpoint.safetensors_io import read_header, read_tensor
+from titanax.config import CheckpointConfig, apply_overrides, load_config
+from titanax.parallel.mesh import build_mesh, single_device_mesh
+from titanax.parallel.rules import model_context
+from titanax.train.optim import make_optimizer
+from titanax.train.state import create_train_state
+
+from torch_peer import run_jobs
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+# GQA (4 query heads, 2 kv heads) and llama3 rope scaling whose original length (32) is inside
+# the test sequences, so every frequency band (kept, blended, stretched) is exercised.
+# init_std 0.2 makes logits O(1), so a 1e-4 agreement means something.
+SMALL = {"model.vocab_size": 384, "model.d_model": 64, "model.n_layers": 2, "model.n_heads": 4,
+         "model.n_kv_heads": 2, "model.ffn_dim": 160, "model.max_seq_len": 64,
+         "model.rope_theta": 10000.0, "model.rope_scaling": "llama3", "model.rope_factor": 8.0,
+         "model.rope_original_max_seq_len": 32, "model.norm_eps": 1e-5, "model.init_std": 0.2,
+         "model.dtype": "float32", "model.param_dtype": "float32",
+         "model.matmul_precision": "highest", "train.seq_len": 32, "train.batch_size": 4,
+         "train.eval_batches": 1, "train.progress_bar": False, "data.source": "synthetic",
+         "mesh.data": 1, "checkpoint.async_save": False}
+HF_CONFIG = {"vocab_size": 384, "hidden_size": 64, "intermediate_size": 160,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 64,
+             "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+             "initializer_range": 0.2, "tie_word_embeddings": False,
+             "bos_token_id": 0, "eos_token_id": 1}
+TEXT = "def main():\n    return sorted(range(10))\n"
+
+
+def small_config(**extra):
+    return apply_overrides(load_config(ROOT / "configs" / "tiny.py"), {**SMALL, **extra})
+
+
+def _params_by_path(params) -> dict[tuple[str, ...], np.ndarray]:
+    out = {}
+    for keypath, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        keys = tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in keypath)
+        out[tuple(k for k in keys if k != "value")] = np.asarray(leaf)
+    return out
+
+
+def _make_run(workdir: pathlib.Path, cfg):
+    """A titanax run folder with one checkpoint (norm scales randomised so their mapping is
+    tested) and a small BPE tokenizer; returns the parameters as numpy by path."""
+    from titanax.data.tokenizer import train_bpe
+
+    mesh = single_device_mesh()
+    graphdef, state, _ = create_train_state(cfg, mesh, make_optimizer(cfg))
+    rng = np.random.default_rng(1)
+
+    def randomise(keypath, x):
+        names = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in keypath)
+        return x + 0.2 * rng.standard_normal(x.shape).astype(x.dtype) if "norm" in names else x
+
+    state["params"] = jax.tree_util.tree_map_with_path(randomise, state["params"])
+    ckpt = Checkpointer(workdir / "checkpoints", CheckpointConfig(async_save=False))
+    ckpt.save(0, state, data_state=None, config=cfg.to_dict())
+    ckpt.close()
+    docs = [TEXT * 3, "import os\nprint(os.getcwd())\n" * 5, "class A:\n    pass\n" * 4]
+    train_bpe(docs, 300, workdir / "tokenizer.json")
+    return _params_by_path(state["params"])
+
+
+def titanax_logits(cfg, graphdef, params, tokens) -> np.ndarray:
+    with model_context(single_device_mesh()):
+        logits, _ = nnx.merge(graphdef, params)(jnp.asarray(tokens))
+    return np.asarray(logits)
+
+
+def load_run(workdir):
+    from titanax.generate import load_for_inference
+
+    cfg, graphdef, params, _ = load_for_inference(workdir)
+    return cfg, graphdef, params
+
+
+@pytest.fixture(scope="module")
+def peer(tmp_path_factory):
+    """One transformers subprocess for the module: loads our export, and makes, saves and
+    scores a random transformers Llama."""
+    tmp = tmp_path_factory.mktemp("hf")
+    cfg = small_config()
+    run = tmp / "run"
+    original = _make_run(run, cfg)
+    # A small shard limit, so the export is several shards joined by the index.
+    exported = export_hf(run, tmp / "export", dtype="float32", max_shard_bytes=60_000,
+                         progress=False)
+    tokens = np.random.default_rng(0).integers(0, 384, (2, 48)).astype(np.int32)
+    np.save(tmp / "tokens.npy", tokens)
+    run_jobs("llama_peer.py", [
+        {"op": "logits", "dir": str(tmp / "export"), "tokens": str(tmp / "tokens.npy"),
+         "out": str(tmp / "export_logits.npy"), "text": TEXT, "tok_out": str(tmp / "tok.json")},
+        {"op": "make", "dir": str(tmp / "hf_random"), "config": HF_CONFIG, "seed": 0,
+         "tokens": str(tmp / "tokens.npy"), "out": str(tmp / "random_logits.npy")},
+    ], tmp)
+    return types.SimpleNamespace(tmp=tmp, cfg=cfg, run=run, original=original, tokens=tokens,
+                                 exported=exported)
+
+
+def test_export_gives_transformers_logits(peer):
+    cfg, graphdef, params = load_run(peer.run)
+    ours = titanax_logits(cfg, graphdef, params, peer.tokens)
+    theirs = np.load(peer.tmp / "export_logits.npy")
+    assert ours.std() > 0.5  # logits of a real size, not near-zero noise
+    np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=0)
+
+    out = peer.tmp / "export"
+    assert peer.exported.shards > 1
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {
+        f"model-{i:05d}-of-{peer.exported.shards:05d}.safetensors"
+        for i in range(1, peer.exported.shards + 1)}
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["rope_scaling"]["rope_type"] == "llama3" and config["rope_theta"] == 10000.0
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (4, 2)
+
+    from titanax.data.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(peer.run / "tokenizer.json")
+    hf_tok = json.loads((peer.tmp / "tok.json").read_text())
+    assert hf_tok["ids"] == tok.encode(TEXT)
+    assert (hf_tok["bos_token"], hf_tok["eos_token"]) == ("<|begin_of_text|>", "<|end_of_text|>")
+    assert (hf_tok["config_bos"], hf_tok["config_eos"]) == (tok.bos_id, tok.eos_id)
+    assert hf_tok["rope"]["rope_type"] == "llama3" and hf_tok["rope"]["factor"] == 8.0
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert gen == {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
+
+
+def test_import_gives_transformers_logits(peer, tmp_path):
+    hf_dir = peer.tmp / "hf_random"
+    assert (hf_dir / "model.safetensors").is_file()  # the single-file layout
+    import_hf(hf_dir, peer.cfg, tmp_path / "imported", devices=jax.devices()[:1],
+              progress=False, log=lambda *_: None)
+    cfg, graphdef, params = load_run(tmp_path / "imported")
+    ours = titanax_logits(cfg, graphdef, params, peer.tokens)
+    theirs = np.load(peer.tmp / "random_logits.npy")
+    assert theirs.std() > 0.5
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+
+
+def test_export_then_import_is_the_identity(peer, tmp_path):
+    # Imported into a sharded state (fsdp=2, tensor=2), read back without restoring.
+    cfg = apply_overrides(peer.cfg, {"mesh.fsdp": 2, "mesh.tensor": 2})
+    work = tmp_path / "roundtrip"
+    import_hf(peer.tmp / "export", cfg, work, devices=jax.devices()[:4], progress=False,
+              log=lambda *_: None)
+    reader = CheckpointReader(work / "checkpoints")
+    assert reader.step == 0 and set(reader.params()) == set(peer.original)
+    for path, value in peer.original.items():
+        np.testing.assert_array_equal(reader.read(path), value, err_msg=".".join(path))
+    # The tokenizer came along, and the saved config points at it.
+    assert (work / "hf_tokenizer" / "tokenizer.json").is_file()
+    assert reader.config_dict["data"]["tokenizer"] == str(work / "hf_tokenizer" / "tokenizer.json")
+
+    # bfloat16 export of the round-tripped run: HF's rounding of the same values, and the
+    # safetensors package reads our streamed files.
+    out = tmp_path / "bf16"
+    export_hf(work, out, dtype="bfloat16", progress=False)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shard = out / index["weight_map"]["model.layers.1.self_attn.q_proj.weight"]
+    header, meta = read_header(shard)
+    assert meta == {"format": "pt"} and {i.dtype for i in header.values()} == {"BF16"}
+    q = read_tensor(shard, header["model.layers.1.self_attn.q_proj.weight"])
+    want = peer.original[("layers", "wq")][1].reshape(64, 64).T.astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(q, want)
+    from safetensors.numpy import load_file
+
+    f32_shard = peer.tmp / "export" / json.loads(
+        (peer.tmp / "export" / "model.safetensors.index.json").read_text())["weight_map"]["lm_head.weight"]
+    np.testing.assert_array_equal(load_file(f32_shard)["lm_head.weight"],
+                                  peer.original[("output",)].T)
+    assert (out / "tokenizer_config.json").read_text() == (
+        peer.tmp / "export" / "tokenizer_config.json").read_text()
+
+
+def test_training_resumes_from_an_import(peer, tmp_path):
+    from titanax.data.pipeline import build_data
+    from titanax.train.loop import train
+    from titanax.train.step import token_nll
+
+    cfg = apply_overrides(peer.cfg, {"train.steps": 1, "train.log_every": 1,
+                                     "checkpoint.every_steps": 0, "optim.lr": 1e-3,
+                                     "train.peak_flops": 1e12})  # no CPU FLOP/s probe
+    work = tmp_path / "finetune"
+    import_hf(peer.tmp / "hf_random", cfg, work, devices=jax.devices()[:1], progress=False,
+              log=lambda *_: None)
+    _, graphdef, params = load_run(work)
+    batch = next(build_data(cfg, work, 0, 1).train_iterator())
+    with model_context(single_device_mesh()):
+        want = float(token_nll(graphdef, params, {k: jnp.asarray(v) for k, v in batch.items()},
+                               document_masking=cfg.data.document_masking).mean())
+    logs = []
+    result = train(cfg, work, log=logs.append, devices=jax.devices()[:1])
+    assert any("resumed from" in line and "/0 at step 0" in line for line in logs), logs
+    np.testing.assert_allclose(result.losses[1], want, rtol=1e-5)
+
+
+def _write_hf(folder: pathlib.Path, tensors: dict, config: dict) -> pathlib.Path:
+    from safetensors.numpy import save_file
+
+    folder.mkdir(parents=True)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_malformed_hf_folders_fail_before_writing(peer, tmp_path):
+    from safetensors.numpy import load_file
+
+    good = load_file(str(peer.tmp / "hf_random" / "model.safetensors"))
+    config = json.loads((peer.tmp / "hf_random" / "config.json").read_text())
+    q0, up1 = "model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.up_proj.weight"
+    k1 = "model.layers.1.self_attn.k_proj.weight"
+    cases = {
+        "missing": ({k: v for k, v in good.items() if k != up1}, config,
+                    rf"tensor {up1} is missing \(expected shape \[160, 64\]\)"),
+        "shape": ({**good, q0: good[q0][:60]}, config,
+                  rf"tensor {q0}: expected shape \[64, 64\] from the config, found \[60, 64\]"),
+        "dtype": ({**good, k1: good[k1].astype(np.float16)}, config,
+                  rf"tensor {k1}: expected dtype F32 .*found F16"),
+        "config": (good, {**config, "num_key_value_heads": 4},
+                   r"model.n_kv_heads=2 but config.json says 4 \(--set model.n_kv_heads=4\)"),
+        "extra": ({**good, "model.layers.2.mlp.up_proj.weight": good[up1]}, config,
+                  r"unexpected tensor model.layers.2.mlp.up_proj.weight"),
+    }
+    for case, (tensors, cfg_json, message) in cases.items():
+        folder = _write_hf(tmp_path / case, tensors, cfg_json)
+        work = tmp_path / f"work_{case}"
+        with pytest.raises(HFImportError, match=message):
+            import_hf(folder, peer.cfg, work, devices=jax.devices()[:1], progress=False)
+        assert not work.exists(), case
+
+    truncated = tmp_path / "truncated"
+    shutil.copytree(peer.tmp / "hf_random", truncated)
+    f = truncated / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-1000])
+    with pytest.raises(HFImportError, match=r"truncated"):
+        import_hf(truncated, peer.cfg, tmp_path / "work_trunc", progress=False)
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "pytorch_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(HFImportError, match=r"pickled weights, which titanax never loads"):
+        import_hf(pickled, peer.cfg, tmp_path / "work_pickled", progress=False)
+    assert not (tmp_path / "work_trunc").exists() and not (tmp_path / "work_pickled").exists()
+
+
+def test_export_errors_and_sizes(peer, tmp_path, capsys):
+    from launch.export_hf import main
+
+    with pytest.raises(SystemExit):
+        main(["--workdir", str(peer.run), "--out", str(peer.tmp / "export")])  # not empty
+    assert "exists and is not an empty folder" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--workdir", str(peer.run), "--out", str(tmp_path / "x"), "--step", "7"])
+    assert "no checkpoint for step 7 under" in (err := capsys.readouterr().err)
+    assert "steps present: [0]" in err
+    with pytest.raises(SystemExit):
+        main(["--workdir", str(tmp_path / "nothing"), "--out", str(tmp_path / "y")])
+    assert "no checkpoint under" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 2**30
+    assert parse_size("1500") == 1500 and parse_size("0.5MB") == 500_000
+    with pytest.raises(ValueError, match="expected a number"):
+        parse_size("5 gigs")
+
+
+def test_tied_embeddings_become_the_output_layer(peer, tmp_path):
+    from safetensors.numpy import load_file
+
+    tensors = load_file(str(peer.tmp / "hf_random" / "model.safetensors"))
+    del tensors["lm_head.weight"]
+    config = {**json.loads((peer.tmp / "hf_random" / "config.json").read_text()),
+              "tie_word_embeddings": True}
+    folder = _write_hf(tmp_path / "tied", tensors, config)
+    import_hf(folder, peer.cfg, tmp_path / "work", devices=jax.devices()[:1], progress=False,
+              log=lambda *_: None)
+    reader = CheckpointReader(tmp_path / "work" / "checkpoints")
+    np.testing.assert_array_equal(reader.read(("output",)),
+                                  tensors["model.embed_tokens.weight"].T)

@@ -1,0 +1,94 @@
+"""Exact resume through the command line: a run SIGKILLed at three different points and once
+SIGTERMed, restarted each time with the same command, logs the same per-step losses (bitwise)
+as a run never interrupted. CPU, one device, deterministic."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from tests.test_checkpoint import seed_data
+from tests.test_train import ROOT, SMALL
+
+STEPS = 20
+SETS = [f"--set={k}={v}" for k, v in {
+    **SMALL, "train.steps": STEPS, "train.log_every": 1, "train.eval_every": 0,
+    "train.progress_bar": False, "optim.warmup_steps": 2, "checkpoint.every_steps": 2,
+    "checkpoint.keep": 2}.items()]
+
+
+def _start(workdir, log_name):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    out = open(workdir / log_name, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "launch.train", "--workdir", str(workdir),
+                             "--host-devices", "1", *SETS], cwd=ROOT, env=env, stdout=out,
+                            stderr=subprocess.STDOUT)
+    return proc, out
+
+
+def _logged_steps(workdir) -> list[int]:
+    path = workdir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    steps = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a row being written
+        if "loss" in row:
+            steps.append(row["step"])
+    return steps
+
+
+def _run_until(workdir, step, sig, log_name):
+    """Starts the run, sends `sig` once a training row for `step` or later is logged."""
+    proc, out = _start(workdir, log_name)
+    deadline = time.time() + 300
+    try:
+        while max(_logged_steps(workdir), default=0) < step:
+            assert proc.poll() is None, (workdir / log_name).read_text()[-3000:]
+            assert time.time() < deadline, "the run never got there"
+            time.sleep(0.02)
+        proc.send_signal(sig)
+        return proc.wait(timeout=300), (workdir / log_name).read_text()
+    finally:
+        proc.kill()
+        out.close()
+
+
+def _losses(workdir) -> dict[int, float]:
+    rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows if "loss" in r]
+    assert len(steps) == len(set(steps)), f"steps logged twice: {steps}"
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def test_killed_and_preempted_run_resumes_exactly(tmp_path):
+    ref = seed_data(tmp_path / "ref")
+    proc, out = _start(ref, "log.txt")
+    assert proc.wait(timeout=600) == 0, (ref / "log.txt").read_text()[-3000:]
+    out.close()
+    want = _losses(ref)
+    assert sorted(want) == list(range(1, STEPS + 1))
+
+    work = seed_data(tmp_path / "work")
+    # Each target lies past what the previous, killed process could have logged, so the row
+    # watched for is always the new process's own.
+    for i, target in enumerate((3, 8, 13)):
+        rc, _ = _run_until(work, target, signal.SIGKILL, f"kill{i}.txt")
+        assert rc == -signal.SIGKILL
+    rc, text = _run_until(work, 17, signal.SIGTERM, "term.txt")
+    assert rc == 0, text[-3000:]
+    assert "resumed from" in text and "preempted (SIGTERM): saved a checkpoint at step" in text
+    stopped = int(text.split("saved a checkpoint at step ")[1].split()[0])
+    assert (work / "checkpoints" / str(stopped) / "titanax_manifest.json").is_file()
+    assert max(_logged_steps(work)) == stopped < STEPS
+
+    proc, out = _start(work, "final.txt")
+    assert proc.wait(timeout=600) == 0, (work / "final.txt").read_text()[-3000:]
+    out.close()
+    assert f"at step {stopped}" in (work / "final.txt").read_text()
+    assert _losses(work) == want  # bitwise: every step, once
