@@ -16,14 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels.flash_attention import flash_attention
 from pallas_kernels.flash_attention.api import mosaic_unsupported
+from titanax.perf.timing import median_call_seconds
 
 HQ, HKV, D = 64, 8, 128
 
@@ -41,17 +40,6 @@ def _default_impls():
     return impls + ["triton", "cudnn", "xla"]
 
 
-def _time(fn, args, iters):
-    jax.block_until_ready(fn(*args))  # compile + warm-up
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def bench_one(impl, B, S, *, causal, iters):
     ks = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(ks[0], (B, S, HQ, D), jnp.bfloat16)
@@ -61,8 +49,8 @@ def bench_one(impl, B, S, *, causal, iters):
     fwd = jax.jit(attn)
     fwd_bwd = jax.jit(jax.grad(lambda q, k, v: attn(q, k, v).astype(jnp.float32).sum(),
                                argnums=(0, 1, 2)))
-    t_fwd = _time(fwd, (q, k, v), iters)
-    t_all = _time(fwd_bwd, (q, k, v), iters)
+    t_fwd = median_call_seconds(fwd, (q, k, v), iters)
+    t_all = median_call_seconds(fwd_bwd, (q, k, v), iters)
     f_fwd, f_bwd = attention_flops(B, S, HQ, D, causal=causal)
     t_bwd = max(t_all - t_fwd, 1e-9)
     return {"impl": impl, "batch": B, "seq": S, "causal": causal, "fwd_ms": t_fwd * 1e3,

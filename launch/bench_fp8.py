@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
+
+from titanax.perf.timing import median_call_seconds
 
 SHAPES = [(8192, 8192), (8192, 28672), (28672, 8192)]  # (K in, N out) of Llama-3-70B's GEMMs
 
@@ -31,19 +31,6 @@ def _default_impls(jax) -> list[str]:
         return ["bf16", "xla_fp8"]
     major = int(str(getattr(dev, "compute_capability", "0.0")).split(".")[0])
     return ["bf16", "xla_fp8", "sm90"] if major == 9 else ["bf16", "xla_fp8", "xla_mx"]
-
-
-def _time(fn, args, iters: int) -> float:
-    """Median seconds per call after one warm-up (compile) call."""
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def main(argv=None) -> None:
@@ -91,7 +78,7 @@ def main(argv=None) -> None:
         for impl in impls:
             fn, fargs = cases[impl]
             try:
-                sec = _time(fn, fargs, args.iters)
+                sec = median_call_seconds(fn, fargs, args.iters)
             except Exception as e:  # noqa: BLE001 - report and go on: one table, one run
                 print(f"  {impl} at {m}x{k}->{n} failed: {type(e).__name__}: {str(e)[:200]}",
                       file=sys.stderr)
