@@ -4,16 +4,13 @@ packed documents (segment ids) and a KV-cache decode that falls back to xla."""
 
 import pathlib
 
-import jax
 import numpy as np
 import pytest
 
 from titanax.config import ConfigError, apply_overrides, load_config
-from titanax.parallel.mesh import build_mesh
 from titanax.parallel.rules import model_context
-from titanax.train.optim import lr_schedule, make_optimizer
-from titanax.train.state import create_train_state
-from titanax.train.step import make_train_step
+
+from test_train import single_device_step
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TINY = {"model.d_model": 64, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2,
@@ -25,10 +22,7 @@ TINY = {"model.d_model": 64, "model.n_layers": 2, "model.n_heads": 4, "model.n_k
 def _losses(impl, steps=10):
     cfg = apply_overrides(load_config(ROOT / "configs" / "tiny.py"),
                           {**TINY, "model.attention_impl": impl})
-    mesh = build_mesh(cfg.mesh, devices=jax.devices()[:1])
-    tx = make_optimizer(cfg)
-    graphdef, state, _ = create_train_state(cfg, mesh, tx)
-    step = jax.jit(make_train_step(cfg, graphdef, tx, lr_schedule(cfg)))
+    mesh, state, step = single_device_step(cfg)
     rng = np.random.default_rng(0)
     B, S = cfg.train.batch_size, cfg.train.seq_len
     # Two packed documents per row, the boundary off the kernel's block grid.

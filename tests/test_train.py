@@ -13,8 +13,7 @@ from titanax.config import Config, apply_overrides, load_config
 from titanax.parallel.mesh import build_mesh
 from titanax.parallel.rules import model_context
 from titanax.train.optim import decay_mask, lr_schedule, make_optimizer
-from titanax.train.state import create_train_state
-from titanax.train.step import make_train_step
+from titanax.train.state import create_train_state, jit_train_step
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -49,11 +48,16 @@ def test_short_training_run_loss_falls(tmp_path):
     assert (tmp_path / "checkpoints" / "80").is_dir()
 
 
-def _one_step(cfg):
+def single_device_step(cfg):
+    """(mesh, initial state, the train step jitted as the loop jits it) on one device."""
     mesh = build_mesh(cfg.mesh, devices=jax.devices()[:1])
     tx = make_optimizer(cfg)
-    graphdef, state, _ = create_train_state(cfg, mesh, tx)
-    step = jax.jit(make_train_step(cfg, graphdef, tx, lr_schedule(cfg)))
+    graphdef, state, shardings = create_train_state(cfg, mesh, tx)
+    return mesh, state, jit_train_step(cfg, mesh, graphdef, shardings, tx, lr_schedule(cfg))
+
+
+def _one_step(cfg):
+    mesh, state, step = single_device_step(cfg)
     rng = np.random.default_rng(0)
     B, S = cfg.train.batch_size, cfg.train.seq_len
     toks = rng.integers(0, cfg.model.vocab_size, (B, S + 1)).astype(np.int32)
