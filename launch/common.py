@@ -18,13 +18,42 @@ def add_host_devices_flag(p: argparse.ArgumentParser) -> None:
                    help="simulate N CPU devices (testing meshes without GPUs)")
 
 
-def setup_jax(host_devices: int) -> None:
-    """Must run before jax touches a backend."""
+def add_distributed_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("multi-process (detected from SLURM or TITANAX_*/JAX_* env vars "
+                             "when not given)")
+    g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="address of process 0's coordination service")
+    g.add_argument("--num-processes", type=int, default=None, metavar="N")
+    g.add_argument("--process-id", type=int, default=None, metavar="I")
+    g.add_argument("--heartbeat-timeout", type=int, default=60, metavar="SECONDS",
+                   help="a process silent this long counts as dead and stops the others")
+
+
+def setup_jax(host_devices: int, args: argparse.Namespace | None = None) -> None:
+    """Must run before jax is imported: simulated CPU devices, then (when the run is
+    multi-process: `args`' distributed flags, the env or SLURM) a process guard and
+    jax.distributed."""
+    spec = None
+    if args is not None and hasattr(args, "coordinator"):
+        from titanax import distributed
+
+        try:
+            spec = distributed.resolve_processes(args.coordinator, args.num_processes,
+                                                 args.process_id)
+        except distributed.DistributedError as e:
+            fail(str(e))
+    if spec is not None:
+        from titanax.process_guard import guard
+
+        guard(spec.process_id, spec.num_processes)  # forks; the child returns and trains
     import jax
 
     if host_devices:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", host_devices)
+    if spec is not None:
+        print(f"titanax: starting {spec.describe()}", file=sys.stderr, flush=True)
+        distributed.initialize(spec, heartbeat_timeout_s=args.heartbeat_timeout)
 
 
 def fail(msg: str) -> None:

@@ -1,5 +1,10 @@
 """python -m launch.train [--config FILE.py|FILE.gin] [--set section.field=value ...]
-                          [--workdir DIR] [--host-devices N]"""
+                          [--workdir DIR] [--host-devices N]
+                          [--coordinator HOST:PORT --num-processes N --process-id I]
+
+Exit status: 0 when train.steps are done, 75 (EX_TEMPFAIL) when stopped by SIGTERM/SIGUSR1
+after saving a checkpoint (rerun the same command, or requeue the job, to resume), 1 when
+training diverged or a process was lost, 2 for a configuration error."""
 
 from __future__ import annotations
 
@@ -7,8 +12,10 @@ import argparse
 import pathlib
 import sys
 
-from launch.common import add_config_flags, add_host_devices_flag, fail, setup_jax
+from launch.common import (add_config_flags, add_distributed_flags, add_host_devices_flag, fail,
+                           setup_jax)
 
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: a checkpoint is saved, run again to resume
 DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parent.parent / "configs" / "tiny.py"
 
 
@@ -16,6 +23,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m launch.train", description=__doc__)
     add_config_flags(p, default_config=str(DEFAULT_CONFIG))
     add_host_devices_flag(p)
+    add_distributed_flags(p)
     p.add_argument("--workdir", default=None, help="run folder (default runs/<config name>)")
     args = p.parse_args(argv)
 
@@ -26,17 +34,19 @@ def main(argv=None) -> None:
     except ConfigError as e:
         fail(str(e))
     workdir = args.workdir or f"runs/{pathlib.Path(args.config).stem}"
-    setup_jax(args.host_devices)
+    setup_jax(args.host_devices, args)
 
     from titanax.train.loop import TrainingDiverged, train
 
     try:
-        train(cfg, workdir)
+        result = train(cfg, workdir)
     except ConfigError as e:
         fail(str(e))
     except TrainingDiverged as e:  # the message names the steps and what to change
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1) from None
+    if result.preempted:
+        raise SystemExit(EXIT_PREEMPTED)
 
 
 if __name__ == "__main__":

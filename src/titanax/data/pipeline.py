@@ -51,16 +51,14 @@ class Data:
     val_windows: object
     eos_id: int | None
     summary: str
-    process_index: int = 0
-    process_count: int = 1
+    rows: slice  # this process's rows of every global batch
 
     @property
     def local_batch(self) -> int:
-        return self.cfg.train.batch_size // self.process_count
+        return self.rows.stop - self.rows.start
 
     def _local_rows(self) -> slice:
-        lo = self.process_index * self.local_batch
-        return slice(lo, lo + self.local_batch)
+        return self.rows
 
     def _pack(self, windows) -> dict:
         masking = self.cfg.data.document_masking
@@ -103,12 +101,18 @@ class Data:
 
 
 def build_data(cfg: Config, workdir: str | pathlib.Path, process_index: int = 0,
-               process_count: int = 1) -> Data:
-    if cfg.train.batch_size % process_count:
-        raise ConfigError(f"train.batch_size: {cfg.train.batch_size} is not divisible by the "
-                          f"{process_count} processes; use a multiple of {process_count}")
-    if not 0 <= process_index < process_count:
-        raise ValueError(f"process_index {process_index} outside [0, {process_count})")
+               process_count: int = 1, rows: slice | None = None) -> Data:
+    """rows: this process's rows of each global batch (the loop derives them from the batch
+    sharding); by default process i of n takes the i-th of n equal contiguous blocks."""
+    if rows is None:
+        if cfg.train.batch_size % process_count:
+            raise ConfigError(f"train.batch_size: {cfg.train.batch_size} is not divisible by "
+                              f"the {process_count} processes; use a multiple of "
+                              f"{process_count}")
+        if not 0 <= process_index < process_count:
+            raise ValueError(f"process_index {process_index} outside [0, {process_count})")
+        local = cfg.train.batch_size // process_count
+        rows = slice(process_index * local, (process_index + 1) * local)
     workdir = pathlib.Path(workdir)
     source = cfg.data.source
     if source == "synthetic":
@@ -127,7 +131,7 @@ def build_data(cfg: Config, workdir: str | pathlib.Path, process_index: int = 0,
         raise DataError(f"data.source={source!r}: the training split has {len(train_stream)} "
                         f"tokens, less than one window of train.seq_len+1={seq_len + 1}; "
                         "lower train.seq_len or use more data")
-    return Data(cfg, tokenizer, train_w, val_w, eos_id, summary, process_index, process_count)
+    return Data(cfg, tokenizer, train_w, val_w, eos_id, summary, rows)
 
 
 def _synthetic(cfg: Config):

@@ -129,6 +129,33 @@ def _drop_metrics_from(workdir: pathlib.Path, step: int) -> None:
     tmp.replace(path)
 
 
+def _process_rows(sharding: NamedSharding, global_bs: int, seq_len: int) -> slice:
+    """The rows of each global batch that this process's devices hold: the only rows it
+    loads. Usually a contiguous block (build_mesh orders devices by process); all rows where
+    processes replicate the batch (pipeline stages on different hosts)."""
+    rows = set()
+    for index in sharding.addressable_devices_indices_map((global_bs, seq_len)).values():
+        rows.update(range(*index[0].indices(global_bs)))
+    lo, hi = min(rows), max(rows) + 1
+    if len(rows) != hi - lo:
+        raise ConfigError(f"this process's devices hold non-contiguous batch rows {sorted(rows)}; "
+                          "use a mesh whose data/fsdp axes give each process one block of rows "
+                          "(mesh.nvlink_domain = devices per process)")
+    return slice(lo, hi)
+
+
+def _build_data_in_turn(cfg: Config, workdir: pathlib.Path, rows: slice):
+    """Process 0 first (it trains the tokenizer and writes the token caches in the shared
+    workdir), then the others, which find them; no two processes write one file."""
+    if jax.process_count() == 1:
+        return build_data(cfg, workdir, rows=rows)
+    from jax.experimental import multihost_utils
+
+    data = build_data(cfg, workdir, rows=rows) if jax.process_index() == 0 else None
+    multihost_utils.sync_global_devices("titanax: data caches written")
+    return data or build_data(cfg, workdir, rows=rows)
+
+
 def _global_batch(batch: dict, sharding: NamedSharding, global_batch_size: int) -> dict:
     """Process-local rows -> one global array per key, sharded over the batch axis."""
     out = {}
@@ -146,10 +173,20 @@ def _evaluate(eval_fn, params, val_batches, sharding, global_bs) -> float:
     return total / max(count, 1.0)
 
 
+def _describe_processes() -> str:
+    n = jax.process_count()
+    if n == 1:
+        return "1 process"
+    return (f"{n} processes (jax.distributed), {jax.local_device_count()} local device(s) "
+            "each; this log is process 0's")
+
+
 def train(cfg: Config, workdir: str | pathlib.Path, *, log=print, devices=None) -> RunResult:
     """Runs (or resumes) training in workdir; devices defaults to all of jax.devices()."""
     workdir = pathlib.Path(workdir)
     is_main = jax.process_index() == 0
+    if not is_main:  # one process speaks for the run; errors still raise everywhere
+        log = lambda *_a, **_k: None  # noqa: E731
     if is_main:
         workdir.mkdir(parents=True, exist_ok=True)
         (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
@@ -159,7 +196,10 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, log=print, devices=None) 
     if cfg.train.batch_size % batch_ways:
         raise ConfigError(f"train.batch_size={cfg.train.batch_size} must be divisible by "
                           f"mesh data x fsdp = {batch_ways}")
-    data = build_data(cfg, workdir, jax.process_index(), jax.process_count())
+    batch_sharding = NamedSharding(mesh, activation_spec(("batch", "seq")))
+    data = _build_data_in_turn(cfg, workdir, _process_rows(batch_sharding,
+                                                           cfg.train.batch_size,
+                                                           cfg.train.seq_len))
     tx = make_optimizer(cfg)
     schedule = lr_schedule(cfg)
     ckpt = Checkpointer(workdir / "checkpoints", cfg.checkpoint)
@@ -172,7 +212,8 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, log=print, devices=None) 
     log(f"titanax: {n_params:,} parameters ({n_no_embed:,} without the input embedding)\n"
         f"  {M.FLOP_FORMULA} = {fpt:.4g} at S={cfg.train.seq_len}\n"
         f"  peak {peak / 1e9:.1f} GFLOP/s per device from {peak_src}\n"
-        f"  {describe_mesh(mesh)}\n  data: {data.describe()}\n{format_config(cfg)}")
+        f"  {_describe_processes()}\n  {describe_mesh(mesh)}\n  data: {data.describe()}\n"
+        f"{format_config(cfg)}")
 
     # State: resume from this workdir's newest intact checkpoint, else checkpoint.restore,
     # else init. The abstract state carries this run's mesh, so restoring reshards.
@@ -207,7 +248,6 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, log=print, devices=None) 
     if is_main:  # step 0 is evaluated again by a run that starts there
         _drop_metrics_from(workdir, start_step + 1 if start_step else 0)
 
-    batch_sharding = NamedSharding(mesh, activation_spec(("batch", "seq")))
     step_fn = jit_train_step(cfg, mesh, graphdef, shardings, tx, schedule)
     eval_fn = jax.jit(make_eval_step(cfg, graphdef),
                       in_shardings=(shardings["params"], batch_sharding))

@@ -60,4 +60,6 @@ class PreemptionWatch:
         return bool(np.any(flags))
 
     def describe(self) -> str:
-        return signal.Signals(self.received).name if self.received is not None else "none"
+        if self.received is not None:
+            return signal.Signals(self.received).name
+        return "a stop signal sent to another process"
