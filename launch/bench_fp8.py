@@ -8,9 +8,10 @@ elementwise passes XLA fuses into the producers). One run prints a table and wri
 
 impls: bf16 (jnp.dot, bf16 in, f32 accumulate, bf16 out), xla_fp8 (tensorwise e4m3 dot through
 XLA: cuBLASLt on Hopper), sm90 (our wgmma kernel, tensorwise), xla_mx (jax.nn.scaled_matmul,
-MXFP8: cuDNN on Blackwell), pallas_grid (the portable grid kernel; interpret mode on CPU, so
-only with a large --scale). Default: what the platform runs (GPU sm_90: bf16 xla_fp8 sm90;
-sm_100: bf16 xla_fp8 xla_mx; CPU: bf16 xla_fp8).
+MXFP8: cuDNN on Blackwell), sm100 (our block-scaled tcgen05 kernel, MXFP8), pallas_grid (the
+portable grid kernel; interpret mode on CPU, so only with a large --scale). Default: what the
+platform runs (GPU sm_90: bf16 xla_fp8 sm90; sm_100: bf16 xla_fp8 xla_mx sm100; CPU: bf16
+xla_fp8).
 `--scale S` divides every dimension by S (a CPU smoke run: --scale 32).
 """
 
@@ -30,7 +31,7 @@ def _default_impls(jax) -> list[str]:
     if dev.platform != "gpu":
         return ["bf16", "xla_fp8"]
     major = int(str(getattr(dev, "compute_capability", "0.0")).split(".")[0])
-    return ["bf16", "xla_fp8", "sm90"] if major == 9 else ["bf16", "xla_fp8", "xla_mx"]
+    return ["bf16", "xla_fp8", "sm90"] if major == 9 else ["bf16", "xla_fp8", "xla_mx", "sm100"]
 
 
 def main(argv=None) -> None:
@@ -39,7 +40,7 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", type=int, default=8192, help="M: tokens per GEMM")
     p.add_argument("--scale", type=int, default=1, help="divide every dimension by this")
     p.add_argument("--impls", nargs="+", default=None,
-                   choices=["bf16", "xla_fp8", "sm90", "xla_mx", "pallas_grid"])
+                   choices=["bf16", "xla_fp8", "sm90", "xla_mx", "sm100", "pallas_grid"])
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", default="fp8_bench.json")
     args = p.parse_args(argv)
@@ -69,6 +70,7 @@ def main(argv=None) -> None:
             "xla_fp8": (jax.jit(lambda *t: fp8_matmul(*t, impl="xla")), (qa, sa, qb, sb)),
             "sm90": (jax.jit(lambda *t: fp8_matmul(*t, impl="sm90")), (qa, sa, qb, sb)),
             "xla_mx": (jax.jit(lambda *t: fp8_matmul(*t, impl="xla")), (ma, msa, mb, msb)),
+            "sm100": (jax.jit(lambda *t: fp8_matmul(*t, impl="sm100")), (ma, msa, mb, msb)),
             "pallas_grid": (jax.jit(lambda *t: fp8_matmul(*t, impl="pallas_grid",
                                                           interpret=dev.platform == "cpu")),
                             (qa, sa, qb, sb)),

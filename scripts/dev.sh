@@ -68,11 +68,31 @@ setup_cuda_plugin() {
   fi
 }
 
+# SLURM for tests/test_slurm.py (a local 2-node cluster runs launch/slurm/train.sbatch): Debian's
+# slurmctld, slurmd, slurm-client and munge, installed when missing and we are root with apt.
+# Without them (or on failure) those tests skip and say why; nothing else needs SLURM.
+setup_slurm() {
+  if command -v slurmctld >/dev/null 2>&1 && command -v slurmd >/dev/null 2>&1 \
+     && command -v sbatch >/dev/null 2>&1 && command -v munged >/dev/null 2>&1; then
+    return 0
+  fi
+  if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+    echo "note: SLURM is not installed and this is not root with apt-get; the SLURM tests will skip" >&2
+    return 0
+  fi
+  echo "installing SLURM for the SLURM tests (apt-get: slurmctld slurmd slurm-client munge)" >&2
+  if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+           slurmctld slurmd slurm-client munge >/dev/null; }; then
+    echo "note: could not install SLURM; the SLURM tests will skip" >&2
+  fi
+  return 0
+}
+
 cmd=${1:-test}; shift || true
 setup
 case "$cmd" in
   setup) setup_torch ;;
   train) exec .venv/bin/python -m launch.train "$@" ;;
-  test)  setup_torch; setup_cuda_plugin; exec .venv/bin/python -m pytest -q "$@" ;;
+  test)  setup_torch; setup_cuda_plugin; setup_slurm; exec .venv/bin/python -m pytest -q "$@" ;;
   *) echo "usage: bash scripts/dev.sh train|test|setup [args...]" >&2; exit 2 ;;
 esac

@@ -9,7 +9,7 @@ Any S and T: inputs are padded to whole blocks here and the padded keys masked i
 The forward saves the log-sum-exp; the backward recomputes P from it (FlashAttention-2).
 
 impl: "mosaic_sm90" (Hopper: TMA + wgmma, warp-specialized, FA3-style), "mosaic_sm100"
-(Blackwell: not implemented yet, raises; see docs/attention.md), "triton" (Pallas grid kernel; also
+(Blackwell: TMA + tcgen05 with scores and accumulator in TMEM, warp-specialized), "triton" (Pallas grid kernel; also
 the interpret-mode path on CPU), "cudnn" (jax.nn.dot_product_attention), "xla" (reference.py),
 "auto" (by platform, compute capability, dtype and head_dim; each fallback is logged once).
 """
@@ -25,12 +25,10 @@ import jax.numpy as jnp
 from . import kernel_bwd, kernel_fwd
 from .config import FlashConfig, default_config
 from .reference import attention_reference, mask_SxT
+from ..target import target_device, target_platform
 
 log = logging.getLogger(__name__)
 
-# Listed so asking for it explains itself rather than reading as a typo.
-SM100_MISSING = ("no tcgen05/TMEM (FA4-style) flash attention kernel yet; on Blackwell use "
-                 "'cudnn' (what 'auto' picks) or 'triton'")
 IMPLS = ("auto", "mosaic_sm90", "mosaic_sm100", "triton", "cudnn", "xla")
 PALLAS_IMPLS = ("mosaic_sm90", "mosaic_sm100", "triton")
 
@@ -48,7 +46,8 @@ def _backend(impl: str):
         from . import kernel_sm90
         return kernel_sm90.flash_fwd, kernel_sm90.flash_bwd, kernel_sm90.pad_multiples
     if impl == "mosaic_sm100":
-        raise NotImplementedError(f"mosaic_sm100: {SM100_MISSING}")
+        from . import kernel_sm100
+        return kernel_sm100.flash_fwd, kernel_sm100.flash_bwd, kernel_sm100.pad_multiples
     raise ValueError(impl)
 
 
@@ -73,12 +72,12 @@ def resolve_impl(impl: str, dtype, head_dim: int, *, interpret: bool = False) ->
         return impl
     if interpret:
         return "triton"
-    platform = jax.default_backend()
+    platform = target_platform()
     if platform != "gpu":
         _log_once(f"flash_attention auto: platform {platform!r} has no Pallas GPU kernels; "
                   "using 'xla' (pass interpret=True or impl='triton' to run the kernels)")
         return "xla"
-    dev = jax.devices()[0]
+    dev = target_device()
     cc = getattr(dev, "compute_capability", "0.0")
     major = int(str(cc).split(".")[0])
     if major == 9:
@@ -87,8 +86,15 @@ def resolve_impl(impl: str, dtype, head_dim: int, *, interpret: bool = False) ->
             return "mosaic_sm90"
         _log_once(f"flash_attention auto: {why}; using 'triton'")
         return "triton"
-    if major >= 10:
-        _log_once(f"flash_attention auto: compute capability {cc}: {SM100_MISSING}")
+    if major == 10:
+        why = mosaic_unsupported("mosaic_sm100", dtype, head_dim)
+        if why is None:
+            return "mosaic_sm100"
+        _log_once(f"flash_attention auto: {why}; using 'cudnn'")
+        return "cudnn"
+    if major > 10:
+        _log_once(f"flash_attention auto: compute capability {cc} has no titanax kernel yet; "
+                  "using 'cudnn'")
         return "cudnn"
     _log_once(f"flash_attention auto: compute capability {cc} (< 9.0) has no Mosaic kernel; "
               "using 'triton'")
@@ -115,7 +121,14 @@ def flash_attention(q, k, v, *, causal: bool = True, softmax_scale: float | None
                              f"{segment_ids.shape}, T={T}")
         segment_ids = segment_ids.astype(jnp.int32)
     scale = float(D ** -0.5 if softmax_scale is None else softmax_scale)
+    requested = impl
     impl = resolve_impl(impl, q.dtype, D, interpret=interpret)
+    if impl == "mosaic_sm100" and causal and segment_ids is not None:
+        from .kernel_sm100 import CAUSAL_SEGMENTS_MISSING
+        if requested != "auto":
+            raise ValueError(CAUSAL_SEGMENTS_MISSING)
+        _log_once(f"flash_attention auto: {CAUSAL_SEGMENTS_MISSING}")
+        impl = "cudnn"
 
     if impl == "xla":
         return attention_reference(q, k, v, causal=causal, softmax_scale=scale,
@@ -126,7 +139,7 @@ def flash_attention(q, k, v, *, causal: bool = True, softmax_scale: float | None
             mask = mask_SxT(S, T, causal=False, segment_ids=segment_ids)[:, None]
         return jax.nn.dot_product_attention(
             q, k, v, mask=mask, scale=scale, is_causal=causal,
-            implementation="cudnn" if jax.default_backend() == "gpu" else None)
+            implementation="cudnn" if target_platform() == "gpu" else None)
     if impl != "triton":
         why = mosaic_unsupported(impl, q.dtype, D)
         if why:

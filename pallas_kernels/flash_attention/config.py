@@ -57,6 +57,15 @@ _DEFAULTS = {
                                max_concurrent_steps=2),
     ("sm90", 256): FlashConfig(block_q=64, block_kv=64, block_q_bwd=64, block_kv_bwd=64,
                                max_concurrent_steps=2),
+    # sm100 (B200, 227 KiB smem, 512 TMEM columns): 128 query rows per CTA (block_q is fixed
+    # by TMEM's 128 lanes); SMEM holds Q (reused for the output), the K/V ring and one P tile:
+    # 192 KiB at head_dim 128 with 128-key tiles and 2 stages, 208 KiB at 256 with 64-key tiles.
+    ("sm100", 64): FlashConfig(block_q=128, block_kv=128, block_q_bwd=64, block_kv_bwd=64,
+                               max_concurrent_steps=4),
+    ("sm100", 128): FlashConfig(block_q=128, block_kv=128, block_q_bwd=64, block_kv_bwd=64,
+                                max_concurrent_steps=2),
+    ("sm100", 256): FlashConfig(block_q=128, block_kv=64, block_q_bwd=64, block_kv_bwd=64,
+                                max_concurrent_steps=2),
     ("triton", 64): FlashConfig(block_q=128, block_kv=64, block_q_bwd=64, block_kv_bwd=64,
                                 num_warps=4, num_stages=3),
     ("triton", 128): FlashConfig(block_q=128, block_kv=64, block_q_bwd=64, block_kv_bwd=64,
@@ -71,6 +80,6 @@ _INTERPRET = FlashConfig(block_q=128, block_kv=128, block_q_bwd=128, block_kv_bw
 def default_config(impl: str, head_dim: int, *, interpret: bool = False) -> FlashConfig:
     if interpret and impl == "triton":
         return _INTERPRET
-    family = "sm90" if impl in ("mosaic_sm90", "mosaic_sm100") else "triton"
+    family = {"mosaic_sm90": "sm90", "mosaic_sm100": "sm100"}.get(impl, "triton")
     hd = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
     return _DEFAULTS[(family, hd)]

@@ -20,6 +20,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from .kernel_fwd import block_mask, dot
 from .reference import MASK_VALUE
+from ..target import out_struct
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, scale, causal,
@@ -130,7 +131,7 @@ def flash_bwd(q, k, v, o, lse, do, q_seg, kv_seg, *, scale, causal, kv_len, conf
         grid=(Sp // bq, B, Hq),
         in_specs=dq_specs,
         out_specs=pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_shape=out_struct(q, q.shape, q.dtype),
         compiler_params=params, interpret=interpret, name="titanax_flash_bwd_dq",
     )(*args)
 
@@ -152,7 +153,7 @@ def flash_bwd(q, k, v, o, lse, do, q_seg, kv_seg, *, scale, causal, kv_len, conf
         grid=(Tp // bk, B, Hkv),
         in_specs=dkv_specs,
         out_specs=[kv_spec, kv_spec],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        out_shape=[out_struct(k, k.shape, k.dtype), out_struct(v, v.shape, v.dtype)],
         compiler_params=params, interpret=interpret, name="titanax_flash_bwd_dkv",
     )(*args)
     return dq, dk, dv

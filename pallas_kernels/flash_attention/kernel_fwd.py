@@ -18,6 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from .reference import MASK_VALUE
+from ..target import out_struct
 
 
 def dot(a, b, *, trans_a=False, trans_b=False):
@@ -112,8 +113,7 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
         in_specs=in_specs,
         out_specs=[pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
                    pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                   jax.ShapeDtypeStruct((B, Hq, Sp), jnp.float32)],
+        out_shape=[out_struct(q, q.shape, q.dtype), out_struct(q, (B, Hq, Sp), jnp.float32)],
         compiler_params=pltriton.CompilerParams(num_warps=num_warps,
                                                 num_stages=config.num_stages),
         interpret=interpret,

@@ -34,6 +34,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from ..target import out_struct
+
 # Finite and small enough that (score * log2(e)) cannot overflow to -inf in float32.
 MASK = -1e30
 LOG2E = math.log2(math.e)
@@ -292,8 +294,7 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
                               (s[0], (s[1], s[2], s[3]))),
             smem, *barriers, collective_axes="wg")
 
-    out_type = (jax.ShapeDtypeStruct(q.shape, dtype),
-                jax.ShapeDtypeStruct((B, Hq, Sp), jnp.float32))
+    out_type = (out_struct(q, q.shape, dtype), out_struct(q, (B, Hq, Sp), jnp.float32))
     args = (q, k, v) + ((q_seg, kv_seg) if has_seg else ())
     with _interpret_ctx(interpret):
         out, lse = plgpu.kernel(

@@ -1,13 +1,14 @@
 """fp8_matmul: one entry point, the kernel picked by scaling mode, platform and shape.
 
 impl:
-  'auto'        GPU sm_90: the wgmma kernel (tensorwise, whole tiles); anything else
-                (MX included: cuDNN's block-scaled GEMM on Blackwell): 'xla'.
+  'auto'        GPU sm_90: the wgmma kernel (tensorwise, whole tiles); GPU sm_100: the
+                block-scaled tcgen05 kernel (MX, whole tiles); anything else: 'xla'.
                 With interpret=True: the Pallas grid kernel in interpret mode.
   'xla'         XLA's own FP8 dot (cuBLASLt on Hopper; jax.nn.scaled_matmul for MX).
   'reference'   jnp upcast-and-dot (reference.py).
   'pallas_grid' the portable Pallas grid kernel (matmul_grid.py).
   'sm90'        the Hopper Mosaic GPU kernel (tensorwise only).
+  'sm100'       the Blackwell Mosaic GPU kernel (MX only: tcgen05 with e8m0 block scales).
 """
 
 from __future__ import annotations
@@ -15,15 +16,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.fp8 import matmul_grid, matmul_sm90
-from pallas_kernels.fp8.config import GridConfig, Sm90Config
+from pallas_kernels.fp8 import matmul_grid, matmul_sm90, matmul_sm100
+from pallas_kernels.fp8.config import GridConfig, Sm90Config, Sm100Config
 from pallas_kernels.fp8.reference import fp8_matmul_reference, fp8_matmul_xla, scaling_mode
+from pallas_kernels.target import target_device, target_platform
 
-IMPLS = ("auto", "xla", "reference", "pallas_grid", "sm90")
+IMPLS = ("auto", "xla", "reference", "pallas_grid", "sm90", "sm100")
 
 
 def _compute_capability() -> tuple[int, int] | None:
-    dev = jax.devices()[0]
+    dev = target_device()
     if dev.platform != "gpu" or not hasattr(dev, "compute_capability"):
         return None
     major, minor = str(dev.compute_capability).split(".")
@@ -42,6 +44,10 @@ def resolve_impl(impl: str, mode: str, m: int, n: int, k: int, *, interpret: boo
     if cc is not None and cc[0] == 9 and mode == "tensorwise":
         if matmul_sm90.supported(m, n, k, config if isinstance(config, Sm90Config) else Sm90Config()):
             return "sm90"
+    if cc is not None and cc[0] == 10 and mode == "mx":
+        if matmul_sm100.supported(m, n, k, config if isinstance(config, Sm100Config)
+                                  else Sm100Config()):
+            return "sm100"
     return "xla"
 
 
@@ -65,7 +71,14 @@ def fp8_matmul(a, a_scale, b, b_scale, out_dtype=jnp.bfloat16, *, impl: str = "a
     if impl == "pallas_grid":
         return matmul_grid.fp8_matmul_grid(a, a_scale, b, b_scale, out_dtype,
                                            config=config or GridConfig(),
-                                           interpret=bool(interpret) or jax.devices()[0].platform == "cpu")
+                                           interpret=bool(interpret) or target_platform() == "cpu")
+    if impl == "sm100":
+        if mode != "mx":
+            raise ValueError("the sm100 kernel takes MX (e8m0 block) scales; tensorwise runs "
+                             "through 'xla' on Blackwell")
+        # K-major B and its scales, as tcgen05 reads them; the transposes fuse into the cast.
+        return matmul_sm100.fp8_matmul_sm100(a, a_scale, b.T, b_scale.T, out_dtype,
+                                             config=config or Sm100Config())
     gpu_interpret = None if isinstance(interpret, bool) else interpret
     if mode != "tensorwise":
         raise ValueError("the sm90 kernel takes tensorwise scales; MX runs through 'xla'")

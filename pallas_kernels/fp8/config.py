@@ -73,3 +73,37 @@ class Sm90Config:
         if smem + self.tile_m * self.tile_n * 4 > 227 * 1024:
             raise ValueError(f"tiles need {smem} bytes of SMEM for operands plus the epilogue "
                              "tile, over Hopper's 227 KiB")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm100Config:
+    """Tiles of the Blackwell block-scaled tcgen05 kernel. The MMA takes M=128 per CTA, N a
+    multiple of 16 up to 256; e8m0 scales come in tiles of 128 rows x 128 elements of K, so
+    tile_m, tile_n and tile_k are multiples of 128. The float32 accumulator uses tile_n of
+    TMEM's 512 columns; the scales add tile_k/32 columns each."""
+
+    tile_m: int = 128
+    tile_n: int = 256
+    tile_k: int = 128
+    max_concurrent_steps: int = 3  # TMA stages in flight (4 overflow SMEM at 128x256x128)
+    epilogue_n: int = 64  # accumulator columns drained TMEM -> SMEM -> HBM at a time
+
+    def __post_init__(self):
+        if self.tile_m != 128:
+            raise ValueError(f"tile_m={self.tile_m}: one CTA's block-scaled MMA has M=128")
+        _check_multiple("tile_n", self.tile_n, 128)
+        if self.tile_n > 256:
+            raise ValueError(f"tile_n={self.tile_n}: tcgen05 takes N <= 256")
+        _check_multiple("tile_k", self.tile_k, 128)
+        _check_multiple("epilogue_n", self.epilogue_n, 16)
+        if self.tile_n % self.epilogue_n:
+            raise ValueError(f"epilogue_n={self.epilogue_n} must divide tile_n={self.tile_n}")
+        if self.max_concurrent_steps < 2:
+            raise ValueError("max_concurrent_steps must be >= 2 to overlap TMA and the MMA")
+        scales = (self.tile_m + self.tile_n) // 128 * (self.tile_k // 128) * 512
+        smem = self.max_concurrent_steps * ((self.tile_m + self.tile_n) * self.tile_k + scales)
+        epilogue = 2 * self.tile_m * self.epilogue_n * 4
+        if smem + epilogue > 227 * 1024:
+            raise ValueError(f"tiles need {smem + epilogue} bytes of SMEM (operand and scale "
+                             "stages plus the epilogue buffers), over Blackwell's 227 KiB; "
+                             "lower max_concurrent_steps or the tiles")

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.fp8.config import FP8_DTYPES, MX_BLOCK
 from pallas_kernels.fp8.quant import dequantize_mxfp8
+from pallas_kernels.target import target_platform
 
 
 def scaling_mode(a, a_scale, b, b_scale) -> str:
@@ -57,7 +58,7 @@ def fp8_matmul_xla(a, a_scale, b, b_scale, out_dtype=jnp.bfloat16) -> jax.Array:
                                   preferred_element_type=jnp.float32)
         scale = a_scale.astype(jnp.float32) * b_scale.astype(jnp.float32)
         return (acc * scale).astype(out_dtype)
-    if a.shape[1] % MX_BLOCK or jax.devices()[0].platform == "cpu":
+    if a.shape[1] % MX_BLOCK or target_platform() == "cpu":
         # Off GPU scaled_matmul is a slower composite of the same dequantize-and-dot.
         return fp8_matmul_reference(a, a_scale, b, b_scale, out_dtype)
     out = jax.nn.scaled_matmul(a[None], b.T[None], a_scale[None], b_scale.T[None],

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import importlib.util
 import math
 import pathlib
@@ -33,11 +34,19 @@ def _check_choice(field_name: str, value: str, choices: tuple[str, ...]) -> None
         _fail(field_name, f"{value!r} is not one of {list(choices)}.{hint}")
 
 
+@functools.lru_cache(maxsize=None)
+def _type_hints(cls) -> dict[str, type]:
+    # Resolving the string annotations is slow (they are compiled); the planner's search
+    # builds thousands of configs.
+    return typing.get_type_hints(cls)
+
+
 def _check_types(section: str, obj) -> None:
     """Field types as declared (ints accepted for floats), whatever built the object: a Python
     config, gin, --set or a checkpoint's JSON."""
+    hints = _type_hints(type(obj))
     for f in dataclasses.fields(obj):
-        typ = typing.get_type_hints(type(obj))[f.name]
+        typ = hints[f.name]
         value = getattr(obj, f.name)
         if typ is float and isinstance(value, int) and not isinstance(value, bool):
             object.__setattr__(obj, f.name, float(value))
@@ -54,7 +63,7 @@ def _check_positive(section: str, obj, *names: str) -> None:
 
 
 # 'auto': pallas_kernels.flash_attention picks the kernel by GPU generation (xla on a CPU).
-ATTENTION_IMPLS = ("xla", "cudnn", "triton", "mosaic_sm90", "auto")
+ATTENTION_IMPLS = ("xla", "cudnn", "triton", "mosaic_sm90", "mosaic_sm100", "auto")
 # FP8 recipes (pallas_kernels/fp8): the attention projections and the MLP run FP8 GEMMs; the
 # embedding, output layer, norms and softmax stay in model.dtype.
 MATMUL_PRECISIONS = ("default", "highest", "fp8_tensorwise", "fp8_delayed", "mxfp8")
@@ -359,7 +368,7 @@ SECTIONS: dict[str, type] = {
 # --- overrides -------------------------------------------------------------------------------
 
 def _field_types(cls) -> dict[str, type]:
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 

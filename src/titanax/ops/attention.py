@@ -3,11 +3,11 @@
 `impl` picks the backend by config (model.attention_impl): 'xla' is the reference written here
 (grouped-query attention without repeating K/V in memory, softmax in float32); 'cudnn' is
 jax.nn.dot_product_attention (cuDNN's fused kernel on GPU, XLA elsewhere); 'triton',
-'mosaic_sm90' and 'auto' go to pallas_kernels.flash_attention (Pallas flash kernels with their
-own backward; 'auto' picks by GPU generation, and on a CPU falls back to 'xla'). On a CPU the
-Pallas kernels run in interpret mode, which is slow and meant for tests. Decoding with a KV
-cache (q_offset / kv_valid_len) always takes the XLA path: the flash kernels are for training
-and prefill, where queries and keys are the same sequence.
+'mosaic_sm90', 'mosaic_sm100' and 'auto' go to pallas_kernels.flash_attention (Pallas flash
+kernels with their own backward; 'auto' picks by GPU generation, and on a CPU falls back to
+'xla'). On a CPU the Pallas kernels run in interpret mode, which is slow and meant for tests.
+Decoding with a KV cache (q_offset / kv_valid_len) always takes the XLA path: the flash
+kernels are for training and prefill, where queries and keys are the same sequence.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
+from pallas_kernels.target import target_platform
 
-FLASH_IMPLS = ("auto", "triton", "mosaic_sm90")
+FLASH_IMPLS = ("auto", "triton", "mosaic_sm90", "mosaic_sm100")
 
 _NEG_INF = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -89,7 +90,7 @@ def attention(q_BSHD, k_BTKD, v_BTKD, *, impl: str = "xla", causal: bool = True,
     if impl in FLASH_IMPLS and not decoding and kv_segment_ids is None and S == T:
         return pallas_kernels.flash_attention(
             q_BSHD, k_BTKD, v_BTKD, causal=causal, softmax_scale=softmax_scale,
-            segment_ids=segment_ids, impl=impl, interpret=jax.default_backend() == "cpu"
+            segment_ids=segment_ids, impl=impl, interpret=target_platform() == "cpu"
             and impl != "auto")
     if impl in FLASH_IMPLS:
         impl = "xla"
@@ -109,7 +110,7 @@ def attention(q_BSHD, k_BTKD, v_BTKD, *, impl: str = "xla", causal: bool = True,
         return xla_attention(q_BSHD, k_BTKD, v_BTKD, mask=mask, softmax_scale=scale,
                              causal_chunks=chunks)
     if impl == "cudnn":
-        on_gpu = jax.default_backend() == "gpu"
+        on_gpu = target_platform() == "gpu"
         return jax.nn.dot_product_attention(
             q_BSHD, k_BTKD, v_BTKD, mask=mask, scale=scale,
             implementation="cudnn" if on_gpu else None)

@@ -87,20 +87,26 @@ def split_degrees(degrees: dict[str, int], domain_size: int) -> tuple[dict, dict
     return inner, outer
 
 
+def device_index_grid(degrees: dict[str, int], inner: dict[str, int],
+                      outer: dict[str, int]) -> np.ndarray:
+    """[pipeline, data, fsdp, tensor] array of device indices (index = domain * domain size +
+    local rank), the layout build_mesh gives the devices; also how the planner draws them."""
+    # Built on a grid whose axes are (outer pipeline, data, fsdp, tensor, inner pipeline,
+    # data, fsdp, tensor), then each axis's outer and inner parts interleave (outer major).
+    grid = np.arange(math.prod(degrees.values())).reshape(
+        [outer[a] for a in MESH_AXES] + [inner[a] for a in MESH_AXES])
+    k = len(MESH_AXES)
+    grid = grid.transpose([i for a in range(k) for i in (a, a + k)])
+    return grid.reshape([degrees[a] for a in MESH_AXES])
+
+
 def build_mesh(cfg: MeshConfig, devices=None) -> Mesh:
     devices = sorted(jax.devices() if devices is None else devices,
                      key=lambda d: (d.process_index, d.id))
     degrees = resolve_degrees(cfg, len(devices))
     size = _domain_size(cfg, devices)
     inner, outer = split_degrees(degrees, size)
-    # Device index = domain * size + local rank. Build it on a grid whose axes are
-    # (outer pipeline, data, fsdp, tensor, inner pipeline, data, fsdp, tensor), then interleave
-    # each axis's outer and inner parts (outer major) into the mesh axis.
-    grid = np.arange(len(devices)).reshape(
-        [outer[a] for a in MESH_AXES] + [inner[a] for a in MESH_AXES])
-    k = len(MESH_AXES)
-    grid = grid.transpose([i for a in range(k) for i in (a, a + k)])
-    index = grid.reshape([degrees[a] for a in MESH_AXES])
+    index = device_index_grid(degrees, inner, outer)
     device_array = np.asarray(devices, dtype=object)[index]
     mesh = Mesh(device_array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
     domains = tuple(tuple(d.id for d in devices[i:i + size]) for i in range(0, len(devices), size))

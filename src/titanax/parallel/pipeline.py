@@ -24,11 +24,13 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from titanax.config import PipelineConfig
 
 AXIS = "pipeline"
+_LAYER_INPUT = "pipeline_layer_input"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,11 +138,21 @@ def run_pipelined(layer_fn, layer_state, x_BSD, extras, schedule: PipelineSchedu
         # This stage's rows [L/PP, ...] as [V, Lc, ...]: chunk v is its v-th trip's layers.
         chunks = jax.tree.map(lambda a: a.reshape(V, a.shape[0] // V, *a.shape[1:]), local_state)
 
-        def run_chunk(v, x_bSD, extras_b):
+        def chunk_forward(v, x_bSD, extras_b):
             chunk = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, v, keepdims=False),
                                  chunks)
-            return jax.lax.scan(lambda x, layer: (layer_fn(x, layer, extras_b), None),
-                                x_bSD, chunk)[0]
+
+            def one(x, layer):
+                x = checkpoint_name(x, _LAYER_INPUT)
+                return layer_fn(x, layer, extras_b), None
+
+            return jax.lax.scan(one, x_bSD, chunk)[0]
+
+        # The backward keeps each layer's input and nothing else per tick: without this the
+        # chunk of weights picked by the (traced) v would be saved on every tick, a copy of the
+        # stage's weights per tick; they are re-indexed instead (no FLOPs).
+        run_chunk = jax.checkpoint(
+            chunk_forward, policy=jax.checkpoint_policies.save_only_these_names(_LAYER_INPUT))
 
         vary = lambda a: jax.lax.pcast(a, AXIS, to="varying")
         # Stage 0's inputs: the fresh microbatches, overwritten by items coming back round.

@@ -1,4 +1,5 @@
-"""Deviceless (ahead-of-time) GPU compiles: lower and compile for an H100 or B200 on a CPU box.
+"""Deviceless (ahead-of-time) GPU compiles: lower and compile for an H100, H200, B200 or GB200 on
+a CPU box.
 
 Needs the CUDA PJRT plugin (`jax-cuda12-plugin[with-cuda]`, pinned in constraints-cuda.txt)
 importable, which scripts/dev.sh installs into .venv/cuda-plugin, outside the main environment
@@ -68,11 +69,16 @@ TARGETS = {
     "b200": dict(name="NVIDIA B200", sms=148, smem_per_sm=233472, smem_optin=232448,
                  hbm_bw=8000000000000, l2=132120576, clock=1.965, hbm=191514869760, major=10,
                  minor=0),
+    # GB200 (Grace Blackwell superchip, NVL72): the same Blackwell GPU as B200, compute
+    # capability 10.0, 148 SMs; 186 GB HBM3e per GPU at 8 TB/s (GB200 NVL72 datasheet).
+    "gb200": dict(name="NVIDIA GB200", sms=148, smem_per_sm=233472, smem_optin=232448,
+                  hbm_bw=8000000000000, l2=132120576, clock=1.965, hbm=186000000000, major=10,
+                  minor=0),
 }
 
 
 def target_config(kind: str) -> str:
-    """GpuTargetConfigProto text for `kind` (h100, h200, b200)."""
+    """GpuTargetConfigProto text for `kind` (h100, h200, b200, gb200)."""
     try:
         return _DEVICE_INFO.format(**TARGETS[kind.lower()])
     except KeyError:
@@ -94,7 +100,8 @@ def plugin_available() -> bool:
 
 
 def gpu_topology(kind: str, topology: str = "1x1x8"):
-    """Compile-only devices of `kind` ("1x1x8": one host of 8 GPUs)."""
+    """Compile-only devices of `kind`. topology "1xHxG": H hosts of G GPUs each ("1x1x8": one
+    host of 8); device d sits on process d // G, as on a real multi-host cluster."""
     if str(CUDA_PLUGIN_DIR) not in sys.path and plugin_available():
         sys.path.insert(0, str(CUDA_PLUGIN_DIR))
     from jax.experimental import topologies

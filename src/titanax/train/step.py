@@ -48,7 +48,11 @@ def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation, sch
             loss, grads = grad_fn(params, batch)
         else:
             # Microbatches summed inside one step: [B, S] -> [accum, B/accum, S], one scan.
-            micro = jax.tree.map(lambda x: x.reshape(accum, -1, *x.shape[1:]), batch)
+            # Microbatch i takes rows i, i + accum, ...: every device keeps B/accum/devices of
+            # its own rows in each, so the batch sharding stays on the row axis (a leading
+            # [accum] split would put it on the scanned axis and reshard every microbatch).
+            micro = jax.tree.map(
+                lambda x: x.reshape(-1, accum, *x.shape[1:]).swapaxes(0, 1), batch)
 
             def add(carry, mb):
                 loss, grads = grad_fn(params, mb)

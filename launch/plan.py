@@ -1,0 +1,71 @@
+"""Plan a run on a GPU cluster without its GPUs: compile the real train step for the target
+(deviceless CUDA, or simulated CPU devices without the plugin), predict memory, communication
+and speed, optionally search layouts. Writes OUT/plan.json and OUT/plan.png.
+
+    python -m launch.plan --config configs/llama3_70b.py --gpu h100 --nodes 8
+    python -m launch.plan --config configs/llama3_70b.py --gpu b200 --nodes 1 --search
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+from launch.common import add_config_flags, fail
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from titanax.perf.hardware import HARDWARE
+
+    p = argparse.ArgumentParser(prog="python -m launch.plan", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_flags(p, default_config=None)
+    p.add_argument("--gpu", required=True, help=f"GPU kind: {', '.join(sorted(HARDWARE))}")
+    p.add_argument("--nodes", type=int, required=True, help="number of nodes (hosts)")
+    p.add_argument("--gpus-per-node", type=int, default=0,
+                   help="GPUs per node (default: 8, or 4 for a GB200 compute tray)")
+    p.add_argument("--search", action="store_true",
+                   help="also try mesh layouts, microbatches and remat policies; rank them")
+    p.add_argument("--verify", type=int, default=6, metavar="K",
+                   help="with --search: compile up to K of the best candidates until one fits "
+                        "(default 6)")
+    p.add_argument("--no-compile", action="store_true",
+                   help="cost model only: skip the deviceless compile")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="where plan.json and plan.png go (default runs/plan-CONFIG-GPUxNODES)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    from titanax.config import ConfigError, load_config
+    from titanax.plan import Cluster, PlanError, make_plan
+    from titanax.plan.render import render
+    from titanax.plan.report import format_plan, write_json
+
+    if args.config is None:
+        fail("--config is required, e.g. --config configs/llama3_70b.py")
+    try:
+        cluster = Cluster(args.gpu.lower(), args.nodes, args.gpus_per_node)
+        cfg = load_config(args.config, args.overrides)
+        plan = make_plan(cfg, cluster, compile_step=not args.no_compile, search=args.search,
+                         verify=args.verify)
+    except (PlanError, ConfigError) as e:
+        fail(str(e))
+    out = pathlib.Path(args.out or f"runs/plan-{pathlib.Path(args.config).stem}-"
+                                   f"{cluster.gpu}x{cluster.n_gpus}")
+    plan["config_file"] = str(args.config)
+    plan["overrides"] = list(args.overrides)
+    print(format_plan(plan))
+    write_json(plan, out / "plan.json")
+    if "params" in plan:
+        render(plan, out / "plan.png")
+        print(f"wrote {out / 'plan.json'} and {out / 'plan.png'}")
+    else:
+        print(f"wrote {out / 'plan.json'} (no layout fits, so no plan.png)", file=sys.stderr)
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,283 @@
+"""Flash attention for Blackwell (sm_100a) in Pallas Mosaic GPU: TMA, tcgen05 MMAs with the
+scores and the output accumulator in tensor memory (TMEM), warp-specialised (FA4-style).
+
+A CTA owns block_q = 128 query rows of one (batch, q head): TMEM has 128 lanes, one per row,
+so a softmax warpgroup of 128 threads reads a whole row per thread and its row max and sum
+need no shuffles. Three warpgroups:
+  load     TMA: Q once, then K and V tiles of the kv head (q head // group; GQA without
+           repeating K/V) into a max_concurrent_steps-deep SMEM ring;
+  mma      issues S_j = Q K_j^T into one of two TMEM score buffers, then O += P_{j-1} V_{j-1}
+           into the TMEM accumulator: the tensor core computes the next scores while the
+           softmax works on the current ones;
+  softmax  S_j TMEM -> registers, scale (log2 domain), mask, online max/sum, rescales O in
+           TMEM (after the previous PV is done, which also frees the one P buffer), writes P_j
+           (bf16/fp16) to SMEM for the next PV, and at the end O / l -> HBM plus the
+           log-sum-exp.
+Masks: causal (tiles right of the diagonal are never loaded), padded keys (any length),
+packed documents (segment ids come by TMA with barriers the softmax waits on itself). Masked scores are a finite -1e30, so
+fully masked rows give no NaNs. The backward recomputes P from the saved log-sum-exp with the
+Pallas grid kernels of kernel_bwd.py (Triton backend, which compiles for sm_100a).
+
+Not yet: causal attention together with segment ids (packed documents) hangs in the Mosaic GPU
+interpreter for a reason not yet found (each alone is tested), so flash_fwd refuses it rather
+than ship it unverified; the API sends that case to cuDNN under impl="auto".
+
+Left for later, as FA4 does them: two softmax warpgroups ping-ponging two query tiles,
+a separate correction warpgroup, conditional rescaling with a threshold, P kept in TMEM
+(tcgen05 A operand) instead of SMEM, and a persistent tile scheduler.
+
+Tested on CPU under the Mosaic GPU interpreter (tcgen05, TMEM, TMA, barriers) and compiled for
+a B200 without a GPU (aot_test.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from ..target import out_struct
+
+MASK = -1e30  # finite: (score * log2 e) cannot overflow to -inf in float32
+LOG2E = math.log2(math.e)
+BLOCK_Q = 128  # TMEM lanes: one query row per lane
+_SOFTMAX, _MMA, _LOAD = 0, 1, 2
+CAUSAL_SEGMENTS_MISSING = ("mosaic_sm100 does not take causal attention with segment_ids yet "
+                           "(see kernel_sm100.py); use impl='auto' (cuDNN for this case), "
+                           "'cudnn' or 'triton'")
+
+
+def pad_multiples(cfg):
+    return max(BLOCK_Q, cfg.block_q_bwd), max(cfg.block_kv, cfg.block_kv_bwd)
+
+
+def _interpret_ctx(interpret: bool):
+    return plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()) if interpret \
+        else contextlib.nullcontext()
+
+
+def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpret):
+    """Padded q [B, Sp, Hq, D], k/v [B, Tp, Hkv, D] -> (out, lse2 [B, Hq, Sp] in log2 units)."""
+    if causal and q_seg is not None:
+        raise NotImplementedError(CAUSAL_SEGMENTS_MISSING)
+    B, Sp, Hq, D = q.shape
+    Tp, Hkv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    dtype = q.dtype
+    block_kv = config.block_kv
+    n_kv = Tp // block_kv
+    steps = min(config.max_concurrent_steps, n_kv)
+    has_seg = q_seg is not None
+    kv_full = 0 if has_seg else kv_len // block_kv  # tiles below need no mask at all
+    qk_scale = scale * LOG2E
+    row = plgpu.Layout.TCGEN05.reduce(1)  # one value per query row (per TMEM lane)
+
+    def kernel(q_gmem, k_gmem, v_gmem, qseg_gmem, kseg_gmem, out_gmem, lse_gmem,
+               q_smem, k_smem, v_smem, p_smem, lse_smem, qseg_smem, kseg_smem,
+               s_tmem, o_tmem,
+               q_loaded, kv_loaded, kv_free, s_ready, s_read, p_ready, pv_done,
+               qseg_loaded, kseg_loaded):
+        wg = lax.axis_index("wg")
+        batch, q_head = lax.axis_index("batch"), lax.axis_index("heads")
+        q_base = lax.axis_index("q_seq") * BLOCK_Q
+        if causal:  # key tiles at or left of this block's last query
+            kv_steps = jnp.minimum(pl.cdiv(q_base + BLOCK_Q, jnp.int32(block_kv)), n_kv)
+            full_steps = jnp.minimum(lax.div(q_base, jnp.int32(block_kv)), kv_full)
+        else:
+            kv_steps, full_steps = jnp.int32(n_kv), jnp.int32(kv_full)
+
+        @pl.when(wg == _LOAD)
+        def _load():
+            plgpu.set_max_registers(40, action="decrease")
+            kv_head = lax.div(q_head, jnp.int32(G))
+            plgpu.copy_gmem_to_smem(q_gmem.at[batch, pl.ds(q_base, BLOCK_Q), q_head], q_smem,
+                                    q_loaded)
+            if has_seg:
+                plgpu.copy_gmem_to_smem(qseg_gmem.at[batch, pl.ds(q_base, BLOCK_Q)], qseg_smem,
+                                        qseg_loaded)
+
+            @pl.loop(0, kv_steps)
+            def _(j):
+                slot = lax.rem(j, jnp.int32(steps))
+
+                @pl.when(j >= steps)
+                def _():  # PV of tile j - steps is done: its K and V are no longer read
+                    plgpu.barrier_wait(kv_free.at[slot])
+
+                keys = pl.ds(j * block_kv, block_kv)
+                plgpu.copy_gmem_to_smem(k_gmem.at[batch, keys, kv_head], k_smem.at[slot],
+                                        kv_loaded.at[slot])
+                plgpu.copy_gmem_to_smem(v_gmem.at[batch, keys, kv_head], v_smem.at[slot],
+                                        kv_loaded.at[slot])
+                if has_seg:
+                    plgpu.copy_gmem_to_smem(kseg_gmem.at[batch, keys], kseg_smem.at[slot],
+                                            kseg_loaded.at[slot])
+
+            @pl.loop(jnp.maximum(kv_steps - steps, 0), kv_steps)
+            def _(j):  # observe the last frees: no barrier phase is left pending at exit
+                plgpu.barrier_wait(kv_free.at[lax.rem(j, jnp.int32(steps))])
+
+        @pl.when(wg == _MMA)
+        def _mma():
+            plgpu.set_max_registers(40, action="decrease")
+            plgpu.barrier_wait(q_loaded)
+
+            def pv(j):  # O += P_j V_j; frees K/V slot j and tells the softmax
+                slot = lax.rem(j, jnp.int32(steps))
+                plgpu.barrier_wait(p_ready)
+                plgpu.tcgen05_mma(o_tmem, p_smem, v_smem.at[slot],
+                                  accumulate=j > 0)
+                plgpu.tcgen05_commit_arrive(kv_free.at[slot])
+                plgpu.tcgen05_commit_arrive(pv_done)
+
+            @pl.loop(0, kv_steps)
+            def _(j):
+                slot, buf = lax.rem(j, jnp.int32(steps)), lax.rem(j, 2)
+                plgpu.barrier_wait(kv_loaded.at[slot])
+
+                @pl.when(j >= 2)
+                def _():  # the softmax has read S_{j-2} out of this buffer
+                    plgpu.barrier_wait(s_read.at[buf])
+
+                plgpu.tcgen05_mma(s_tmem.at[:, pl.ds(buf * block_kv, block_kv)], q_smem,
+                                  k_smem.at[slot].transpose((1, 0)), s_ready.at[buf],
+                                  accumulate=False)
+
+                @pl.when(j >= 1)
+                def _():
+                    pv(j - 1)
+
+            @pl.when(kv_steps > 0)
+            def _():
+                pv(kv_steps - 1)
+
+            @pl.loop(jnp.maximum(kv_steps - 2, 0), kv_steps)
+            def _(j):  # observe the last two reads
+                plgpu.barrier_wait(s_read.at[lax.rem(j, 2)])
+
+        @pl.when(wg == _SOFTMAX)
+        def _softmax():
+            plgpu.set_max_registers(232, action="increase")
+            if has_seg:  # the segment ids have barriers of their own, waited here only
+                plgpu.barrier_wait(qseg_loaded)
+                q_seg = plgpu.load(qseg_smem, (), layout=row)
+
+            def step(j, carry, masked):
+                m_i, l_i = carry
+                buf, slot = lax.rem(j, 2), lax.rem(j, jnp.int32(steps))
+                plgpu.barrier_wait(s_ready.at[buf])
+                s = plgpu.async_load_tmem(s_tmem.at[:, pl.ds(buf * block_kv, block_kv)])
+                s = s * qk_scale
+                if masked:
+                    shape = (BLOCK_Q, block_kv)
+                    q_ids = q_base + plgpu.broadcasted_iota(jnp.int32, shape, 0,
+                                                            layout=plgpu.Layout.TCGEN05)
+                    k_ids = j * block_kv + plgpu.broadcasted_iota(jnp.int32, shape, 1,
+                                                                  layout=plgpu.Layout.TCGEN05)
+                    mask = k_ids < kv_len
+                    if causal:
+                        mask &= k_ids <= q_ids
+                    if has_seg:  # read before P_j is released: the slot stays loaded till PV_j
+                        plgpu.barrier_wait(kseg_loaded.at[slot])
+                        k_seg = plgpu.load(kseg_smem.at[slot], (),
+                                           layout=plgpu.Layout.TCGEN05.reduce(0))
+                        mask &= (lax.broadcast_in_dim(q_seg, shape, [0])
+                                 == lax.broadcast_in_dim(k_seg, shape, [1]))
+                    s = jnp.where(mask, s, MASK)
+                plgpu.wait_load_tmem()
+                plgpu.barrier_arrive(s_read.at[buf])
+                m_new = jnp.maximum(m_i, s.max(axis=1))
+                alpha = jnp.exp2(m_i - m_new)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                l_i = l_i * alpha + p.sum(axis=1)
+
+                @pl.when(j >= 1)
+                def _():  # PV_{j-1} is done: O is complete up to j-1, and P may be rewritten
+                    plgpu.barrier_wait(pv_done)
+                    o = plgpu.async_load_tmem(o_tmem)
+                    plgpu.async_store_tmem(o_tmem, o * lax.broadcast_in_dim(alpha, o.shape, [0]))
+                    plgpu.commit_tmem()
+
+                p_smem[...] = p.astype(dtype)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(p_ready)
+                return m_new, l_i
+
+            m_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), MASK, jnp.float32), row)
+            l_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), 0.0, jnp.float32), row)
+            carry = lax.fori_loop(0, full_steps, lambda j, c: step(j, c, False), (m_i, l_i))
+            m_i, l_i = lax.fori_loop(full_steps, kv_steps, lambda j, c: step(j, c, True), carry)
+
+            @pl.when(kv_steps > 0)
+            def _():
+                plgpu.barrier_wait(pv_done)  # the last PV
+
+            o = plgpu.async_load_tmem(o_tmem)
+            l_safe = jnp.where(l_i == 0.0, 1.0, l_i)  # padded query rows of an empty tile
+            q_smem[...] = (o / lax.broadcast_in_dim(l_safe, o.shape, [0])).astype(dtype)
+            lse_smem[...] = m_i + jnp.log2(l_safe)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem, out_gmem.at[batch, pl.ds(q_base, BLOCK_Q), q_head])
+            plgpu.copy_smem_to_gmem(lse_smem, lse_gmem.at[batch, q_head, pl.ds(q_base, BLOCK_Q)])
+            plgpu.wait_smem_to_gmem(0)
+
+    swizzle = plgpu.find_swizzle(D * jnp.dtype(dtype).itemsize * 8)
+    tx = (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+          plgpu.SwizzleTransform(swizzle))
+    p_swizzle = plgpu.find_swizzle(block_kv * jnp.dtype(dtype).itemsize * 8)
+    p_tx = (plgpu.TilingTransform((8, p_swizzle // jnp.dtype(dtype).itemsize)),
+            plgpu.SwizzleTransform(p_swizzle))
+    scratch = dict(
+        q_smem=plgpu.SMEM((BLOCK_Q, D), dtype, transforms=tx),  # Q, then the output tile
+        k_smem=plgpu.SMEM((steps, block_kv, D), dtype, transforms=tx),
+        v_smem=plgpu.SMEM((steps, block_kv, D), dtype, transforms=tx),
+        p_smem=plgpu.SMEM((BLOCK_Q, block_kv), dtype, transforms=p_tx),
+        lse_smem=plgpu.SMEM((BLOCK_Q,), jnp.float32),
+        qseg_smem=plgpu.SMEM((BLOCK_Q,), jnp.int32) if has_seg else None,
+        kseg_smem=plgpu.SMEM((steps, block_kv), jnp.int32) if has_seg else None,
+        s_tmem=plgpu.TMEM((BLOCK_Q, 2 * block_kv), jnp.float32),  # two score buffers
+        o_tmem=plgpu.TMEM((BLOCK_Q, D), jnp.float32),
+        q_loaded=plgpu.Barrier(),
+        kv_loaded=plgpu.Barrier(num_arrivals=2, num_barriers=steps),  # K and V
+        kv_free=plgpu.Barrier(num_barriers=steps, orders_tensor_core=True),
+        s_ready=plgpu.Barrier(num_barriers=2, orders_tensor_core=True),
+        # Arrived by the softmax after TMEM reads/writes, waited by the MMA issuer: tensor-core
+        # ordered so the tcgen05 fences go around them.
+        s_read=plgpu.Barrier(num_barriers=2, orders_tensor_core=True),
+        p_ready=plgpu.Barrier(orders_tensor_core=True),
+        pv_done=plgpu.Barrier(orders_tensor_core=True),
+        qseg_loaded=plgpu.Barrier() if has_seg else None,
+        kseg_loaded=plgpu.Barrier(num_barriers=steps) if has_seg else None,
+    )
+    scratch = {k_: v_ for k_, v_ in scratch.items() if v_ is not None}
+
+    def entry(q_gmem, k_gmem, v_gmem, *rest, **scratch_refs):
+        if has_seg:
+            qseg_gmem, kseg_gmem, out_gmem, lse_gmem = rest
+        else:
+            (out_gmem, lse_gmem), qseg_gmem, kseg_gmem = rest, None, None
+        refs = {"qseg_smem": None, "kseg_smem": None, "qseg_loaded": None,
+                "kseg_loaded": None, **scratch_refs}
+        kernel(q_gmem, k_gmem, v_gmem, qseg_gmem, kseg_gmem, out_gmem, lse_gmem, **refs)
+
+    out_type = (out_struct(q, q.shape, dtype), out_struct(q, (B, Hq, Sp), jnp.float32))
+    args = (q, k, v) + ((q_seg, kv_seg) if has_seg else ())
+    with _interpret_ctx(interpret):
+        return plgpu.kernel(
+            entry, out_type=out_type, scratch_types=scratch,
+            grid=(Hq, Sp // BLOCK_Q, B), grid_names=("heads", "q_seq", "batch"),
+            num_threads=3, thread_name="wg",
+            compiler_params=plgpu.CompilerParams(approx_math=True),
+        )(*args)
+
+
+def flash_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, *, scale, causal, kv_len, config, interpret):
+    """Backward of this forward: kernel_bwd.py's grid kernels on the saved log-sum-exp."""
+    from . import kernel_bwd
+    return kernel_bwd.flash_bwd(q, k, v, o, lse2 / LOG2E, do, q_seg, kv_seg, scale=scale,
+                                causal=causal, kv_len=kv_len, config=config, interpret=interpret)

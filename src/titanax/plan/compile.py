@@ -1,0 +1,130 @@
+"""Compiles the real train step for a cluster that is not here, and reads its memory.
+
+The step is the one train/loop.py runs (abstract_train_state + jit_train_step, batch sharded
+as the data pipeline delivers it), lowered with ShapeDtypeStructs, so nothing is allocated.
+Targets, best first:
+- 'gpu': compile-only CUDA devices of the GPU kind (titanax.perf.aot: the CUDA PJRT plugin
+  with a GpuTargetConfigProto per kind), laid out as the cluster's hosts, so build_mesh cuts
+  the same NVLink domains as on the real machines and XLA's GPU compiler decides fusion,
+  rematerialisation and buffer assignment for that chip's memory;
+- 'cpu': simulated CPU devices (jax_num_cpu_devices) when the plugin is not installed; the
+  sharding and the program are the same, the memory figures are XLA:CPU's (attention falls
+  back to XLA's, which materialises S x S scores), so the planner then trusts its model.
+Runs in a subprocess (`compile_in_subprocess`) so the caller never loads CUDA or changes its
+own device count: `python -m titanax.plan.compile SPEC.json` prints one RESULT line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+from titanax.config import Config
+from titanax.perf import aot
+from titanax.plan.cluster import Cluster
+
+_RESULT = "PLAN_COMPILE_RESULT "
+
+
+def compile_train_step(cfg: Config, cluster: Cluster, target: str) -> dict:
+    """In this process (already set up for `target`): lower and compile; memory per device."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+
+    from titanax.parallel.mesh import build_mesh, describe_mesh
+    from titanax.parallel.rules import activation_spec, model_context
+    from titanax.train.optim import lr_schedule, make_optimizer
+    from titanax.train.state import abstract_train_state, jit_train_step
+
+    t0 = time.perf_counter()
+    if target == "gpu":
+        devices = aot.gpu_topology(cluster.gpu, cluster.topology).devices
+    else:
+        devices = jax.devices()[:cluster.n_gpus]
+    mesh = build_mesh(cfg.mesh, devices)
+    tx = make_optimizer(cfg)
+    graphdef, abstract_state, shardings = abstract_train_state(cfg, mesh, tx)
+    step = jit_train_step(cfg, mesh, graphdef, shardings, tx, lr_schedule(cfg))
+    batch_sharding = NamedSharding(mesh, activation_spec(("batch", "seq")))
+    shape = (cfg.train.batch_size, cfg.train.seq_len)
+    batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding)
+             for k in ("inputs", "targets", "segment_ids", "positions")}
+    with model_context(mesh):
+        t1 = time.perf_counter()
+        lowered = step.lower(abstract_state, batch)
+        t2 = time.perf_counter()
+        compiled = lowered.compile()
+        t3 = time.perf_counter()
+    mem = compiled.memory_analysis()
+    get = lambda name: int(getattr(mem, name, 0) or 0)
+    args, out, alias, temp = (get("argument_size_in_bytes"), get("output_size_in_bytes"),
+                              get("alias_size_in_bytes"), get("temp_size_in_bytes"))
+    return {
+        "target": target,
+        "device_kind": devices[0].device_kind,
+        "devices": len(devices),
+        "processes": len({d.process_index for d in devices}),
+        "mesh": describe_mesh(mesh),
+        "setup_s": t1 - t0, "lower_s": t2 - t1, "compile_s": t3 - t2,
+        "memory": {"arguments": args, "outputs": out, "aliased": alias, "temporaries": temp,
+                   # donated state: outputs that alias an argument take no new memory
+                   "total": args + out - alias + temp},
+    }
+
+
+def _worker_env(cluster: Cluster) -> tuple[dict, str]:
+    if aot.plugin_available():
+        return aot.cuda_plugin_env(), "gpu"
+    env = dict(os.environ)
+    env["JAX_PLATFORMS"] = "cpu"
+    env["JAX_NUM_CPU_DEVICES"] = str(cluster.n_gpus)
+    return env, "cpu"
+
+
+def _error_summary(stderr: str) -> str:
+    """The exception lines of a failed compile (not the XLA stack frames around them)."""
+    lines = [l.strip() for l in stderr.splitlines()]
+    errors = [l for l in lines if re.match(r"^[\w.]*(Error|Exception)\b", l)]
+    return " | ".join(dict.fromkeys(errors))[-1500:] if errors else "\n".join(lines[-5:])
+
+
+def compile_in_subprocess(cfg: Config, cluster: Cluster, *, timeout_s: float = 600) -> dict:
+    """compile_train_step in a fresh process: {'ok': True, ...} or {'ok': False, 'error'}."""
+    env, target = _worker_env(cluster)
+    spec = {"config": cfg.to_dict(), "gpu": cluster.gpu, "nodes": cluster.nodes,
+            "gpus_per_node": cluster.gpus_per_node, "target": target}
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "titanax.plan.compile", json.dumps(spec)],
+                              env=env, capture_output=True, text=True, timeout=timeout_s,
+                              cwd=aot.REPO)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "target": target,
+                "error": f"compile did not finish within {timeout_s:.0f} s"}
+    lines = [l for l in proc.stdout.splitlines() if l.startswith(_RESULT)]
+    if proc.returncode or not lines:
+        return {"ok": False, "target": target, "error": _error_summary(proc.stderr)
+                or f"exit {proc.returncode}"}
+    result = json.loads(lines[-1][len(_RESULT):])
+    result.update(ok=True, wall_s=time.perf_counter() - t0)
+    return result
+
+
+def main(argv: list[str]) -> None:
+    spec = json.loads(argv[0])
+    if spec["target"] == "cpu":
+        import jax
+        jax.config.update("jax_num_cpu_devices",
+                          spec["nodes"] * spec["gpus_per_node"])
+    cfg = Config.from_dict(spec["config"])
+    cluster = Cluster(spec["gpu"], spec["nodes"], spec["gpus_per_node"])
+    print(_RESULT + json.dumps(compile_train_step(cfg, cluster, spec["target"])), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

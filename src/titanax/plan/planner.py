@@ -1,0 +1,164 @@
+"""One planning run: the config's layout on the cluster, the cost model, the deviceless compile
+of the real step, and optionally the layout search with the winner compile-checked.
+Returns the plan as a dict (what plan.json holds); report.py prints it, render.py draws it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from titanax.config import Config, ConfigError
+from titanax.parallel.rules import MESH_AXES
+from titanax.plan import compile as plan_compile
+from titanax.plan import search as plan_search
+from titanax.plan.cluster import Cluster, Layout, PlanError, layout_for, plan_config
+from titanax.plan.cost_model import EFFICIENCIES, Estimate, estimate
+from titanax.train.metrics import FLOP_FORMULA
+
+
+def _layout_json(layout: Layout) -> dict:
+    return {"degrees": layout.degrees, "inside_nvlink_domain": layout.inner,
+            "across_domains": layout.outer, "nvlink_domain_size": layout.domain_size,
+            "description": layout.describe()}
+
+
+def _compiled_for(result: dict | None, cluster: Cluster) -> str:
+    if result is None:
+        return "none (cost model only)"
+    where = (f"deviceless CUDA {result.get('device_kind', cluster.gpu)}, {cluster.nodes} host(s)"
+             f" x {cluster.gpus_per_node}" if result["target"] == "gpu" else
+             f"simulated CPU devices ({cluster.n_gpus}); CUDA plugin not installed, so memory "
+             "comes from the cost model")
+    return where if result.get("ok") else f"{where}: FAILED"
+
+
+def evaluate(cfg: Config, cluster: Cluster, *, compile_step: bool) -> dict:
+    """Plan for cfg as configured (its mesh, batch, remat) on the cluster."""
+    try:
+        layout = layout_for(cfg, cluster)
+    except ConfigError as e:
+        raise PlanError(f"the config's layout does not work on {cluster.n_gpus} GPUs: {e}. "
+                        "Change it with --set mesh.*=... or try --search") from None
+    est = estimate(cfg, cluster, layout)
+    compiled = plan_compile.compile_in_subprocess(cfg, cluster) if compile_step else None
+    return _plan_dict(cfg, cluster, layout, est, compiled)
+
+
+def _plan_dict(cfg: Config, cluster: Cluster, layout: Layout, est: Estimate,
+               compiled: dict | None) -> dict:
+    hw = cluster.hardware
+    trust_compiled = bool(compiled and compiled.get("ok") and compiled["target"] == "gpu")
+    per_device = compiled["memory"]["total"] if trust_compiled else est.memory["total"]
+    usable = est.usable_memory_bytes
+    return {
+        "cluster": {"gpu": cluster.gpu, "gpu_name": hw.name, "nodes": cluster.nodes,
+                    "gpus_per_node": cluster.gpus_per_node, "gpus": cluster.n_gpus,
+                    "nvlink_domain": cluster.nvlink_domain, "description": cluster.describe()},
+        "hardware": dataclasses.asdict(hw),
+        "layout": _layout_json(layout),
+        "settings": {"batch_size": cfg.train.batch_size, "seq_len": cfg.train.seq_len,
+                     "grad_accum": cfg.train.grad_accum, "remat": cfg.model.remat,
+                     "attention_impl": cfg.model.attention_impl,
+                     "matmul_precision": cfg.model.matmul_precision,
+                     "pipeline": dataclasses.asdict(cfg.pipeline)},
+        "compiled_for": _compiled_for(compiled, cluster),
+        "compile": compiled,
+        "params": est.params,
+        "params_no_embedding": est.params_no_embed,
+        "flop_formula": FLOP_FORMULA,
+        "flops_per_token": est.flops_per_token,
+        "flops_per_step": est.flops_per_step,
+        "tokens_per_step": est.tokens_per_step,
+        "per_device_bytes": int(per_device),
+        "per_device_bytes_source": "compiled" if trust_compiled else "cost model",
+        "memory_model_bytes": {k: int(v) for k, v in est.memory.items()},
+        "device_memory_bytes": int(hw.hbm_bytes),
+        "usable_memory_bytes": int(usable),
+        "fits": per_device <= usable,
+        "margin_bytes": int(usable - per_device),
+        "communication_bytes_per_step": {
+            a: {"bytes": c.bytes_per_step, "link": c.link, "degree": c.degree,
+                "bus_bandwidth": c.bus_bandwidth, "calls": c.calls, "seconds": c.seconds,
+                "overlapped_with_compute": c.overlapped}
+            for a, c in est.comm.items()},
+        "pipeline_bubble": est.bubble,
+        "time_breakdown_s": est.breakdown_s,
+        "predicted_step_s": est.step_s,
+        "predicted_tokens_per_s_per_gpu": est.tokens_per_s_per_gpu,
+        "predicted_mfu": est.mfu,
+        "efficiencies": dataclasses.asdict(EFFICIENCIES),
+    }
+
+
+def run_search(cfg: Config, cluster: Cluster, *, verify: int, top: int = 10) -> dict:
+    """The search, with up to `verify` of the best candidates compiled (on the GPU target,
+    a candidate whose compiled memory exceeds the usable HBM is dropped and the next tried)."""
+    kept, dropped = plan_search.search(cfg, cluster)
+    best, tried = None, []
+    for cand in kept[:verify] if verify else []:
+        result = plan_compile.compile_in_subprocess(cand.cfg, cluster)
+        entry = {"layout": cand.label, "compiled_for": _compiled_for(result, cluster)}
+        if not result.get("ok"):
+            cand.dropped = f"compile failed: {result['error'][:400]}"
+        elif result["target"] == "gpu" and \
+                result["memory"]["total"] > cand.estimate.usable_memory_bytes:
+            cand.dropped = (f"does not fit once compiled: {result['memory']['total'] / 1e9:.1f}"
+                            f" GB > {cand.estimate.usable_memory_bytes / 1e9:.1f} GB usable")
+        entry.update(memory=result.get("memory"), compile_s=result.get("compile_s"),
+                     dropped=cand.dropped)
+        tried.append(entry)
+        if not cand.dropped:
+            best = (cand, result)
+            break
+    verified_out = [c for c in kept[:verify] if c.dropped]
+    dropped = verified_out + dropped
+    kept = [c for c in kept if not c.dropped]
+    if best is None and kept:
+        best = (kept[0], None)
+    out = {"candidates": len(kept) + len(dropped), "fitting": len(kept),
+           "ranked": [c.row() for c in kept[:top]],
+           "dropped_by_reason": plan_search.dropped_summary(dropped),
+           "dropped": [c.row() for c in dropped],
+           "verified": tried, "best": None}
+    if best is not None:
+        cand, result = best
+        out["best"] = _plan_dict(cand.cfg, cluster, layout_for(cand.cfg, cluster),
+                                 cand.estimate, result)
+        out["best"]["label"] = cand.label
+        out["best"]["compile_checked"] = bool(result and result.get("ok"))
+        out["best"]["overrides"] = overrides_for(cand.cfg)
+    return out
+
+
+def overrides_for(cfg: Config) -> list[str]:
+    """The --set flags that turn the searched config's knobs into this candidate."""
+    vals = {f"mesh.{a}": getattr(cfg.mesh, a) for a in MESH_AXES}
+    vals.update({"model.remat": cfg.model.remat, "train.grad_accum": cfg.train.grad_accum,
+                 "model.attention_impl": cfg.model.attention_impl})
+    if cfg.mesh.pipeline > 1:
+        vals.update({"pipeline.schedule": cfg.pipeline.schedule,
+                     "pipeline.microbatches": cfg.pipeline.microbatches,
+                     "pipeline.virtual_stages": cfg.pipeline.virtual_stages})
+    return [f"{k}={v}" for k, v in vals.items()]
+
+
+def make_plan(cfg: Config, cluster: Cluster, *, compile_step: bool = True,
+              search: bool = False, verify: int = 1) -> dict:
+    cfg = plan_config(cfg, cluster)
+    try:
+        plan = evaluate(cfg, cluster, compile_step=compile_step)
+    except PlanError as e:
+        if not search:
+            raise
+        plan = {"cluster": {"gpu": cluster.gpu, "nodes": cluster.nodes,
+                            "gpus_per_node": cluster.gpus_per_node, "gpus": cluster.n_gpus,
+                            "nvlink_domain": cluster.nvlink_domain,
+                            "description": cluster.describe()},
+                "configured_layout_error": str(e)}
+    if search:
+        plan["search"] = run_search(cfg, cluster, verify=verify if compile_step else 0)
+        best = plan["search"]["best"]
+        if "configured_layout_error" in plan and best is not None:
+            # plan.json's top-level fields then describe the best layout found
+            plan = {**best, "configured_layout_error": plan["configured_layout_error"],
+                    "search": plan["search"]}
+    return plan

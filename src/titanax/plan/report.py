@@ -1,0 +1,107 @@
+"""The plan as text for the terminal, and plan.json."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+GB = 1e9
+
+
+def _gb(x: float) -> str:
+    return f"{x / GB:.1f} GB"
+
+
+def _memory_lines(plan: dict) -> list[str]:
+    lines = []
+    comp = plan.get("compile") or {}
+    if comp.get("ok"):
+        m = comp["memory"]
+        lines.append(f"  compiled ({comp['target']}): arguments {_gb(m['arguments'])}, temporaries "
+                     f"{_gb(m['temporaries'])}, outputs not aliased {_gb(m['outputs'] - m['aliased'])}"
+                     f" -> total {_gb(m['total'])} per device")
+    elif comp:
+        lines.append(f"  compile FAILED: {comp.get('error', '')[:400]}")
+    model = plan["memory_model_bytes"]
+    parts = ", ".join(f"{k.replace('_', ' ')} {_gb(v)}" for k, v in model.items() if k != "total")
+    lines.append(f"  cost model: {parts} -> total {_gb(model['total'])}")
+    hbm, usable, per = plan["device_memory_bytes"], plan["usable_memory_bytes"], plan["per_device_bytes"]
+    verdict = (f"FITS with {_gb(usable - per)} to spare" if plan["fits"] else
+               f"DOES NOT FIT by {_gb(per - usable)}")
+    lines.append(f"  => {_gb(per)} per device ({plan['per_device_bytes_source']}) of {_gb(hbm)} "
+                 f"HBM ({_gb(usable)} usable): {verdict}")
+    return lines
+
+
+def format_plan(plan: dict) -> str:
+    c = plan["cluster"]
+    out = [f"cluster: {c['description']}"]
+    if "configured_layout_error" in plan:
+        out.append(f"configured layout: {plan['configured_layout_error']}")
+    if "params" in plan:
+        s = plan["settings"]
+        out += [
+            f"layout: {plan['layout']['description']} (inside NVLink domains: "
+            + (" x ".join(f"{a}={n}" for a, n in plan['layout']['inside_nvlink_domain'].items()
+                          if n > 1) or "-")
+            + "; across: " + (" x ".join(f"{a}={n}" for a, n in
+                                        plan['layout']['across_domains'].items() if n > 1) or "-")
+            + ")",
+            f"settings: batch {s['batch_size']} x seq {s['seq_len']}, grad_accum "
+            f"{s['grad_accum']}, remat {s['remat']}, attention {s['attention_impl']}, matmul "
+            f"{s['matmul_precision']}",
+            f"compiled for: {plan['compiled_for']}"
+            + (f" in {plan['compile']['compile_s']:.1f} s (lowering {plan['compile']['lower_s']:.1f}"
+               " s)" if (plan.get("compile") or {}).get("ok") else ""),
+            f"parameters: {plan['params']:,} ({plan['params_no_embedding']:,} without the input "
+            "embedding)",
+            f"FLOPs: {plan['flops_per_token']:.3e} per token, {plan['flops_per_step']:.3e} per step "
+            f"of {plan['tokens_per_step']:,} tokens ({plan['flop_formula']})",
+            "memory per device:", *_memory_lines(plan),
+            "communication per device and step:"]
+        comm = plan["communication_bytes_per_step"]
+        if not comm:
+            out.append("  none (one device per replica of every axis)")
+        for a, x in comm.items():
+            out.append(f"  {a:8s} x{x['degree']:<3d} {x['link']:10s} {_gb(x['bytes']):>10s} at "
+                       f"{x['bus_bandwidth'] / GB:.0f} GB/s -> {x['seconds']:.2f} s "
+                       + ("(overlapped with compute)" if x["overlapped_with_compute"] else
+                          "(exposed)"))
+        b = plan["time_breakdown_s"]
+        out += [
+            "predicted step: " + ", ".join(f"{k} {v:.2f} s" for k, v in b.items() if v)
+            + f"; pipeline bubble {plan['pipeline_bubble']:.1%}",
+            f"  => {plan['predicted_step_s']:.2f} s per step, "
+            f"{plan['predicted_tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, MFU "
+            f"{plan['predicted_mfu']:.1%} (of dense bf16 peak)"]
+    if "search" in plan:
+        out.append(format_search(plan["search"]))
+    return "\n".join(out)
+
+
+def format_search(s: dict) -> str:
+    out = [f"search: {s['candidates']} candidates, {s['fitting']} fit"]
+    for i, r in enumerate(s["ranked"], 1):
+        out.append(f"  {i:2d}. {r['predicted_tokens_per_s_per_gpu']:8,.0f} tok/s/GPU  MFU "
+                   f"{r['predicted_mfu']:.1%}  {_gb(r['per_device_bytes']):>9s}  {r['layout']}")
+    out.append("  dropped: " + ", ".join(f"{n} {k}" for k, n in s["dropped_by_reason"].items()))
+    for r in s["dropped"][:5]:
+        out.append(f"    e.g. {r['layout']}: {r['dropped'][:200]}")
+    for v in s["verified"]:
+        mem = f"{_gb(v['memory']['total'])} per device" if v.get("memory") else ""
+        out.append(f"  compile check of {v['layout']}: {v['compiled_for']} {mem} "
+                   + (f"-> dropped: {v['dropped']}" if v["dropped"] else "-> ok"))
+    if s["best"] is not None:
+        b = s["best"]
+        checked = ("compile-checked" if b["compile_checked"] else
+                   "NOT compile-checked: the candidates tried before it failed; raise --verify")
+        out.append(f"  best ({checked}): {b['label']}: {b['predicted_tokens_per_s_per_gpu']:,.0f}"
+                   f" tok/s/GPU, {b['per_device_bytes'] / GB:.1f} GB per device "
+                   f"({b['per_device_bytes_source']}); run it with "
+                   + " ".join(f"--set {o}" for o in b["overrides"]))
+    return "\n".join(out)
+
+
+def write_json(plan: dict, path: pathlib.Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(plan, indent=1, default=float) + "\n")

@@ -1,0 +1,118 @@
+"""--search: enumerate layouts (mesh degrees, pipeline schedule and microbatches), gradient
+accumulation and remat policies for a cluster; keep those that fit, rank them by predicted
+tokens/s per GPU, and say why each of the others was dropped. The global batch, sequence
+length and model stay as configured (they are the experiment; the layout is the means).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from titanax.config import Config, ConfigError
+from titanax.plan.cluster import Cluster, layout_for
+from titanax.plan.cost_model import Estimate, estimate
+
+REMATS = ("none", "dots", "full")  # dots_no_batch plans like dots here: the layer's dots
+GRAD_ACCUMS = (1, 2, 4, 8, 16)     # have no batch dimensions
+MICROBATCH_MULTIPLES = (1, 2, 4, 8)  # pipeline microbatches per stage
+VIRTUAL_STAGES = (2, 4, 5)
+
+
+@dataclasses.dataclass
+class Candidate:
+    cfg: Config
+    label: str
+    estimate: Estimate | None = None
+    dropped: str = ""  # why it was dropped; '' while it stands
+
+    def row(self) -> dict:
+        e = self.estimate
+        row = {"layout": self.label, "dropped": self.dropped}
+        if e is not None:
+            row.update(predicted_tokens_per_s_per_gpu=round(e.tokens_per_s_per_gpu, 1),
+                       predicted_mfu=round(e.mfu, 4), per_device_bytes=int(e.memory["total"]))
+        return row
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _label(tp, pp, dp, fsdp, remat, accum, pipe) -> str:
+    parts = [f"tensor={tp}", f"pipeline={pp}", f"data={dp}", f"fsdp={fsdp}"]
+    if pp > 1:
+        parts.append(f"{pipe['pipeline.schedule']}(m={pipe['pipeline.microbatches']}"
+                     + (f",v={pipe['pipeline.virtual_stages']}"
+                        if pipe['pipeline.schedule'] == "circular" else "") + ")")
+    return " ".join(parts) + f" remat={remat} grad_accum={accum}"
+
+
+def _pipeline_options(pp: int, n_layers: int):
+    if pp == 1:
+        yield {"pipeline.schedule": "gpipe", "pipeline.virtual_stages": 0,
+               "pipeline.microbatches": 1}
+        return
+    for k in MICROBATCH_MULTIPLES:
+        yield {"pipeline.schedule": "gpipe", "pipeline.virtual_stages": 0,
+               "pipeline.microbatches": k * pp}
+        for v in VIRTUAL_STAGES:
+            if n_layers % (pp * v) == 0:
+                yield {"pipeline.schedule": "circular", "pipeline.virtual_stages": v,
+                       "pipeline.microbatches": k * pp}
+
+
+def candidates(cfg: Config, cluster: Cluster):
+    n, domain = cluster.n_gpus, cluster.nvlink_domain
+    for tp in (t for t in _divisors(domain) if t <= 8):
+        for pp in (p for p in _divisors(n // tp) if p <= 16):
+            rest = n // (tp * pp)
+            for fsdp, remat, accum in itertools.product(_divisors(rest), REMATS, GRAD_ACCUMS):
+                for pipe in _pipeline_options(pp, cfg.model.n_layers):
+                    label = _label(tp, pp, rest // fsdp, fsdp, remat, accum, pipe)
+                    overrides = {"mesh.tensor": tp, "mesh.pipeline": pp, "mesh.fsdp": fsdp,
+                                 "mesh.data": rest // fsdp, "model.remat": remat,
+                                 "train.grad_accum": accum, **pipe}
+                    if pp > 1 and cfg.model.attention_impl == "cudnn":
+                        # JAX's cuDNN attention cannot be partitioned inside the pipeline's
+                        # shard_map (custom_partitioning fails to compile); 'auto' picks the
+                        # Pallas flash kernel there (Hopper) and is what such a run would use.
+                        overrides["model.attention_impl"] = "auto"
+                        label += " attention=auto"
+                    yield label, overrides
+
+
+def search(cfg: Config, cluster: Cluster) -> tuple[list[Candidate], list[Candidate]]:
+    """(fitting candidates, fastest first; dropped candidates with their reasons)."""
+    from titanax.config import apply_overrides
+
+    kept, dropped = [], []
+    for label, overrides in candidates(cfg, cluster):
+        try:
+            c_cfg = apply_overrides(cfg, overrides)
+            layout = layout_for(c_cfg, cluster)
+        except ConfigError as e:
+            dropped.append(Candidate(cfg, label, dropped=f"invalid: {e}"))
+            continue
+        est = estimate(c_cfg, cluster, layout)
+        cand = Candidate(c_cfg, label, est)
+        if not est.fits:
+            cand.dropped = (f"does not fit: {est.memory['total'] / 1e9:.1f} GB per device > "
+                            f"{est.usable_memory_bytes / 1e9:.1f} GB usable")
+            dropped.append(cand)
+        else:
+            kept.append(cand)
+    # Ties (same predicted speed) go to the plan with more memory to spare.
+    kept.sort(key=lambda c: (-round(c.estimate.tokens_per_s_per_gpu, 1),
+                             c.estimate.memory["total"]))
+    return kept, dropped
+
+
+def dropped_summary(dropped: list[Candidate]) -> dict[str, int]:
+    """How many candidates each kind of reason dropped ('does not fit', 'invalid: FIELD')."""
+    out: dict[str, int] = {}
+    for c in dropped:
+        head, _, rest = c.dropped.partition(": ")
+        kind = f"{head}: {rest.partition(':')[0]}" if head == "invalid" else head
+        out[kind] = out.get(kind, 0) + 1
+    return out

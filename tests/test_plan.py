@@ -1,0 +1,194 @@
+"""The planner (titanax.plan, launch/plan.py): the deviceless compile of the real 70B train step
+for H100 clusters, the fits / does-not-fit verdicts with their numbers, FLOPs equal to the
+README formula, the cost model's pieces computed by hand, the layout search, and the files.
+Compiles run in a subprocess with the CUDA plugin (.venv/cuda-plugin); they skip without it."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from titanax.config import load_config
+from titanax.perf import aot
+from titanax.plan import Cluster, PlanError, make_plan
+from titanax.plan.cluster import layout_for, plan_config
+from titanax.plan.cost_model import EFFICIENCIES, estimate, param_counts
+from titanax.plan.search import search
+from titanax.train import metrics
+
+CONFIG_70B = "configs/llama3_70b.py"
+needs_plugin = pytest.mark.skipif(not aot.plugin_available(), reason="CUDA plugin not installed "
+                                  "in .venv/cuda-plugin (bash scripts/dev.sh test installs it)")
+
+
+def _70b(*overrides):
+    return load_config(aot.REPO / CONFIG_70B, list(overrides))
+
+
+@needs_plugin
+def test_70b_on_64_h100_compiles_fast_and_fits(tmp_path):
+    # MaxText's and NeMo's 70B runs use 128 sequences of 8192 per 64 GPUs' step; the config's
+    # 256 needs grad_accum on 64 GPUs (see test_70b_batch_256_needs_accumulation_on_64).
+    t0 = time.perf_counter()
+    plan = make_plan(_70b("train.batch_size=128"), Cluster("h100", 8))
+    wall = time.perf_counter() - t0
+    comp = plan["compile"]
+    assert comp["ok"], comp
+    assert comp["target"] == "gpu" and comp["device_kind"].startswith("NVIDIA H100")
+    assert comp["devices"] == 64 and comp["processes"] == 8
+    assert "8 NVLink domain(s) of 8" in comp["mesh"]
+    assert wall < 120, f"plan took {wall:.0f} s"
+    m = comp["memory"]
+    # fp32 weights + two fp32 Adam moments, sharded 64 ways: 12 bytes x 70.55e9 / 64
+    assert m["arguments"] == pytest.approx(12 * 70_553_706_496 / 64, rel=0.01)
+    assert 40e9 < m["total"] < 76e9, m
+    assert plan["fits"] and plan["per_device_bytes"] == m["total"]
+    assert plan["per_device_bytes_source"] == "compiled"
+    # the cost model agrees with the compiler to within 15%
+    assert plan["memory_model_bytes"]["total"] == pytest.approx(m["total"], rel=0.15)
+    assert plan["compiled_for"].startswith("deviceless CUDA NVIDIA H100")
+
+
+def test_70b_on_8_h100_does_not_fit_with_numbers(tmp_path, capsys):
+    from launch import plan as launch_plan
+
+    launch_plan.main(["--config", CONFIG_70B, "--gpu", "h100", "--nodes", "1",
+                      "--no-compile", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT by" in out and "weights and optimizer 105.8 GB" in out
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["fits"] is False and plan["device_memory_bytes"] == 80e9
+
+
+def test_70b_on_8_h100_plan_numbers():
+    cluster = Cluster("h100", 1)
+    plan = make_plan(_70b(), cluster, compile_step=False)
+    assert not plan["fits"]
+    # weights and Adam alone: 12 bytes x 70.55e9 / 8 = 105.8 GB > 80 GB
+    assert plan["memory_model_bytes"]["weights_and_optimizer"] == pytest.approx(
+        12 * 70_553_706_496 / 8, rel=1e-6)
+    assert plan["per_device_bytes"] > plan["device_memory_bytes"]
+    assert plan["margin_bytes"] < -25e9
+
+
+@needs_plugin
+def test_70b_on_8_h100_compiled_does_not_fit():
+    plan = make_plan(_70b("train.batch_size=8"), Cluster("h100", 1))
+    assert plan["compile"]["ok"], plan["compile"]
+    assert plan["per_device_bytes_source"] == "compiled"
+    assert plan["compile"]["memory"]["arguments"] > 100e9  # 105.8 GB of state alone
+    assert not plan["fits"] and plan["margin_bytes"] < -25e9
+
+
+def test_flops_per_token_is_the_readme_formula():
+    cfg = _70b()
+    plan = make_plan(cfg, Cluster("h100", 8), compile_step=False)
+    n_no_embed = param_counts(cfg.model)[1]
+    want = metrics.flops_per_token(cfg.model, cfg.train.seq_len, n_no_embed)
+    assert plan["flops_per_token"] == want
+    assert plan["flops_per_token"] == pytest.approx(4.81e11, rel=0.005)  # DESIGN.md's number
+    assert plan["flops_per_step"] == want * 256 * 8192
+    assert plan["flop_formula"] == metrics.FLOP_FORMULA
+
+
+def test_pipeline_bubble_and_hand_computed_communication():
+    cluster = Cluster("h100", 2)  # 16 GPUs, two NVLink domains
+    cfg = plan_config(_70b("mesh.fsdp=-1", "mesh.pipeline=2", "mesh.tensor=2",
+                           "pipeline.microbatches=8", "train.batch_size=32"), cluster)
+    layout = layout_for(cfg, cluster)
+    assert layout.degrees == {"pipeline": 2, "data": 1, "fsdp": 4, "tensor": 2}
+    # tensor, then fsdp fill a domain of 8; pipeline crosses domains
+    assert layout.inner == {"pipeline": 1, "data": 1, "fsdp": 4, "tensor": 2}
+    est = estimate(cfg, cluster, layout)
+    assert est.bubble == pytest.approx((2 - 1) / (8 + 2 - 1))
+    n_params = param_counts(cfg.model)[0]
+    # FSDP: forward and backward all-gathers and a gradient reduce-scatter of the bf16 weights
+    # of this tensor x pipeline shard, each moving 3/4 of them
+    fsdp = est.comm["fsdp"]
+    assert fsdp.bytes_per_step == pytest.approx(3 * 0.75 * n_params / (2 * 2) * 2)
+    assert fsdp.link == "nvlink"
+    assert fsdp.bus_bandwidth == pytest.approx(450e9 * EFFICIENCIES.nvlink)
+    # TP: 12 collectives per layer (full remat), 40 layers per stage, 8 microbatches of
+    # 32/4/8 = 1 sequence of 8192 tokens, 1/2 of [8192, 8192] bf16 each
+    tp = est.comm["tensor"]
+    assert tp.bytes_per_step == pytest.approx(12 * 40 * 8 * 0.5 * 8192 * 8192 * 2)
+    # PP across two nodes: one rail, (8 + 2 - 1) iterations, forward and backward, of one
+    # microbatch's sequence-sharded activations
+    pp = est.comm["pipeline"]
+    assert pp.link == "infiniband"
+    assert pp.bus_bandwidth == pytest.approx(50e9 * EFFICIENCIES.ib)
+    assert pp.bytes_per_step == pytest.approx(2 * 9 * 8192 * 8192 * 2 / 2)
+    circ = estimate(plan_config(_70b("mesh.fsdp=-1", "mesh.pipeline=2", "mesh.tensor=2",
+                                     "pipeline.microbatches=8", "train.batch_size=32",
+                                     "pipeline.schedule=circular",
+                                     "pipeline.virtual_stages=4"), cluster), cluster, layout)
+    assert circ.bubble == pytest.approx(est.bubble / 4)
+
+
+def test_cross_domain_axis_is_bottlenecked_by_its_rails():
+    cluster = Cluster("h100", 8)
+    cfg = plan_config(_70b("train.batch_size=128"), cluster)  # fsdp=64: 8 inside x 8 across
+    est = estimate(cfg, cluster, layout_for(cfg, cluster))
+    c = est.comm["fsdp"]
+    assert c.link == "infiniband"
+    # eight GPUs of a node drive eight rails: 8 x 50 GB/s x 0.8, under NVLink's 450 x 0.8
+    assert c.bus_bandwidth == pytest.approx(min(450e9, 8 * 50e9) * 0.8)
+
+
+def test_gb200_nvlink_domain_spans_trays():
+    assert Cluster("gb200", 18).gpus_per_node == 4
+    assert Cluster("gb200", 18).nvlink_domain == 72
+    assert Cluster("gb200", 16).nvlink_domain == 64
+    assert Cluster("gb200", 36).nvlink_domain == 72
+    assert Cluster("h100", 4).nvlink_domain == 8
+
+
+def test_search_ranks_fitting_layouts_and_says_why_others_drop():
+    cluster = Cluster("h100", 8)
+    kept, dropped = search(plan_config(_70b(), cluster), cluster)
+    assert kept and dropped
+    speeds = [round(c.estimate.tokens_per_s_per_gpu, 1) for c in kept]
+    assert speeds == sorted(speeds, reverse=True)  # ties: the one with more memory to spare
+    assert all(c.estimate.fits for c in kept)
+    reasons = {c.dropped.split(":")[0] for c in dropped}
+    assert {"does not fit", "invalid"} <= reasons
+    assert any("train.batch_size" in c.dropped for c in dropped)
+    assert all(c.dropped for c in dropped)
+
+
+def test_plan_cli_writes_json_and_png(tmp_path):
+    out = tmp_path / "plan"
+    proc = subprocess.run(
+        [sys.executable, "-m", "launch.plan", "--config", CONFIG_70B, "--gpu", "b200",
+         "--nodes", "1", "--set", "train.batch_size=32", "--no-compile", "--search",
+         "--out", str(out)], capture_output=True, text=True, cwd=aot.REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    plan = json.loads((out / "plan.json").read_text())
+    for key in ("params", "per_device_bytes", "device_memory_bytes", "fits",
+                "predicted_tokens_per_s_per_gpu", "predicted_mfu", "compiled_for"):
+        assert key in plan, key
+    assert plan["compiled_for"] == "none (cost model only)"
+    assert plan["search"]["ranked"] and plan["search"]["best"]["label"]
+    assert (out / "plan.png").stat().st_size > 10_000
+    assert "tokens/s per GPU" in proc.stdout and "search:" in proc.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--gpu", "a100", "--nodes", "1"], "--gpu 'a100' is unknown"),
+    (["--gpu", "h100", "--nodes", "0"], "--nodes must be >= 1"),
+    (["--gpu", "h100", "--nodes", "1", "--set", "mesh.tensor=16"], "mesh.tensor=16"),
+])
+def test_plan_cli_bad_input_exits_2(args, message, capsys):
+    from launch import plan as launch_plan
+
+    with pytest.raises(SystemExit) as e:
+        launch_plan.main(["--config", CONFIG_70B, "--no-compile", *args])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unknown_gpu_is_a_plan_error():
+    with pytest.raises(PlanError, match="choose one of"):
+        Cluster("v100", 1)
