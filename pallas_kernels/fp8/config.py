@@ -28,6 +28,18 @@ def check_fp8(dtype) -> jnp.dtype:
     return dtype
 
 
+def check_kmajor_operands(a, bt) -> tuple[int, int, int]:
+    """(M, N, K) of a [M, K] and bt [N, K] (B transposed, K-major, as the GPU kernels read it),
+    both e4m3/e5m2; raises naming the problem otherwise."""
+    (m, k), (n, k2) = a.shape, bt.shape
+    if k != k2:
+        raise ValueError(f"a {a.shape} and bt {bt.shape} must share K (bt is B transposed)")
+    for t in (a, bt):
+        if t.dtype not in FP8_DTYPES:
+            raise ValueError(f"operands must be float8_e4m3fn or float8_e5m2, got {t.dtype}")
+    return m, n, k
+
+
 def _check_multiple(name: str, value: int, of: int) -> None:
     if value <= 0 or value % of:
         raise ValueError(f"{name}={value} must be a positive multiple of {of}")

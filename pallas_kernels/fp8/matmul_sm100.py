@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.fp8.config import E8M0, FP8_DTYPES, MX_BLOCK, Sm100Config
+from pallas_kernels.fp8.config import E8M0, MX_BLOCK, Sm100Config, check_kmajor_operands
 
 _TMA_WARP, _MMA_WARP = 0, 1
 
@@ -130,12 +130,7 @@ def fp8_matmul_sm100(a, a_scale, bt, bt_scale, out_dtype=jnp.bfloat16, *,
     """a [M, K] and bt [N, K] (B transposed: K-major) in e4m3/e5m2 with MX scales a_scale
     [M, K/32] and bt_scale [N, K/32] (float8_e8m0fnu, one per 32 consecutive elements of K).
     Returns (a * a_scale) @ (bt * bt_scale).T in out_dtype, float32 accumulation."""
-    (m, k), (n, k2) = a.shape, bt.shape
-    if k != k2:
-        raise ValueError(f"a {a.shape} and bt {bt.shape} must share K (bt is B transposed)")
-    for t in (a, bt):
-        if t.dtype not in FP8_DTYPES:
-            raise ValueError(f"operands must be float8_e4m3fn or float8_e5m2, got {t.dtype}")
+    m, n, k = check_kmajor_operands(a, bt)
     if a_scale.shape != (m, k // MX_BLOCK) or bt_scale.shape != (n, k // MX_BLOCK):
         raise ValueError(f"MX scales must be a_scale [{m}, {k // MX_BLOCK}] and bt_scale "
                          f"[{n}, {k // MX_BLOCK}], got {a_scale.shape} and {bt_scale.shape}")

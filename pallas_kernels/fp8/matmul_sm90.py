@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.fp8.config import FP8_DTYPES, Sm90Config
+from pallas_kernels.fp8.config import Sm90Config, check_kmajor_operands
 
 
 def supported(m: int, n: int, k: int, config: Sm90Config = Sm90Config()) -> bool:
@@ -73,12 +73,7 @@ def fp8_matmul_sm90(a, a_scale, bt, b_scale, out_dtype=jnp.bfloat16, *,
     """a [M, K] and bt [N, K] (B transposed: K-major) in e4m3/e5m2, float32 scalar scales.
     Returns (a * a_scale) @ (bt * b_scale).T in out_dtype. `interpret`: a
     plgpu.InterpretGPUParams to run on CPU under the Mosaic GPU interpreter."""
-    (m, k), (n, k2) = a.shape, bt.shape
-    if k != k2:
-        raise ValueError(f"a {a.shape} and bt {bt.shape} must share K (bt is B transposed)")
-    for t in (a, bt):
-        if t.dtype not in FP8_DTYPES:
-            raise ValueError(f"operands must be float8_e4m3fn or float8_e5m2, got {t.dtype}")
+    m, n, k = check_kmajor_operands(a, bt)
     if not supported(m, n, k, config):
         raise ValueError(f"M={m}, N={n}, K={k} must be multiples of tile_m={config.tile_m}, "
                          f"tile_n={config.tile_n}, tile_k={config.tile_k}")

@@ -3,9 +3,6 @@ wrapper's checks, and a deviceless B200 compile (through titanax.perf.aot and th
 that must contain the block-scaled tcgen05 MMA. jax 0.11.2's Mosaic GPU interpreter does not
 run block-scaled tcgen05, so the kernel's values are checked on hardware only."""
 
-import pathlib
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -19,7 +16,6 @@ from pallas_kernels.fp8.config import E4M3, E8M0
 from pallas_kernels.fp8.matmul_sm100 import (fp8_matmul_sm100, from_tcgen05_scale_layout,
                                              to_tcgen05_scale_layout)
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_scale_layout_is_the_ptx_1x_layout():
@@ -79,8 +75,5 @@ def test_sm100_compiles_for_b200_without_gpu():
         assert "kind::mxf8f6f4.block_scale.scale_vec::1X" in txt, "no block-scaled tcgen05 MMA"
         print("OK")
     """)
-    env = aot.cuda_plugin_env()
-    env["PYTHONPATH"] = f"{env['PYTHONPATH']}:{REPO}:{REPO / 'src'}"
-    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                       timeout=300)
+    r = aot.run_script(script)
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]

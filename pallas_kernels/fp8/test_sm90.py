@@ -1,9 +1,6 @@
 """Hopper wgmma kernel: run under the Mosaic GPU interpreter on CPU (small shapes), and compiled
 for an H100 without a GPU (deviceless, through titanax.perf.aot and the CUDA plugin)."""
 
-import pathlib
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -17,7 +14,6 @@ from pallas_kernels.fp8 import Sm90Config, fp8_matmul, quantize_tensorwise
 from pallas_kernels.fp8.config import E4M3, E5M2
 from pallas_kernels.fp8.reference import fp8_matmul_reference
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
 CFG = Sm90Config(tile_m=64, tile_n=64, tile_k=128, max_concurrent_steps=2)
 
 
@@ -67,8 +63,5 @@ def test_sm90_compiles_for_h100_without_gpu():
         assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e5m2" in txt, "no FP8 wgmma"
         print("OK")
     """)
-    env = aot.cuda_plugin_env()
-    env["PYTHONPATH"] = f"{env['PYTHONPATH']}:{REPO}:{REPO / 'src'}"
-    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                       timeout=300)
+    r = aot.run_script(script)
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]

@@ -95,6 +95,17 @@ def cuda_plugin_env(env: dict | None = None) -> dict:
     return env
 
 
+def run_script(script: str, *args: str, timeout: int = 300):
+    """Runs `python -c script args...` in a subprocess set up for deviceless compiles (the
+    repo's packages and the CUDA plugin on the path, CPU runtime); its CompletedProcess."""
+    import subprocess
+
+    env = cuda_plugin_env()
+    env["PYTHONPATH"] = os.pathsep.join((env["PYTHONPATH"], str(REPO), str(REPO / "src")))
+    return subprocess.run([sys.executable, "-c", script, *args], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
 def plugin_available() -> bool:
     return (CUDA_PLUGIN_DIR / "jax_plugins" / "xla_cuda12").is_dir()
 
