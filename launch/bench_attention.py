@@ -8,7 +8,8 @@ matmuls instead of two; the recomputation of QK^T is not counted as useful work)
 time is (forward+backward) - forward, each the median of --iters timed calls after warm-up.
 
     python -m launch.bench attention [--seqs 1024,2048,4096,8192,16384] [--tokens 16384]
-        [--impls mosaic_sm90,triton,cudnn,xla] [--iters 10] [--out runs/bench_attention.json]
+        [--impls mosaic_sm90,mosaic_sm100,triton,cudnn,xla] [--iters 10]
+        [--out runs/bench_attention.json]
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ def attention_flops(B, S, Hq, D, *, causal):
 def _default_impls():
     if jax.default_backend() != "gpu":
         return ["xla", "cudnn"]  # interpret-mode kernels measure the interpreter, not a kernel
-    cc = str(getattr(jax.devices()[0], "compute_capability", "0.0"))
-    impls = ["mosaic_sm90"] if cc.startswith("9.") else []
+    from pallas_kernels.target import compute_capability
+
+    major = (compute_capability() or (0, 0))[0]
+    impls = {9: ["mosaic_sm90"], 10: ["mosaic_sm100"]}.get(major, [])
     return impls + ["triton", "cudnn", "xla"]
 
 

@@ -26,11 +26,13 @@ from titanax.perf.timing import median_call_seconds
 SHAPES = [(8192, 8192), (8192, 28672), (28672, 8192)]  # (K in, N out) of Llama-3-70B's GEMMs
 
 
-def _default_impls(jax) -> list[str]:
-    dev = jax.devices()[0]
-    if dev.platform != "gpu":
+def _default_impls() -> list[str]:
+    from pallas_kernels.target import compute_capability
+
+    cc = compute_capability()
+    if cc is None:
         return ["bf16", "xla_fp8"]
-    major = int(str(getattr(dev, "compute_capability", "0.0")).split(".")[0])
+    major = cc[0]
     return ["bf16", "xla_fp8", "sm90"] if major == 9 else ["bf16", "xla_fp8", "xla_mx", "sm100"]
 
 
@@ -50,7 +52,7 @@ def main(argv=None) -> None:
 
     from pallas_kernels.fp8 import fp8_matmul, quantize_mxfp8, quantize_tensorwise
 
-    impls = args.impls or _default_impls(jax)
+    impls = args.impls or _default_impls()
     dev = jax.devices()[0]
     print(f"device: {dev.device_kind} ({dev.platform}); impls: {', '.join(impls)}; "
           f"FLOPs = 2*M*N*K; median of {args.iters}")

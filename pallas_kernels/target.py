@@ -34,6 +34,16 @@ def target_platform() -> str:
     return target_device().platform
 
 
+def compute_capability() -> tuple[int, int] | None:
+    """(major, minor) of the target GPU (9, 0 for Hopper; 10, 0 for B200), None off GPU."""
+    dev = target_device()
+    cc = getattr(dev, "compute_capability", None)
+    if dev.platform != "gpu" or cc is None:
+        return None
+    major, minor = str(cc).split(".")[:2]
+    return int(major), int(minor)
+
+
 def out_struct(like, shape, dtype):
     """A kernel output's ShapeDtypeStruct, varying over the same manual mesh axes as the input
     `like`: inside jax.shard_map (a pipeline stage) pallas_call must be told, or it refuses."""

@@ -130,3 +130,18 @@ def test_cli_reports_config_errors_without_traceback(tmp_path):
     assert "Did you mean 'train.steps'" in r.stderr and "Traceback" not in r.stderr
     r = _run(["launch.generate", "--workdir", str(tmp_path / "nothing"), "--prompt", "x"])
     assert r.returncode == 2 and "no checkpoint" in r.stderr
+
+
+def test_plot_runs_draws_several_runs_and_names_a_bad_folder(tmp_path):
+    for name, loss in (("a", 5.0), ("b", 4.0)):
+        (tmp_path / name).mkdir()
+        rows = [{"step": 0, "val_loss": loss + 1}, {"step": 10, "loss": loss},
+                {"step": 10, "val_loss": loss}]
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "cmp.png"
+    r = _run(["launch.plot_runs", str(out), f"a={tmp_path / 'a'}", f"b={tmp_path / 'b'}"])
+    assert r.returncode == 0, r.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    r = _run(["launch.plot_runs", str(out), f"c={tmp_path / 'missing'}"])
+    assert r.returncode == 2 and "no metrics.jsonl rows" in r.stderr
+

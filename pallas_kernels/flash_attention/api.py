@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from . import kernel_bwd, kernel_fwd
 from .config import FlashConfig, default_config
 from .reference import attention_reference, mask_SxT
-from ..target import target_device, target_platform
+from ..target import compute_capability, target_platform
 
 log = logging.getLogger(__name__)
 
@@ -55,17 +55,23 @@ def _triton_multiples(cfg: FlashConfig):
     return max(cfg.block_q, cfg.block_q_bwd), max(cfg.block_kv, cfg.block_kv_bwd)
 
 
-def mosaic_unsupported(impl: str, dtype, head_dim: int) -> str | None:
+def mosaic_unsupported(impl: str, dtype, head_dim: int, *, causal: bool = False,
+                       segments: bool = False) -> str | None:
     """Why a Mosaic kernel cannot take these inputs, or None when it can."""
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"{impl} needs bf16/fp16 (wgmma/tcgen05 operands), got {jnp.dtype(dtype).name}"
     if head_dim not in (64, 128, 256):
         return f"{impl} needs head_dim 64, 128 or 256, got {head_dim}"
+    if impl == "mosaic_sm100" and causal and segments:
+        from .kernel_sm100 import CAUSAL_SEGMENTS_MISSING
+        return CAUSAL_SEGMENTS_MISSING
     return None
 
 
-def resolve_impl(impl: str, dtype, head_dim: int, *, interpret: bool = False) -> str:
-    """The backend 'auto' means here, by platform, compute capability, dtype and head_dim."""
+def resolve_impl(impl: str, dtype, head_dim: int, *, interpret: bool = False,
+                 causal: bool = False, segments: bool = False) -> str:
+    """The backend 'auto' means here, by platform, compute capability, dtype, head_dim and
+    (for what a kernel does not take yet) causal masking with segment ids."""
     if impl not in IMPLS:
         raise ValueError(f"unknown flash attention impl {impl!r}; use one of {IMPLS}")
     if impl != "auto":
@@ -77,9 +83,8 @@ def resolve_impl(impl: str, dtype, head_dim: int, *, interpret: bool = False) ->
         _log_once(f"flash_attention auto: platform {platform!r} has no Pallas GPU kernels; "
                   "using 'xla' (pass interpret=True or impl='triton' to run the kernels)")
         return "xla"
-    dev = target_device()
-    cc = getattr(dev, "compute_capability", "0.0")
-    major = int(str(cc).split(".")[0])
+    cc = compute_capability() or (0, 0)
+    major = cc[0]
     if major == 9:
         why = mosaic_unsupported("mosaic_sm90", dtype, head_dim)
         if why is None:
@@ -87,17 +92,18 @@ def resolve_impl(impl: str, dtype, head_dim: int, *, interpret: bool = False) ->
         _log_once(f"flash_attention auto: {why}; using 'triton'")
         return "triton"
     if major == 10:
-        why = mosaic_unsupported("mosaic_sm100", dtype, head_dim)
+        why = mosaic_unsupported("mosaic_sm100", dtype, head_dim, causal=causal,
+                                 segments=segments)
         if why is None:
             return "mosaic_sm100"
         _log_once(f"flash_attention auto: {why}; using 'cudnn'")
         return "cudnn"
     if major > 10:
-        _log_once(f"flash_attention auto: compute capability {cc} has no titanax kernel yet; "
-                  "using 'cudnn'")
+        _log_once(f"flash_attention auto: compute capability {major}.{cc[1]} has no titanax "
+                  "kernel yet; using 'cudnn'")
         return "cudnn"
-    _log_once(f"flash_attention auto: compute capability {cc} (< 9.0) has no Mosaic kernel; "
-              "using 'triton'")
+    _log_once(f"flash_attention auto: compute capability {major}.{cc[1]} (< 9.0) has no Mosaic "
+              "kernel; using 'triton'")
     return "triton"
 
 
@@ -121,14 +127,8 @@ def flash_attention(q, k, v, *, causal: bool = True, softmax_scale: float | None
                              f"{segment_ids.shape}, T={T}")
         segment_ids = segment_ids.astype(jnp.int32)
     scale = float(D ** -0.5 if softmax_scale is None else softmax_scale)
-    requested = impl
-    impl = resolve_impl(impl, q.dtype, D, interpret=interpret)
-    if impl == "mosaic_sm100" and causal and segment_ids is not None:
-        from .kernel_sm100 import CAUSAL_SEGMENTS_MISSING
-        if requested != "auto":
-            raise ValueError(CAUSAL_SEGMENTS_MISSING)
-        _log_once(f"flash_attention auto: {CAUSAL_SEGMENTS_MISSING}")
-        impl = "cudnn"
+    impl = resolve_impl(impl, q.dtype, D, interpret=interpret, causal=causal,
+                        segments=segment_ids is not None)
 
     if impl == "xla":
         return attention_reference(q, k, v, causal=causal, softmax_scale=scale,
@@ -141,7 +141,8 @@ def flash_attention(q, k, v, *, causal: bool = True, softmax_scale: float | None
             q, k, v, mask=mask, scale=scale, is_causal=causal,
             implementation="cudnn" if target_platform() == "gpu" else None)
     if impl != "triton":
-        why = mosaic_unsupported(impl, q.dtype, D)
+        why = mosaic_unsupported(impl, q.dtype, D, causal=causal,
+                                 segments=segment_ids is not None)
         if why:
             raise ValueError(why)
     cfg = config if config is not None else default_config(impl, D, interpret=interpret)

@@ -19,17 +19,9 @@ import jax.numpy as jnp
 from pallas_kernels.fp8 import matmul_grid, matmul_sm90, matmul_sm100
 from pallas_kernels.fp8.config import GridConfig, Sm90Config, Sm100Config
 from pallas_kernels.fp8.reference import fp8_matmul_reference, fp8_matmul_xla, scaling_mode
-from pallas_kernels.target import target_device, target_platform
+from pallas_kernels.target import compute_capability, target_platform
 
 IMPLS = ("auto", "xla", "reference", "pallas_grid", "sm90", "sm100")
-
-
-def _compute_capability() -> tuple[int, int] | None:
-    dev = target_device()
-    if dev.platform != "gpu" or not hasattr(dev, "compute_capability"):
-        return None
-    major, minor = str(dev.compute_capability).split(".")
-    return int(major), int(minor)
 
 
 def resolve_impl(impl: str, mode: str, m: int, n: int, k: int, *, interpret: bool = False,
@@ -40,7 +32,7 @@ def resolve_impl(impl: str, mode: str, m: int, n: int, k: int, *, interpret: boo
         return impl
     if interpret:
         return "pallas_grid"
-    cc = _compute_capability()
+    cc = compute_capability()
     if cc is not None and cc[0] == 9 and mode == "tensorwise":
         if matmul_sm90.supported(m, n, k, config if isinstance(config, Sm90Config) else Sm90Config()):
             return "sm90"

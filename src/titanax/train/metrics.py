@@ -125,3 +125,32 @@ def plot_loss(workdir) -> pathlib.Path | None:
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def plot_runs(runs: dict[str, str | pathlib.Path], out: str | pathlib.Path) -> pathlib.Path:
+    """Several runs' curves side by side: training loss (left) and validation loss (right)
+    against step, one line per {label: workdir}; for comparisons such as docs/fp8_loss.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(11, 4))
+    for label, workdir in runs.items():
+        rows = read_metrics(workdir)
+        if not rows:
+            raise FileNotFoundError(f"{workdir}: no metrics.jsonl rows; is it a run folder?")
+        ax_train.plot(*zip(*[(r["step"], r["loss"]) for r in rows if "loss" in r]), label=label)
+        val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+        if val:
+            ax_val.plot(*zip(*val), "o-", label=label)
+    for ax, title in ((ax_train, "training loss"), (ax_val, "validation loss")):
+        ax.set(title=title, xlabel="step", ylabel="cross-entropy (nats/token)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    out = pathlib.Path(out)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
