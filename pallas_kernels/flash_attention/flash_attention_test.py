@@ -1,8 +1,8 @@
 """Values and gradients of the Pallas flash attention kernels vs the jnp reference, on CPU.
 
-triton: the grid kernels in Pallas interpret mode. mosaic_sm90 / mosaic_sm100: the Hopper
-and Blackwell forwards in the Mosaic GPU interpreter (SMEM, mbarriers, TMA, wgmma; tcgen05 and
-TMEM), their backward being the grid kernels.
+triton: the grid kernels in Pallas interpret mode. mosaic_sm90: the Hopper forward and its
+Mosaic dq/dkv backward kernels in the Mosaic GPU interpreter (SMEM, mbarriers, TMA, wgmma).
+mosaic_sm100: the Blackwell forward there too (tcgen05, TMEM), its backward the grid kernels.
 Error = max |x - ref| / max |ref| per tensor: fp32 within 2e-5, bf16 within 2e-2. Cases stay
 small (interpret mode costs ~9 ms per grid step) but cover causal and not, GQA 1/4/8, lengths
 that are not block multiples, head_dim 64 and 128, packed-document segment ids.
@@ -83,6 +83,9 @@ def test_triton_batch_and_kv_heads():
     (True, 1, 64, 150, False),   # 2 CTAs, 3 kv tiles, diagonal + drained tiles, key tail
     (False, 4, 64, 100, True),   # GQA, segments, tails
     (True, 8, 128, 64, True),
+    # Backward: 3 CTAs in dq and dkv, tiles drained by one warpgroup in each, G heads summed
+    # in dkv's accumulators across skipped causal tiles, segments and a key tail together.
+    (True, 4, 64, 300, True),
 ])
 def test_mosaic_sm90_interpreted_matches_reference(causal, G, D, S, segments):
     _check("mosaic_sm90", MOSAIC, B=1, S=S, Hq=G if G > 1 else 2, Hkv=1 if G > 1 else 2, D=D,

@@ -11,10 +11,7 @@ the same TMA ring as K), masking of padded keys (any length), masked finite (no 
 fully masked tiles), bf16 as well as fp16, and the log-sum-exp (log2 units) for the backward.
 Causal: tiles left of the diagonal take an unmasked fast path, tiles right of it are skipped.
 
-Backward: not a Mosaic kernel yet. flash_bwd below runs kernel_bwd.py's grid kernels (Pallas
-Triton backend, compiled for sm_90a) on the log-sum-exp this forward saves. A Mosaic backward
-(dq and dkv kernels with emit_pipeline_warp_specialized, as upstream's non-causal one) is the
-next step.
+Backward: kernel_sm90_bwd.py (Mosaic dq and dkv kernels on the log-sum-exp saved here).
 
 The Mosaic GPU interpreter (CPU tests) lacks run_state and register-A wgmma, so under
 interpret=True P goes through SMEM and the PV accumulator is added after the wgmma; the
@@ -43,9 +40,10 @@ COMPUTE_WGS = 2
 
 
 def pad_multiples(cfg):
-    """Sequence multiples the kernels need: the forward takes 2 x block_q rows per CTA."""
-    return (max(COMPUTE_WGS * cfg.block_q, cfg.block_q_bwd),
-            max(cfg.block_kv, cfg.block_kv_bwd))
+    """Sequence multiples the kernels need: the forward takes 2 x block_q rows per CTA, the
+    backward's dq kernel 2 x block_q_bwd rows and its dkv kernel 2 x block_kv_bwd keys."""
+    return (COMPUTE_WGS * max(cfg.block_q, cfg.block_q_bwd),
+            max(cfg.block_kv, COMPUTE_WGS * cfg.block_kv_bwd))
 
 
 def _interpret_ctx(interpret: bool):
@@ -307,9 +305,9 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
 
 
 def flash_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, *, scale, causal, kv_len, config, interpret):
-    """Backward of the sm90 forward: the Pallas grid kernels of kernel_bwd.py (Triton backend,
-    which compiles for sm_90a too) on the forward's log-sum-exp converted to natural log. A
-    Mosaic (wgmma) backward is future work; see the module docstring of this file."""
-    from . import kernel_bwd
-    return kernel_bwd.flash_bwd(q, k, v, o, lse2 / LOG2E, do, q_seg, kv_seg, scale=scale,
-                                causal=causal, kv_len=kv_len, config=config, interpret=interpret)
+    """Backward of this forward: the Mosaic (wgmma) dq and dkv kernels of kernel_sm90_bwd.py,
+    on the log-sum-exp in log2 units that flash_fwd saves."""
+    from . import kernel_sm90_bwd
+    return kernel_sm90_bwd.flash_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, scale=scale,
+                                     causal=causal, kv_len=kv_len, config=config,
+                                     interpret=interpret)

@@ -1,0 +1,412 @@
+"""Flash attention backward for Hopper (sm_90a) in Pallas Mosaic GPU: TMA, wgmma, warp
+specialization, causal tile skipping, GQA summed in the kernel, packed-document masking.
+
+FlashAttention-2's split into two kernels that each recompute P = exp2(S - lse2) from the
+forward's log-sum-exp (log2 units), with delta = rowsum(dO * O) computed once in XLA:
+
+  dq:  a CTA owns wgs x block_q query rows of one (batch, q head); each consumer warpgroup
+       keeps its Q and dO tiles in SMEM and a dQ accumulator in registers while the producer
+       warpgroup streams the kv head's K and V tiles through a TMA ring:
+         S = Q K^T, P = exp2(S - lse2), dP = dO V^T, dS = P (dP - delta), dQ += dS K.
+       Causal: a warpgroup stops at its diagonal tile and drains the tiles the other one
+       still needs.
+  dkv: a CTA owns wgs x block_kv keys of one (batch, kv head); each consumer keeps K and V in
+       SMEM and dK, dV accumulators in registers while the producer streams Q, dO, lse2,
+       delta (and segment ids) tiles of all G q heads of the kv head:
+         S^T = K Q^T, P^T = exp2(S^T - lse2), dV += P^T dO, dP^T = V dO^T,
+         dS^T = P^T (dP^T - delta), dK += dS^T Q.
+       GQA needs no [B, T, Hq, D] temporaries: the G heads' contributions are summed in the
+       accumulators. Causal: query tiles wholly before a warpgroup's keys are never loaded
+       for the CTA, and the one the second warpgroup does not see is drained.
+
+Why two kernels and not FA3's one (dQ by atomic adds): jax 0.11.2's Mosaic GPU interpreter has
+no TMA reduction (copy_smem_to_gmem(reduction_op="add")), so a fused kernel could not be tested
+on CPU. The split recomputes S and dP once more (3.5 instead of 2.5 forward-matmul units).
+
+Tiles left of the causal diagonal and inside the valid keys take an unmasked fast path. A
+head_dim of 256 uses one consumer warpgroup so the SMEM ring stays under 227 KiB.
+Interpreter differences (as in kernel_sm90.py): P and dS go through SMEM as wgmma's A operand
+and accumulators are added after the wgmma; the compiled kernel keeps both in registers.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from .kernel_sm90 import LOG2E, MASK, _interpret_ctx, _tile_mask, _wgmma_into
+from ..target import out_struct
+
+TX = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+REGS_COMPUTE, REGS_PRODUCER = 232, 40
+
+
+def bwd_wgs(head_dim: int) -> int:
+    """Consumer warpgroups per CTA: two, or one at head_dim 256 (SMEM)."""
+    return 2 if head_dim <= 128 else 1
+
+
+def _slot(t, steps):
+    return lax.rem(t, jnp.array(steps, t.dtype))
+
+
+def _zeros(shape):
+    return plgpu.layout_cast(jnp.full(shape, 0, jnp.float32), plgpu.Layout.WGMMA)
+
+
+def _two_wgmmas(a1, b1, a2, b2, shape):
+    """(a1 @ b1, a2 @ b2) in fp32, issued back to back and waited for once."""
+    def issue(acc1, acc2):
+        plgpu.wgmma(acc1, a1, b1)
+        plgpu.wgmma(acc2, a2, b2)
+        return acc1[...], acc2[...]
+    return pl.run_scoped(issue, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
+
+
+def _a_operand(x16, smem, interpret: bool):
+    """wgmma's A operand: registers on the GPU; SMEM in the interpreter, which reads A only
+    from SMEM."""
+    if not interpret:
+        return x16
+    smem[...] = x16
+    plgpu.commit_smem()
+    return smem
+
+
+def _producer(total, steps, load, consumed):
+    """The producer warpgroup's TMA ring: preload `steps` tiles, refill a slot once every
+    consumer released it, and wait for the last releases so no barrier phase is left
+    unobserved when the CTA exits."""
+    plgpu.set_max_registers(REGS_PRODUCER, action="decrease")
+    for i in range(steps):
+        @pl.when(i < total)
+        def _():
+            load(jnp.int32(i), i)
+
+    @pl.loop(0, jnp.maximum(total - steps, 0))
+    def _(t):
+        slot = _slot(t, steps)
+        plgpu.barrier_wait(consumed.at[slot])
+        load(t + steps, slot)
+
+    @pl.loop(jnp.maximum(total - steps, 0), total)
+    def _(t):
+        plgpu.barrier_wait(consumed.at[_slot(t, steps)])
+
+
+def _dq(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, config, interpret):
+    B, Sp, Hq, D = q.shape
+    Tp, Hkv = k.shape[1], k.shape[2]
+    G, dtype = Hq // Hkv, q.dtype
+    wgs = bwd_wgs(D)
+    bq, bkv = config.block_q_bwd, config.block_kv_bwd
+    n_kv = Tp // bkv
+    steps = min(config.max_concurrent_steps, n_kv)
+    has_seg = q_seg is not None
+    kv_full = 0 if has_seg else kv_len // bkv  # tiles below this need no kv_len/segment mask
+    qk_scale = scale * LOG2E
+
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, dq_ref,
+               smem, bars):
+        batch, q_head, wg = (lax.axis_index(a) for a in ("batch", "heads", "wg"))
+        q_smem2, do_smem2, lse_smem2, delta_smem2, qseg_smem2, k_smem, v_smem, kseg_smem, \
+            ds_smem2 = smem
+        own_bars, k_bars, v_bars, kseg_bars, consumed = bars
+        cta_q = lax.axis_index("q_seq") * (wgs * bq)
+        if causal:
+            max_steps = jnp.minimum(pl.cdiv(cta_q + wgs * bq, jnp.array(bkv, jnp.int32)), n_kv)
+        else:
+            max_steps = n_kv
+
+        @pl.when(wg < wgs)
+        def _consumer():
+            plgpu.set_max_registers(REGS_COMPUTE, action="increase")
+            q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
+            q_base = cta_q + wg * bq
+            rows = (batch, pl.ds(q_base, bq), q_head)
+            vec = (batch, q_head, pl.ds(q_base, bq))
+            own = [(q_ref.at[rows], q_smem), (do_ref.at[rows], do_smem),
+                   (lse_ref.at[vec], lse_smem2.at[wg]), (delta_ref.at[vec], delta_smem2.at[wg])]
+            if has_seg:
+                own.append((qseg_ref.at[batch, pl.ds(q_base, bq)], qseg_smem2.at[wg]))
+            for i, (src, dst) in enumerate(own):
+                plgpu.copy_gmem_to_smem(src, dst, own_bars.at[i * wgs + wg])
+            for i in range(len(own)):
+                plgpu.barrier_wait(own_bars.at[i * wgs + wg])
+            row = plgpu.Layout.WGMMA.reduce(1)
+            lse = plgpu.load(lse_smem2.at[wg], layout=row)
+            dlt = plgpu.load(delta_smem2.at[wg], layout=row)
+            q_seg = plgpu.load(qseg_smem2.at[wg], layout=row) if has_seg else None
+            if causal:
+                kv_steps = jnp.minimum(pl.cdiv(q_base + bq, jnp.array(bkv, jnp.int32)), n_kv)
+                full_steps = jnp.minimum(lax.div(q_base, jnp.array(bkv, jnp.int32)), kv_full)
+            else:
+                kv_steps, full_steps = n_kv, kv_full
+
+            def step(t, dq, masked=False):
+                slot = _slot(t, steps)
+                plgpu.barrier_wait(k_bars.at[slot])
+                plgpu.barrier_wait(v_bars.at[slot])
+                s, dp = _two_wgmmas(q_smem, k_smem.at[slot].transpose((1, 0)), do_smem, v_smem.at[slot].transpose((1, 0)),
+                                    (bq, bkv))
+                s = s * qk_scale
+                if masked:
+                    k_seg = None
+                    if has_seg:
+                        plgpu.barrier_wait(kseg_bars.at[slot])
+                        k_seg = plgpu.load(kseg_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                    mask = _tile_mask(q_base, t * bkv, (bq, bkv), causal=causal, kv_len=kv_len,
+                                      q_seg=q_seg, k_seg=k_seg)
+                    s = jnp.where(mask, s, MASK)
+                elif has_seg:  # keep the segment barrier's phases in step
+                    plgpu.barrier_wait(kseg_bars.at[slot])
+                p = jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [0]))
+                ds = p * (dp - lax.broadcast_in_dim(dlt, s.shape, [0]))
+                a = _a_operand(ds.astype(dtype), ds_smem2.at[wg] if interpret else None,
+                               interpret)
+                dq = _wgmma_into(dq, lambda acc: plgpu.wgmma(acc, a, k_smem.at[slot]),
+                                 interpret)
+                plgpu.barrier_arrive(consumed.at[slot])
+                return dq
+
+            def drain(t, _):
+                # Tiles past this warpgroup's diagonal, loaded for the other one.
+                slot = _slot(t, steps)
+                plgpu.barrier_wait(k_bars.at[slot])
+                plgpu.barrier_wait(v_bars.at[slot])
+                if has_seg:
+                    plgpu.barrier_wait(kseg_bars.at[slot])
+                plgpu.barrier_arrive(consumed.at[slot])
+
+            dq = lax.fori_loop(0, full_steps, step, _zeros((bq, D)))
+            dq = lax.fori_loop(full_steps, kv_steps, functools.partial(step, masked=True), dq)
+            if causal:
+                lax.fori_loop(kv_steps, max_steps, drain, None)
+            q_smem[...] = (dq * scale).astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == wgs)
+        def _producer_wg():
+            kv_head = lax.div(q_head, jnp.array(G, q_head.dtype))
+
+            def load(t, slot):
+                rows = pl.ds(t * bkv, bkv)
+                plgpu.copy_gmem_to_smem(k_ref.at[batch, rows, kv_head], k_smem.at[slot],
+                                        k_bars.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[batch, rows, kv_head], v_smem.at[slot],
+                                        v_bars.at[slot])
+                if has_seg:
+                    plgpu.copy_gmem_to_smem(kseg_ref.at[batch, rows], kseg_smem.at[slot],
+                                            kseg_bars.at[slot])
+            _producer(max_steps, steps, load, consumed)
+
+    def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
+        if has_seg:
+            qseg_ref, kseg_ref, dq_ref = rest
+        else:
+            (dq_ref,), qseg_ref, kseg_ref = rest, None, None
+        smem = (
+            plgpu.SMEM((wgs, bq, D), dtype, transforms=TX),
+            plgpu.SMEM((wgs, bq, D), dtype, transforms=TX),
+            plgpu.SMEM((wgs, bq), jnp.float32),
+            plgpu.SMEM((wgs, bq), jnp.float32),
+            plgpu.SMEM((wgs, bq), jnp.int32) if has_seg else None,
+            plgpu.SMEM((steps, bkv, D), dtype, transforms=TX),
+            plgpu.SMEM((steps, bkv, D), dtype, transforms=TX),
+            plgpu.SMEM((steps, bkv), jnp.int32) if has_seg else None,
+            plgpu.SMEM((wgs, bq, bkv), dtype, transforms=TX) if interpret else None,
+        )
+        n_own = 5 if has_seg else 4
+        bars = (plgpu.Barrier(num_barriers=n_own * wgs), plgpu.Barrier(num_barriers=steps),
+                plgpu.Barrier(num_barriers=steps), plgpu.Barrier(num_barriers=steps),
+                plgpu.Barrier(num_arrivals=wgs, num_barriers=steps))
+        pl.run_scoped(
+            lambda s, b: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref,
+                                kseg_ref, dq_ref, s, b),
+            smem, bars, collective_axes="wg")
+
+    args = (q, k, v, do, lse2, delta) + ((q_seg, kv_seg) if has_seg else ())
+    with _interpret_ctx(interpret):
+        return plgpu.kernel(
+            entry, out_type=out_struct(q, q.shape, dtype),
+            grid=(Hq, Sp // (wgs * bq), B), grid_names=("heads", "q_seq", "batch"),
+            num_threads=wgs + 1, thread_name="wg",
+            compiler_params=plgpu.CompilerParams(approx_math=True),
+        )(*args)
+
+
+def _dkv(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, config, interpret):
+    B, Sp, Hq, D = q.shape
+    Tp, Hkv = k.shape[1], k.shape[2]
+    G, dtype = Hq // Hkv, q.dtype
+    wgs = bwd_wgs(D)
+    bq, bkv = config.block_q_bwd, config.block_kv_bwd
+    n_q = Sp // bq
+    steps = min(config.max_concurrent_steps, G * n_q)
+    has_seg = q_seg is not None
+    qk_scale = scale * LOG2E
+    i32 = lambda x: jnp.array(x, jnp.int32)
+
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, dk_ref,
+               dv_ref, smem, bars):
+        batch, kv_head, wg = (lax.axis_index(a) for a in ("batch", "heads", "wg"))
+        k_smem2, v_smem2, kseg_smem2, q_smem, do_smem, lse_smem, delta_smem, qseg_smem, \
+            p_smem2, ds_smem2 = smem
+        own_bars, ring_bars, consumed = bars
+        cta_kv = lax.axis_index("kv_seq") * (wgs * bkv)
+        # Causal: query tile i sees keys >= base only if its last query (i+1)*bq - 1 >= base.
+        q_start = jnp.minimum(lax.div(cta_kv, i32(bq)), n_q) if causal else i32(0)
+        per_head = n_q - q_start  # query tiles the CTA streams for each q head
+
+        @pl.when(wg < wgs)
+        def _consumer():
+            plgpu.set_max_registers(REGS_COMPUTE, action="increase")
+            k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+            kv_base = cta_kv + wg * bkv
+            rows = (batch, pl.ds(kv_base, bkv), kv_head)
+            own = [(k_ref.at[rows], k_smem), (v_ref.at[rows], v_smem)]
+            if has_seg:
+                own.append((kseg_ref.at[batch, pl.ds(kv_base, bkv)], kseg_smem2.at[wg]))
+            for i, (src, dst) in enumerate(own):
+                plgpu.copy_gmem_to_smem(src, dst, own_bars.at[i * wgs + wg])
+            for i in range(len(own)):
+                plgpu.barrier_wait(own_bars.at[i * wgs + wg])
+            col = plgpu.Layout.WGMMA.reduce(0)  # vectors along the query (column) axis
+            k_seg = (plgpu.load(kseg_smem2.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+                     if has_seg else None)
+            if causal:
+                my_start = jnp.minimum(lax.div(kv_base, i32(bq)), n_q)
+                # Tiles from here on lie wholly on or below the diagonal: no causal mask.
+                diag_end = jnp.minimum(pl.cdiv(kv_base + bkv - 1, i32(bq)), n_q)
+            else:
+                my_start, diag_end = q_start, i32(0)
+            # Segments, or padded keys in this block (masked so they stay finite), mask all.
+            mask_all = kv_base + bkv > kv_len
+            if has_seg:
+                mask_all = jnp.bool_(True)
+            fast_start = jnp.where(mask_all, n_q, jnp.maximum(diag_end, my_start))
+            q_bar, do_bar, lse_bar, delta_bar = ring_bars[:4]
+            qseg_bar = ring_bars[4] if has_seg else None
+
+            def step(i, carry, g, masked=False):
+                dk, dv = carry
+                slot = _slot(g * per_head + i - q_start, steps)
+                for bar in (q_bar, do_bar, lse_bar, delta_bar):
+                    plgpu.barrier_wait(bar.at[slot])
+                lse = plgpu.load(lse_smem.at[slot], layout=col)
+                dlt = plgpu.load(delta_smem.at[slot], layout=col)
+                st, dpt = _two_wgmmas(k_smem, q_smem.at[slot].transpose((1, 0)), v_smem, do_smem.at[slot].transpose((1, 0)),
+                                      (bkv, bq))
+                st = st * qk_scale
+                if has_seg:
+                    plgpu.barrier_wait(qseg_bar.at[slot])
+                if masked:
+                    q_seg = plgpu.load(qseg_smem.at[slot], layout=col) if has_seg else None
+                    mask = _tile_mask(i * bq, kv_base, (bkv, bq), causal=causal, kv_len=kv_len,
+                                      q_seg=q_seg, k_seg=k_seg, q_dim=1)
+                    st = jnp.where(mask, st, MASK)
+                pt = jnp.exp2(st - lax.broadcast_in_dim(lse, st.shape, [1]))
+                dst = pt * (dpt - lax.broadcast_in_dim(dlt, st.shape, [1]))
+                a_p = _a_operand(pt.astype(dtype), p_smem2.at[wg] if interpret else None,
+                                 interpret)
+                a_ds = _a_operand(dst.astype(dtype), ds_smem2.at[wg] if interpret else None,
+                                  interpret)
+                dv = _wgmma_into(dv, lambda acc: plgpu.wgmma(acc, a_p, do_smem.at[slot]),
+                                 interpret)
+                dk = _wgmma_into(dk, lambda acc: plgpu.wgmma(acc, a_ds, q_smem.at[slot]),
+                                 interpret)
+                plgpu.barrier_arrive(consumed.at[slot])
+                return dk, dv
+
+            def drain(i, _, g):
+                # Query tiles before this warpgroup's keys, loaded for the other one.
+                slot = _slot(g * per_head + i - q_start, steps)
+                for bar in ring_bars:
+                    plgpu.barrier_wait(bar.at[slot])
+                plgpu.barrier_arrive(consumed.at[slot])
+
+            def head(g, carry):
+                lax.fori_loop(q_start, my_start, functools.partial(drain, g=g), None)
+                carry = lax.fori_loop(my_start, fast_start,
+                                      functools.partial(step, g=g, masked=True), carry)
+                return lax.fori_loop(fast_start, n_q, functools.partial(step, g=g), carry)
+
+            dk, dv = lax.fori_loop(0, G, head, (_zeros((bkv, D)), _zeros((bkv, D))))
+            k_smem[...] = (dk * scale).astype(dtype)
+            v_smem[...] = dv.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[rows], commit_group=False)
+            plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[rows], commit_group=False)
+            plgpu.commit_smem_to_gmem_group()
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == wgs)
+        def _producer_wg():
+            def load(t, slot):
+                g = lax.div(t, per_head)
+                i = q_start + lax.rem(t, per_head)
+                head = kv_head * G + g
+                rows = (batch, pl.ds(i * bq, bq), head)
+                vec = (batch, head, pl.ds(i * bq, bq))
+                srcs = [q_ref.at[rows], do_ref.at[rows], lse_ref.at[vec], delta_ref.at[vec]]
+                dsts = [q_smem, do_smem, lse_smem, delta_smem]
+                if has_seg:
+                    srcs.append(qseg_ref.at[batch, pl.ds(i * bq, bq)])
+                    dsts.append(qseg_smem)
+                for src, dst, bar in zip(srcs, dsts, ring_bars):
+                    plgpu.copy_gmem_to_smem(src, dst.at[slot], bar.at[slot])
+            _producer(G * per_head, steps, load, consumed)
+
+    def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
+        if has_seg:
+            qseg_ref, kseg_ref, dk_ref, dv_ref = rest
+        else:
+            (dk_ref, dv_ref), qseg_ref, kseg_ref = rest, None, None
+        smem = (
+            plgpu.SMEM((wgs, bkv, D), dtype, transforms=TX),
+            plgpu.SMEM((wgs, bkv, D), dtype, transforms=TX),
+            plgpu.SMEM((wgs, bkv), jnp.int32) if has_seg else None,
+            plgpu.SMEM((steps, bq, D), dtype, transforms=TX),
+            plgpu.SMEM((steps, bq, D), dtype, transforms=TX),
+            plgpu.SMEM((steps, bq), jnp.float32),
+            plgpu.SMEM((steps, bq), jnp.float32),
+            plgpu.SMEM((steps, bq), jnp.int32) if has_seg else None,
+            plgpu.SMEM((wgs, bkv, bq), dtype, transforms=TX) if interpret else None,
+            plgpu.SMEM((wgs, bkv, bq), dtype, transforms=TX) if interpret else None,
+        )
+        n_own, n_ring = (3, 5) if has_seg else (2, 4)
+        bars = (plgpu.Barrier(num_barriers=n_own * wgs),
+                tuple(plgpu.Barrier(num_barriers=steps) for _ in range(n_ring)),
+                plgpu.Barrier(num_arrivals=wgs, num_barriers=steps))
+        pl.run_scoped(
+            lambda s, b: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref,
+                                kseg_ref, dk_ref, dv_ref, s, b),
+            smem, bars, collective_axes="wg")
+
+    args = (q, k, v, do, lse2, delta) + ((q_seg, kv_seg) if has_seg else ())
+    with _interpret_ctx(interpret):
+        return plgpu.kernel(
+            entry, out_type=(out_struct(k, k.shape, dtype), out_struct(v, v.shape, dtype)),
+            grid=(Hkv, Tp // (wgs * bkv), B), grid_names=("heads", "kv_seq", "batch"),
+            num_threads=wgs + 1, thread_name="wg",
+            compiler_params=plgpu.CompilerParams(approx_math=True),
+        )(*args)
+
+
+def flash_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, *, scale, causal, kv_len, config,
+              interpret):
+    """Padded q/o/do [B, Sp, Hq, D], k/v [B, Tp, Hkv, D], lse2 [B, Hq, Sp] (log2 units, as
+    kernel_sm90.flash_fwd saves it) -> (dq, dk, dv) in the input dtype."""
+    # delta_i = sum_d dO_id O_id: one fused XLA reduction, read by both kernels.
+    delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
+    kw = dict(scale=scale, causal=causal, kv_len=kv_len, config=config, interpret=interpret)
+    dq = _dq(q, k, v, do, lse2, delta, q_seg, kv_seg, **kw)
+    dk, dv = _dkv(q, k, v, do, lse2, delta, q_seg, kv_seg, **kw)
+    return dq, dk, dv
