@@ -55,23 +55,17 @@ def _triton_multiples(cfg: FlashConfig):
     return max(cfg.block_q, cfg.block_q_bwd), max(cfg.block_kv, cfg.block_kv_bwd)
 
 
-def mosaic_unsupported(impl: str, dtype, head_dim: int, *, causal: bool = False,
-                       segments: bool = False) -> str | None:
+def mosaic_unsupported(impl: str, dtype, head_dim: int) -> str | None:
     """Why a Mosaic kernel cannot take these inputs, or None when it can."""
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"{impl} needs bf16/fp16 (wgmma/tcgen05 operands), got {jnp.dtype(dtype).name}"
     if head_dim not in (64, 128, 256):
         return f"{impl} needs head_dim 64, 128 or 256, got {head_dim}"
-    if impl == "mosaic_sm100" and causal and segments:
-        from .kernel_sm100 import CAUSAL_SEGMENTS_MISSING
-        return CAUSAL_SEGMENTS_MISSING
     return None
 
 
-def resolve_impl(impl: str, dtype, head_dim: int, *, interpret: bool = False,
-                 causal: bool = False, segments: bool = False) -> str:
-    """The backend 'auto' means here, by platform, compute capability, dtype, head_dim and
-    (for what a kernel does not take yet) causal masking with segment ids."""
+def resolve_impl(impl: str, dtype, head_dim: int, *, interpret: bool = False) -> str:
+    """The backend 'auto' means here, by platform, compute capability, dtype and head_dim."""
     if impl not in IMPLS:
         raise ValueError(f"unknown flash attention impl {impl!r}; use one of {IMPLS}")
     if impl != "auto":
@@ -92,8 +86,7 @@ def resolve_impl(impl: str, dtype, head_dim: int, *, interpret: bool = False,
         _log_once(f"flash_attention auto: {why}; using 'triton'")
         return "triton"
     if major == 10:
-        why = mosaic_unsupported("mosaic_sm100", dtype, head_dim, causal=causal,
-                                 segments=segments)
+        why = mosaic_unsupported("mosaic_sm100", dtype, head_dim)
         if why is None:
             return "mosaic_sm100"
         _log_once(f"flash_attention auto: {why}; using 'cudnn'")
@@ -127,8 +120,7 @@ def flash_attention(q, k, v, *, causal: bool = True, softmax_scale: float | None
                              f"{segment_ids.shape}, T={T}")
         segment_ids = segment_ids.astype(jnp.int32)
     scale = float(D ** -0.5 if softmax_scale is None else softmax_scale)
-    impl = resolve_impl(impl, q.dtype, D, interpret=interpret, causal=causal,
-                        segments=segment_ids is not None)
+    impl = resolve_impl(impl, q.dtype, D, interpret=interpret)
 
     if impl == "xla":
         return attention_reference(q, k, v, causal=causal, softmax_scale=scale,
@@ -141,8 +133,7 @@ def flash_attention(q, k, v, *, causal: bool = True, softmax_scale: float | None
             q, k, v, mask=mask, scale=scale, is_causal=causal,
             implementation="cudnn" if target_platform() == "gpu" else None)
     if impl != "triton":
-        why = mosaic_unsupported(impl, q.dtype, D, causal=causal,
-                                 segments=segment_ids is not None)
+        why = mosaic_unsupported(impl, q.dtype, D)
         if why:
             raise ValueError(why)
     cfg = config if config is not None else default_config(impl, D, interpret=interpret)

@@ -14,13 +14,10 @@ need no shuffles. Three warpgroups:
            (bf16/fp16) to SMEM for the next PV, and at the end O / l -> HBM plus the
            log-sum-exp.
 Masks: causal (tiles right of the diagonal are never loaded), padded keys (any length),
-packed documents (segment ids come by TMA with barriers the softmax waits on itself). Masked scores are a finite -1e30, so
-fully masked rows give no NaNs. The backward recomputes P from the saved log-sum-exp with the
-Pallas grid kernels of kernel_bwd.py (Triton backend, which compiles for sm_100a).
-
-Not yet: causal attention together with segment ids (packed documents) hangs in the Mosaic GPU
-interpreter for a reason not yet found (each alone is tested), so flash_fwd refuses it rather
-than ship it unverified; the API sends that case to cuDNN under impl="auto".
+packed documents (segment ids come by TMA with barriers the softmax waits on itself), and
+causal with segment ids together (packed-document training). Masked scores are a finite -1e30,
+so fully masked rows give no NaNs. The backward recomputes P from the saved log-sum-exp with
+the Pallas grid kernels of kernel_bwd.py (Triton backend, which compiles for sm_100a).
 
 Left for later, as FA4 does them: two softmax warpgroups ping-ponging two query tiles,
 a separate correction warpgroup, conditional rescaling with a threshold, P kept in TMEM
@@ -47,9 +44,6 @@ MASK = -1e30  # finite: (score * log2 e) cannot overflow to -inf in float32
 LOG2E = math.log2(math.e)
 BLOCK_Q = 128  # TMEM lanes: one query row per lane
 _SOFTMAX, _MMA, _LOAD = 0, 1, 2
-CAUSAL_SEGMENTS_MISSING = ("mosaic_sm100 does not take causal attention with segment_ids yet "
-                           "(see kernel_sm100.py); use impl='auto' (cuDNN for this case), "
-                           "'cudnn' or 'triton'")
 
 
 def pad_multiples(cfg):
@@ -63,8 +57,6 @@ def _interpret_ctx(interpret: bool):
 
 def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpret):
     """Padded q [B, Sp, Hq, D], k/v [B, Tp, Hkv, D] -> (out, lse2 [B, Hq, Sp] in log2 units)."""
-    if causal and q_seg is not None:
-        raise NotImplementedError(CAUSAL_SEGMENTS_MISSING)
     B, Sp, Hq, D = q.shape
     Tp, Hkv = k.shape[1], k.shape[2]
     G = Hq // Hkv
@@ -165,7 +157,7 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
             plgpu.set_max_registers(232, action="increase")
             if has_seg:  # the segment ids have barriers of their own, waited here only
                 plgpu.barrier_wait(qseg_loaded)
-                q_seg = plgpu.load(qseg_smem, (), layout=row)
+                q_seg = plgpu.load(qseg_smem, layout=row)
 
             def step(j, carry, masked):
                 m_i, l_i = carry
@@ -184,7 +176,7 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
                         mask &= k_ids <= q_ids
                     if has_seg:  # read before P_j is released: the slot stays loaded till PV_j
                         plgpu.barrier_wait(kseg_loaded.at[slot])
-                        k_seg = plgpu.load(kseg_smem.at[slot], (),
+                        k_seg = plgpu.load(kseg_smem.at[slot],
                                            layout=plgpu.Layout.TCGEN05.reduce(0))
                         mask &= (lax.broadcast_in_dim(q_seg, shape, [0])
                                  == lax.broadcast_in_dim(k_seg, shape, [1]))
