@@ -19,13 +19,16 @@ from pallas_kernels.flash_attention.api import resolve_impl
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
 SMALL = FlashConfig(block_q=32, block_kv=32, block_q_bwd=32, block_kv_bwd=32)
 MOSAIC = FlashConfig(block_q=64, block_kv=64, block_q_bwd=64, block_kv_bwd=64)
+# Blackwell: 128 query rows per CTA (TMEM lanes), 64-key tiles so the cases have several.
+SM100 = FlashConfig(block_q=128, block_kv=64, block_q_bwd=64, block_kv_bwd=64)
 
 
-def _inputs(B, S, Hq, Hkv, D, dtype, seed=0):
+def _inputs(B, S, Hq, Hkv, D, dtype, seed=0, T=None):
     kq, kk, kv, kd = jax.random.split(jax.random.key(seed), 4)
+    T = S if T is None else T
     q = jax.random.normal(kq, (B, S, Hq, D), jnp.float32).astype(dtype)
-    k = jax.random.normal(kk, (B, S, Hkv, D), jnp.float32).astype(dtype)
-    v = jax.random.normal(kv, (B, S, Hkv, D), jnp.float32).astype(dtype)
+    k = jax.random.normal(kk, (B, T, Hkv, D), jnp.float32).astype(dtype)
+    v = jax.random.normal(kv, (B, T, Hkv, D), jnp.float32).astype(dtype)
     do = jax.random.normal(kd, (B, S, Hq, D), jnp.float32).astype(dtype)
     return q, k, v, do
 
@@ -43,8 +46,8 @@ def _rel_err(x, ref):
     return float(np.max(np.abs(x - ref)) / np.max(np.abs(ref)))
 
 
-def _check(impl, cfg, *, B, S, Hq, Hkv, D, dtype, causal, segments):
-    q, k, v, do = _inputs(B, S, Hq, Hkv, D, dtype)
+def _check(impl, cfg, *, B, S, Hq, Hkv, D, dtype, causal, segments, T=None):
+    q, k, v, do = _inputs(B, S, Hq, Hkv, D, dtype, T=T)
     seg = _packed(B, S) if segments else None
     flash = lambda q, k, v: flash_attention(q, k, v, causal=causal, segment_ids=seg, impl=impl,
                                             config=cfg, interpret=True)
@@ -92,6 +95,14 @@ def test_mosaic_sm90_interpreted_matches_reference(causal, G, D, S, segments):
            dtype=jnp.bfloat16, causal=causal, segments=segments)
 
 
+@pytest.mark.parametrize("impl, cfg", [("mosaic_sm90", MOSAIC), ("mosaic_sm100", SM100)])
+def test_mosaic_more_keys_than_queries(impl, cfg):
+    # Causal with T > S: key blocks past every query get no tiles in the dkv kernels, and
+    # their dK, dV must come out zero (not uninitialized accumulators).
+    _check(impl, cfg, B=1, S=64, T=300, Hq=2, Hkv=1, D=64, dtype=jnp.bfloat16, causal=True,
+           segments=False)
+
+
 def test_fully_masked_padding_rows_stay_finite():
     # A query whose only visible key is itself, in a one-token document at a block boundary.
     q, k, v, _ = _inputs(1, 33, 2, 2, 64, jnp.float32)
@@ -121,10 +132,6 @@ def test_config_validation_and_dispatch():
     for impl in ("xla", "cudnn"):
         out = flash_attention(q, k, v, causal=True, impl=impl)
         assert _rel_err(out, attention_reference(q, k, v, causal=True)) < 1e-5
-
-
-# Blackwell: 128 query rows per CTA (TMEM lanes), 64-key tiles so the cases have several.
-SM100 = FlashConfig(block_q=128, block_kv=64, block_q_bwd=64, block_kv_bwd=64)
 
 
 @pytest.mark.parametrize("causal, G, D, S, segments", [

@@ -16,8 +16,8 @@ need no shuffles. Three warpgroups:
 Masks: causal (tiles right of the diagonal are never loaded), padded keys (any length),
 packed documents (segment ids come by TMA with barriers the softmax waits on itself), and
 causal with segment ids together (packed-document training). Masked scores are a finite -1e30,
-so fully masked rows give no NaNs. The backward recomputes P from the saved log-sum-exp with
-the Pallas grid kernels of kernel_bwd.py (Triton backend, which compiles for sm_100a).
+so fully masked rows give no NaNs. The backward (kernel_sm100_bwd.py) recomputes P from the
+saved log-sum-exp in tcgen05 dq and dkv kernels.
 
 Left for later, as FA4 does them: two softmax warpgroups ping-ponging two query tiles,
 a separate correction warpgroup, conditional rescaling with a threshold, P kept in TMEM
@@ -30,6 +30,7 @@ a B200 without a GPU (aot_test.py).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 
 import jax
@@ -47,7 +48,8 @@ _SOFTMAX, _MMA, _LOAD = 0, 1, 2
 
 
 def pad_multiples(cfg):
-    return max(BLOCK_Q, cfg.block_q_bwd), max(cfg.block_kv, cfg.block_kv_bwd)
+    """The forward's and the dq kernel's 128 query rows per CTA, the dkv kernel's 128 keys."""
+    return max(BLOCK_Q, cfg.block_q_bwd), max(cfg.block_kv, BLOCK_Q, cfg.block_kv_bwd)
 
 
 def _interpret_ctx(interpret: bool):
@@ -269,7 +271,17 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
 
 
 def flash_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, *, scale, causal, kv_len, config, interpret):
-    """Backward of this forward: kernel_bwd.py's grid kernels on the saved log-sum-exp."""
-    from . import kernel_bwd
-    return kernel_bwd.flash_bwd(q, k, v, o, lse2 / LOG2E, do, q_seg, kv_seg, scale=scale,
-                                causal=causal, kv_len=kv_len, config=config, interpret=interpret)
+    """Backward of this forward: the tcgen05 dq and dkv kernels of kernel_sm100_bwd.py on the
+    saved log-sum-exp; at head_dim 256 (over TMEM's 512 columns there) the grid kernels."""
+    from . import kernel_bwd, kernel_sm100_bwd
+    from .config import default_config
+    kw = dict(scale=scale, causal=causal, kv_len=kv_len, interpret=interpret)
+    if q.shape[-1] <= kernel_sm100_bwd.MAX_HEAD_DIM:
+        return kernel_sm100_bwd.flash_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, config=config,
+                                          **kw)
+    # The grid kernels with their own head_dim-256 tiles (Mosaic's 64-row ones overflow SMEM).
+    tri = default_config("triton", q.shape[-1])
+    grid_cfg = dataclasses.replace(config, block_q_bwd=tri.block_q_bwd,
+                                   block_kv_bwd=tri.block_kv_bwd, num_warps=tri.num_warps)
+    return kernel_bwd.flash_bwd(q, k, v, o, lse2 / LOG2E, do, q_seg, kv_seg, config=grid_cfg,
+                                **kw)

@@ -1,0 +1,322 @@
+"""Flash attention backward for Blackwell (sm_100a) in Pallas Mosaic GPU: tcgen05 MMAs with
+scores and gradient accumulators in tensor memory (TMEM), warp-specialised.
+
+FlashAttention-2's split into a dq and a dkv kernel that recompute P = exp2(S - lse2) from the
+forward's log-sum-exp (log2 units); delta = rowsum(dO * O) comes from XLA. Both have the same
+shape: a CTA keeps 128 *resident* rows (one per TMEM lane) and streams tiles of the other side:
+
+  dq   resident Q, dO (+ lse2, delta) of one (batch, q head); streams K, V of its kv head.
+         X = Q K^T, Y = dO V^T, P = exp2(X - lse2), dS = P (Y - delta), dQ += dS K.
+  dkv  resident K, V of one (batch, kv head); streams Q, dO, lse2, delta of all G q heads of
+       the kv head (GQA summed in the TMEM accumulators, no [B, T, Hq, D] temporaries).
+         X = K Q^T, Y = V dO^T, P^T, dS^T as above, dV += P^T dO, dK += dS^T Q.
+
+Three warpgroups, as in the forward (kernel_sm100.py):
+  load     TMA: the resident tiles once, then a max_concurrent_steps-deep ring of streamed
+           tiles (with their lse2/delta/segment ids in dkv, segment ids in dq);
+  mma      issues X_t and Y_t into TMEM, then the accumulator MMAs of step t-1 from the P/dS
+           tiles in SMEM: the tensor core computes the next scores while the softmax
+           warpgroup works on the current ones;
+  compute  X_t, Y_t TMEM -> registers, mask, P and dS -> SMEM (bf16/fp16), and at the end the
+           accumulators TMEM -> HBM.
+Causal: streamed tiles wholly past the diagonal are never loaded; tiles wholly inside it (and
+inside the valid keys, without segment ids) skip the mask.
+
+TMEM: X and Y (block of the streamed side each) plus the accumulators (head_dim columns each)
+must fit 512 columns, and SMEM 227 KiB: head_dim 64 and 128. At 256 flash_bwd falls back to
+the grid kernels of kernel_bwd.py.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from .kernel_sm100 import LOG2E, MASK, _interpret_ctx
+from ..target import out_struct
+
+BLOCK = 128  # resident rows per CTA: one per TMEM lane
+_COMPUTE, _MMA, _LOAD = 0, 1, 2
+MAX_HEAD_DIM = 128
+
+
+def _transforms(cols: int, dtype):
+    size = jnp.dtype(dtype).itemsize
+    swizzle = plgpu.find_swizzle(cols * size * 8)
+    return plgpu.TilingTransform((8, swizzle // size)), plgpu.SwizzleTransform(swizzle)
+
+
+def _kernel(kind, q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, config,
+            interpret):
+    B, Sp, Hq, D = q.shape
+    Tp, Hkv = k.shape[1], k.shape[2]
+    G, dtype = Hq // Hkv, q.dtype
+    is_dq = kind == "dq"
+    has_seg = q_seg is not None
+    n = config.block_kv_bwd if is_dq else config.block_q_bwd  # streamed tile rows
+    n_tiles = (Tp if is_dq else Sp) // n
+    steps = min(config.max_concurrent_steps, n_tiles if is_dq else G * n_tiles)
+    qk_scale = scale * LOG2E
+    i32 = jnp.int32
+    row, col = plgpu.Layout.TCGEN05.reduce(1), plgpu.Layout.TCGEN05.reduce(0)
+    vec_axis = 0 if is_dq else 1  # lse2/delta run along the queries: rows in dq, columns in dkv
+
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, out_refs,
+               res_smem, str_smem, ds_smem, p_smem, x_tmem, y_tmem, acc_tmem,
+               res_loaded, loaded, free, s_ready, s_read, ds_ready, ds_free):
+        wg = lax.axis_index("wg")
+        batch, head = lax.axis_index("batch"), lax.axis_index("heads")
+        base = lax.axis_index("blk") * BLOCK
+        res_rows = pl.ds(base, BLOCK)
+        # The streamed tiles this CTA visits, t = 0 .. total-1, and where masking is needed.
+        if is_dq:
+            kv_full = 0 if has_seg else kv_len // n
+            if causal:
+                total = jnp.minimum(pl.cdiv(base + BLOCK, i32(n)), n_tiles)
+                full = jnp.minimum(lax.div(base, i32(n)), kv_full)
+            else:
+                total, full = i32(n_tiles), i32(kv_full)
+            q_start = per_head = fast_start = None
+        else:
+            q_start = jnp.minimum(lax.div(base, i32(n)), n_tiles) if causal else i32(0)
+            per_head = n_tiles - q_start
+            total = G * per_head
+            diag_end = (jnp.minimum(pl.cdiv(base + BLOCK - 1, i32(n)), n_tiles) if causal
+                        else i32(0))
+            # Padded keys in this block (masked so their rows stay finite) or segments: all.
+            mask_all = jnp.bool_(True) if has_seg else base + BLOCK > kv_len
+            fast_start = jnp.where(mask_all, n_tiles, jnp.maximum(diag_end, q_start))
+
+        def streamed(t):
+            """HBM views of streamed tile t, in str_smem's order."""
+            if is_dq:
+                rows, kv_head = pl.ds(t * n, n), lax.div(head, i32(G))
+                views = [k_ref.at[batch, rows, kv_head], v_ref.at[batch, rows, kv_head]]
+                return views + ([kseg_ref.at[batch, rows]] if has_seg else [])
+            g, i = lax.div(t, per_head), q_start + lax.rem(t, per_head)
+            rows, h = pl.ds(i * n, n), head * G + g
+            views = [q_ref.at[batch, rows, h], do_ref.at[batch, rows, h],
+                     lse_ref.at[batch, h, rows], delta_ref.at[batch, h, rows]]
+            return views + ([qseg_ref.at[batch, rows]] if has_seg else [])
+
+        def resident():
+            if is_dq:
+                views = [q_ref.at[batch, res_rows, head], do_ref.at[batch, res_rows, head],
+                         lse_ref.at[batch, head, res_rows], delta_ref.at[batch, head, res_rows]]
+                return views + ([qseg_ref.at[batch, res_rows]] if has_seg else [])
+            views = [k_ref.at[batch, res_rows, head], v_ref.at[batch, res_rows, head]]
+            return views + ([kseg_ref.at[batch, res_rows]] if has_seg else [])
+
+        @pl.when(wg == _LOAD)
+        def _load():
+            plgpu.set_max_registers(40, action="decrease")
+            for src, dst in zip(resident(), res_smem):
+                plgpu.copy_gmem_to_smem(src, dst, res_loaded)
+
+            @pl.loop(0, total)
+            def _(t):
+                slot = lax.rem(t, i32(steps))
+
+                @pl.when(t >= steps)
+                def _():  # the MMAs of step t - steps are done with this slot
+                    plgpu.barrier_wait(free.at[slot])
+                for src, dst in zip(streamed(t), str_smem):
+                    plgpu.copy_gmem_to_smem(src, dst.at[slot], loaded.at[slot])
+
+            @pl.loop(jnp.maximum(total - steps, 0), total)
+            def _(t):  # observe the last frees: no barrier phase is left pending at exit
+                plgpu.barrier_wait(free.at[lax.rem(t, i32(steps))])
+
+        @pl.when(wg == _MMA)
+        def _mma():
+            plgpu.set_max_registers(40, action="decrease")
+            plgpu.barrier_wait(res_loaded)
+            res0, res1 = res_smem[0], res_smem[1]
+            str0, str1 = str_smem[0], str_smem[1]
+
+            def accumulate(t):  # dQ += dS K  |  dK += dS^T Q, dV += P^T dO
+                slot = lax.rem(t, i32(steps))
+                plgpu.barrier_wait(ds_ready)
+                plgpu.tcgen05_mma(acc_tmem[0], ds_smem, str0.at[slot], accumulate=t > 0)
+                if not is_dq:
+                    plgpu.tcgen05_mma(acc_tmem[1], p_smem, str1.at[slot], accumulate=t > 0)
+                plgpu.tcgen05_commit_arrive(free.at[slot])
+                plgpu.tcgen05_commit_arrive(ds_free)
+
+            @pl.loop(0, total)
+            def _(t):
+                slot = lax.rem(t, i32(steps))
+                plgpu.barrier_wait(loaded.at[slot])
+
+                @pl.when(t >= 1)
+                def _():  # the compute warpgroup has read X_{t-1} and Y_{t-1}
+                    plgpu.barrier_wait(s_read)
+                plgpu.tcgen05_mma(x_tmem, res0, str0.at[slot].transpose((1, 0)),
+                                  accumulate=False)
+                plgpu.tcgen05_mma(y_tmem, res1, str1.at[slot].transpose((1, 0)),
+                                  accumulate=False)
+                plgpu.tcgen05_commit_arrive(s_ready)
+
+                @pl.when(t >= 1)
+                def _():
+                    accumulate(t - 1)
+
+            @pl.when(total > 0)
+            def _():
+                accumulate(total - 1)
+                plgpu.barrier_wait(s_read)  # observe the last read
+
+        @pl.when(wg == _COMPUTE)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            plgpu.barrier_wait(res_loaded)
+            shape = (BLOCK, n)
+            if is_dq:
+                res_lse = plgpu.load(res_smem[2], layout=row)
+                res_delta = plgpu.load(res_smem[3], layout=row)
+            res_seg = plgpu.load(res_smem[-1], layout=row) if has_seg else None
+
+            def step(t, tile, masked):
+                slot = lax.rem(t, i32(steps))
+                if not is_dq or has_seg:  # this step's vectors ride the ring
+                    plgpu.barrier_wait(loaded.at[slot])
+                if is_dq:
+                    lse, dlt = res_lse, res_delta
+                else:
+                    lse = plgpu.load(str_smem[2].at[slot], layout=col)
+                    dlt = plgpu.load(str_smem[3].at[slot], layout=col)
+                plgpu.barrier_wait(s_ready)
+                x = plgpu.async_load_tmem(x_tmem)
+                y = plgpu.async_load_tmem(y_tmem)
+                plgpu.wait_load_tmem()
+                plgpu.barrier_arrive(s_read)
+                x = x * qk_scale
+                if masked:
+                    own = base + plgpu.broadcasted_iota(i32, shape, 0, layout=plgpu.Layout.TCGEN05)
+                    other = tile * n + plgpu.broadcasted_iota(i32, shape, 1,
+                                                              layout=plgpu.Layout.TCGEN05)
+                    q_ids, k_ids = (own, other) if is_dq else (other, own)
+                    mask = k_ids < kv_len
+                    if causal:
+                        mask &= k_ids <= q_ids
+                    if has_seg:
+                        str_seg = plgpu.load(str_smem[-1].at[slot], layout=col)
+                        mask &= (lax.broadcast_in_dim(res_seg, shape, [0])
+                                 == lax.broadcast_in_dim(str_seg, shape, [1]))
+                    x = jnp.where(mask, x, MASK)
+                p = jnp.exp2(x - lax.broadcast_in_dim(lse, shape, [vec_axis]))
+                ds = p * (y - lax.broadcast_in_dim(dlt, shape, [vec_axis]))
+
+                @pl.when(t >= 1)
+                def _():  # the accumulator MMAs of step t-1 are done with the P/dS tiles
+                    plgpu.barrier_wait(ds_free)
+                ds_smem[...] = ds.astype(dtype)
+                if not is_dq:
+                    p_smem[...] = p.astype(dtype)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(ds_ready)
+
+            if is_dq:
+                lax.fori_loop(0, full, lambda t, c: step(t, t, False), None)
+                lax.fori_loop(full, total, lambda t, c: step(t, t, True), None)
+            else:
+                def head_loop(g, c):
+                    at = lambda i: g * per_head + i - q_start
+                    lax.fori_loop(q_start, fast_start, lambda i, c: step(at(i), i, True), None)
+                    lax.fori_loop(fast_start, n_tiles, lambda i, c: step(at(i), i, False), None)
+                lax.fori_loop(0, G, head_loop, None)
+
+            @pl.when(total > 0)
+            def _():
+                plgpu.barrier_wait(ds_free)  # the last accumulator MMAs
+
+            @pl.when(total == 0)
+            def _():  # no visible tiles (causal, keys past every query): the gradient is zero
+                zeros = plgpu.layout_cast(jnp.full((BLOCK, D), 0, jnp.float32),
+                                          plgpu.Layout.TCGEN05)
+                for a in acc_tmem:
+                    plgpu.async_store_tmem(a, zeros)
+                plgpu.commit_tmem()
+            accs = [plgpu.async_load_tmem(a) for a in acc_tmem]
+            plgpu.wait_load_tmem()
+            accs[0] = accs[0] * scale  # dQ and dK carry the softmax scale of S
+            if is_dq:
+                dst_views = [out_refs[0].at[batch, res_rows, head]]
+            else:
+                dst_views = [out_refs[0].at[batch, res_rows, head],
+                             out_refs[1].at[batch, res_rows, head]]
+            for a, smem, dst in zip(accs, res_smem, dst_views):
+                smem[...] = a.astype(dtype)
+            plgpu.commit_smem()
+            for smem, dst in zip(res_smem, dst_views):
+                plgpu.copy_smem_to_gmem(smem, dst, commit_group=False)
+            plgpu.commit_smem_to_gmem_group()
+            plgpu.wait_smem_to_gmem(0)
+
+    tile_tx, p_tx = _transforms(D, dtype), _transforms(n, dtype)
+    tiles = lambda *shape: plgpu.SMEM(shape, dtype, transforms=tile_tx)
+    seg = has_seg
+    if is_dq:
+        res = [tiles(BLOCK, D), tiles(BLOCK, D), plgpu.SMEM((BLOCK,), jnp.float32),
+               plgpu.SMEM((BLOCK,), jnp.float32)]
+        ring = [tiles(steps, n, D), tiles(steps, n, D)]
+    else:
+        res = [tiles(BLOCK, D), tiles(BLOCK, D)]
+        ring = [tiles(steps, n, D), tiles(steps, n, D), plgpu.SMEM((steps, n), jnp.float32),
+                plgpu.SMEM((steps, n), jnp.float32)]
+    if seg:
+        res.append(plgpu.SMEM((BLOCK,), jnp.int32))
+        ring.append(plgpu.SMEM((steps, n), jnp.int32))
+    tc = dict(orders_tensor_core=True)
+    scratch = dict(
+        res_smem=res, str_smem=ring,
+        ds_smem=plgpu.SMEM((BLOCK, n), dtype, transforms=p_tx),
+        p_smem=None if is_dq else plgpu.SMEM((BLOCK, n), dtype, transforms=p_tx),
+        x_tmem=plgpu.TMEM((BLOCK, n), jnp.float32),
+        y_tmem=plgpu.TMEM((BLOCK, n), jnp.float32),
+        acc_tmem=[plgpu.TMEM((BLOCK, D), jnp.float32) for _ in range(1 if is_dq else 2)],
+        res_loaded=plgpu.Barrier(num_arrivals=len(res)),
+        loaded=plgpu.Barrier(num_arrivals=len(ring), num_barriers=steps),
+        free=plgpu.Barrier(num_barriers=steps, **tc),
+        s_ready=plgpu.Barrier(**tc), s_read=plgpu.Barrier(**tc),
+        ds_ready=plgpu.Barrier(**tc), ds_free=plgpu.Barrier(**tc),
+    )
+    scratch = {k_: v_ for k_, v_ in scratch.items() if v_ is not None}
+    n_out = 1 if is_dq else 2
+
+    def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, **scratch_refs):
+        qseg_ref, kseg_ref = rest[:2] if has_seg else (None, None)
+        out_refs = rest[2:] if has_seg else rest
+        assert len(out_refs) == n_out
+        scratch_refs.setdefault("p_smem", None)
+        kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, out_refs,
+               **scratch_refs)
+
+    if is_dq:
+        out_type = out_struct(q, q.shape, dtype)
+        grid = (Hq, Sp // BLOCK, B)
+    else:
+        out_type = (out_struct(k, k.shape, dtype), out_struct(v, v.shape, dtype))
+        grid = (Hkv, Tp // BLOCK, B)
+    args = (q, k, v, do, lse2, delta) + ((q_seg, kv_seg) if has_seg else ())
+    with _interpret_ctx(interpret):
+        return plgpu.kernel(
+            entry, out_type=out_type, scratch_types=scratch,
+            grid=grid, grid_names=("heads", "blk", "batch"),
+            num_threads=3, thread_name="wg",
+            compiler_params=plgpu.CompilerParams(approx_math=True),
+        )(*args)
+
+
+def flash_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, *, scale, causal, kv_len, config,
+              interpret):
+    """Padded q/o/do [B, Sp, Hq, D], k/v [B, Tp, Hkv, D] (Sp, Tp multiples of 128), lse2
+    [B, Hq, Sp] in log2 units as kernel_sm100.flash_fwd saves it -> (dq, dk, dv)."""
+    delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
+    kw = dict(scale=scale, causal=causal, kv_len=kv_len, config=config, interpret=interpret)
+    dq = _kernel("dq", q, k, v, do, lse2, delta, q_seg, kv_seg, **kw)
+    dk, dv = _kernel("dkv", q, k, v, do, lse2, delta, q_seg, kv_seg, **kw)
+    return dq, dk, dv
