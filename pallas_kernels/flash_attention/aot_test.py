@@ -1,9 +1,10 @@
 """Deviceless GPU compiles of flash attention, forward and backward, at Llama-3-70B shapes
 (64 q heads, 8 kv heads, head_dim 128, causal, bf16): H100 (sm_90a: mosaic_sm90 and triton) and
-B200 (sm_100a: mosaic_sm100 and triton); the Mosaic impls' backward must be Mosaic too. A Mosaic kernel whose SMEM ring exceeds the chip's
-227 KiB must fail to compile. Runs in subprocesses with the CUDA plugin of .venv/cuda-plugin
-and JAX_PLATFORMS=cpu (titanax.perf.aot), so the rest of the suite never loads CUDA: one per
-GPU kind, because Mosaic GPU keeps the first target's architecture for the whole process."""
+B200 (sm_100a: mosaic_sm100 and triton); the Mosaic impls' backward must be Mosaic too. A
+Mosaic kernel whose SMEM ring exceeds the chip's 227 KiB must fail to compile. Runs in
+subprocesses with the CUDA plugin of .venv/cuda-plugin and JAX_PLATFORMS=cpu
+(titanax.perf.aot), so the rest of the suite never loads CUDA: one per GPU kind, because
+Mosaic GPU keeps the first target's architecture for the whole process."""
 
 import json
 import subprocess

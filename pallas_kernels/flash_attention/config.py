@@ -2,8 +2,11 @@
 
 One frozen dataclass for every backend: the Triton-style grid kernels read block_q/block_kv
 (forward) and block_q_bwd/block_kv_bwd (backward), num_warps and num_stages; the Mosaic GPU
-kernels read the same block sizes plus max_concurrent_steps (TMA pipeline depth). Invalid
-values fail here, at construction, instead of deep inside a kernel compile.
+kernels read the same block sizes plus max_concurrent_steps (TMA pipeline depth). In the
+Mosaic backward, sm90 uses block_q_bwd query rows per warpgroup in its dq kernel and
+block_kv_bwd keys per warpgroup in its dkv kernel (and streams the other one's tiles); sm100
+keeps 128 resident rows per CTA (TMEM lanes) and streams block_kv_bwd (dq) or block_q_bwd (dkv)
+tiles. Invalid values fail here, at construction, instead of deep inside a kernel compile.
 """
 
 from __future__ import annotations

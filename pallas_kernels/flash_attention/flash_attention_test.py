@@ -1,8 +1,8 @@
 """Values and gradients of the Pallas flash attention kernels vs the jnp reference, on CPU.
 
-triton: the grid kernels in Pallas interpret mode. mosaic_sm90: the Hopper forward and its
-Mosaic dq/dkv backward kernels in the Mosaic GPU interpreter (SMEM, mbarriers, TMA, wgmma).
-mosaic_sm100: the Blackwell forward there too (tcgen05, TMEM), its backward the grid kernels.
+triton: the grid kernels in Pallas interpret mode. mosaic_sm90 / mosaic_sm100: the Hopper and
+Blackwell forward and backward (dq, dkv) kernels in the Mosaic GPU interpreter (SMEM, mbarriers,
+TMA, wgmma; tcgen05 and TMEM).
 Error = max |x - ref| / max |ref| per tensor: fp32 within 2e-5, bf16 within 2e-2. Cases stay
 small (interpret mode costs ~9 ms per grid step) but cover causal and not, GQA 1/4/8, lengths
 that are not block multiples, head_dim 64 and 128, packed-document segment ids.
