@@ -49,3 +49,12 @@ def out_struct(like, shape, dtype):
     `like`: inside jax.shard_map (a pipeline stage) pallas_call must be told, or it refuses."""
     manual = getattr(jax.typeof(like), "manual_axis_type", None)
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=manual)
+
+
+def match_varying(x, like):
+    """x cast to vary over every manual mesh axis `like` varies over (inside jax.shard_map):
+    a kernel's operands must agree, and a cotangent (e.g. of a sum) may arrive invariant."""
+    want = getattr(jax.typeof(like).manual_axis_type, "varying", frozenset())
+    have = getattr(jax.typeof(x).manual_axis_type, "varying", frozenset())
+    missing = tuple(sorted(want - have))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from . import kernel_bwd, kernel_fwd
 from .config import FlashConfig, default_config
 from .reference import attention_reference, mask_SxT
-from ..target import compute_capability, target_platform
+from ..target import compute_capability, match_varying, target_platform
 
 log = logging.getLogger(__name__)
 
@@ -174,15 +174,19 @@ def _flash_fwd(q, k, v, q_seg, kv_seg, scale, causal, kv_len, impl, cfg, interpr
     fwd, _, _ = _backend(impl)
     out, lse = fwd(q, k, v, q_seg, kv_seg, scale=scale, causal=causal, kv_len=kv_len,
                    config=cfg, interpret=interpret)
+    # Inside jax.shard_map, Mosaic GPU kernels return values typed as invariant (plgpu.kernel
+    # turns the check off); they vary like q. Cotangents may arrive invariant too.
+    out, lse = match_varying(out, q), match_varying(lse, q)
     return out, (q, k, v, q_seg, kv_seg, out, lse)
 
 
 def _flash_bwd(scale, causal, kv_len, impl, cfg, interpret, res, do):
     q, k, v, q_seg, kv_seg, out, lse = res
+    do = match_varying(do, out)
     _, bwd, _ = _backend(impl)
     dq, dk, dv = bwd(q, k, v, out, lse, do, q_seg, kv_seg, scale=scale, causal=causal,
                      kv_len=kv_len, config=cfg, interpret=interpret)
-    return dq, dk, dv, None, None
+    return match_varying(dq, q), match_varying(dk, k), match_varying(dv, v), None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

@@ -7,7 +7,9 @@ jax.nn.dot_product_attention (cuDNN's fused kernel on GPU, XLA elsewhere); 'trit
 kernels with their own backward; 'auto' picks by GPU generation, and on a CPU falls back to
 'xla'). On a CPU the Pallas kernels run in interpret mode, which is slow and meant for tests.
 Decoding with a KV cache (q_offset / kv_valid_len) always takes the XLA path: the flash
-kernels are for training and prefill, where queries and keys are the same sequence.
+kernels are for training and prefill, where queries and keys are the same sequence. The flash
+kernels run per device shard (parallel/per_shard.py): XLA cannot partition them. cuDNN's
+attention keeps XLA's partitioning rule (inside jax.shard_map its compile crashes).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from pallas_kernels.target import target_platform
+from titanax.parallel.per_shard import per_shard
 
 FLASH_IMPLS = ("auto", "triton", "mosaic_sm90", "mosaic_sm100")
 
@@ -88,10 +91,11 @@ def attention(q_BSHD, k_BTKD, v_BTKD, *, impl: str = "xla", causal: bool = True,
     S, T = q_BSHD.shape[1], k_BTKD.shape[1]
     decoding = not (isinstance(q_offset, int) and q_offset == 0) or kv_valid_len is not None
     if impl in FLASH_IMPLS and not decoding and kv_segment_ids is None and S == T:
-        return pallas_kernels.flash_attention(
-            q_BSHD, k_BTKD, v_BTKD, causal=causal, softmax_scale=softmax_scale,
-            segment_ids=segment_ids, impl=impl, interpret=target_platform() == "cpu"
-            and impl != "auto")
+        def flash(q, k, v, seg):
+            return pallas_kernels.flash_attention(
+                q, k, v, causal=causal, softmax_scale=softmax_scale, segment_ids=seg,
+                impl=impl, interpret=target_platform() == "cpu" and impl != "auto")
+        return per_shard(flash, q_BSHD, k_BTKD, v_BTKD, segment_ids)
     if impl in FLASH_IMPLS:
         impl = "xla"
     if q_BSHD.shape[2] % k_BTKD.shape[2]:
