@@ -7,6 +7,8 @@ q [B, S, Hq, D]; k, v [B, T, Hkv, D] with Hq a multiple of Hkv (GQA: K/V are nev
 in memory); segment_ids [B, S] int (needs S == T) keep attention inside packed documents.
 Any S and T: inputs are padded to whole blocks here and the padded keys masked in the kernels.
 The forward saves the log-sum-exp; the backward recomputes P from it (FlashAttention-2).
+flash_attention_fwd / flash_attention_bwd are the two halves of the Pallas impls, for callers
+that run them separately (under jax.shard_map, as titanax.parallel.per_shard does).
 
 impl: "mosaic_sm90" (Hopper: TMA + wgmma, warp-specialized, FA3-style), "mosaic_sm100"
 (Blackwell: TMA + tcgen05 with scores and accumulator in TMEM, warp-specialized), "triton" (Pallas grid kernel; also
@@ -103,6 +105,43 @@ def resolve_impl(impl: str, dtype, head_dim: int, *, interpret: bool = False) ->
 def flash_attention(q, k, v, *, causal: bool = True, softmax_scale: float | None = None,
                     segment_ids=None, impl: str = "auto", config: FlashConfig | None = None,
                     interpret: bool = False):
+    seg, scale, impl, cfg = _prepare(q, k, v, segment_ids, softmax_scale, impl, config,
+                                     interpret)
+    if impl == "xla":
+        return attention_reference(q, k, v, causal=causal, softmax_scale=scale, segment_ids=seg)
+    if impl == "cudnn":
+        mask = None
+        if seg is not None:
+            mask = mask_SxT(q.shape[1], k.shape[1], causal=False, segment_ids=seg)[:, None]
+        return jax.nn.dot_product_attention(
+            q, k, v, mask=mask, scale=scale, is_causal=causal,
+            implementation="cudnn" if target_platform() == "gpu" else None)
+    return _flash(q, k, v, seg, scale, causal, impl, cfg, interpret)
+
+
+def flash_attention_fwd(q, k, v, segment_ids=None, *, causal: bool = True,
+                        softmax_scale: float | None = None, impl: str = "auto",
+                        config: FlashConfig | None = None, interpret: bool = False):
+    """The forward of a Pallas impl alone: (out, lse), lse [B, Hq, S padded] being what
+    flash_attention_bwd needs (in the kernel's own units). With the same arguments the pair is
+    flash_attention and its VJP, for callers that place the two halves themselves (jax.shard_map
+    in titanax.parallel.per_shard)."""
+    seg, scale, impl, cfg = _prepare(q, k, v, segment_ids, softmax_scale, impl, config,
+                                     interpret, pallas_only=True)
+    return _forward(q, k, v, seg, scale, causal, impl, cfg, interpret)
+
+
+def flash_attention_bwd(q, k, v, segment_ids, out, lse, do, *, causal: bool = True,
+                        softmax_scale: float | None = None, impl: str = "auto",
+                        config: FlashConfig | None = None, interpret: bool = False):
+    """(dq, dk, dv) for flash_attention_fwd's (out, lse) and the output cotangent do."""
+    seg, scale, impl, cfg = _prepare(q, k, v, segment_ids, softmax_scale, impl, config,
+                                     interpret, pallas_only=True)
+    return _backward(q, k, v, seg, out, lse, do, scale, causal, impl, cfg, interpret)
+
+
+def _prepare(q, k, v, segment_ids, softmax_scale, impl, config, interpret, pallas_only=False):
+    """Checks the inputs; (segment ids as int32, scale, resolved impl, kernel config)."""
     if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
         raise ValueError(f"expected q [B,S,Hq,D], k=v [B,T,Hkv,D]; got {q.shape}, {k.shape}, "
                          f"{v.shape}")
@@ -121,17 +160,11 @@ def flash_attention(q, k, v, *, causal: bool = True, softmax_scale: float | None
         segment_ids = segment_ids.astype(jnp.int32)
     scale = float(D ** -0.5 if softmax_scale is None else softmax_scale)
     impl = resolve_impl(impl, q.dtype, D, interpret=interpret)
-
-    if impl == "xla":
-        return attention_reference(q, k, v, causal=causal, softmax_scale=scale,
-                                   segment_ids=segment_ids)
-    if impl == "cudnn":
-        mask = None
-        if segment_ids is not None:
-            mask = mask_SxT(S, T, causal=False, segment_ids=segment_ids)[:, None]
-        return jax.nn.dot_product_attention(
-            q, k, v, mask=mask, scale=scale, is_causal=causal,
-            implementation="cudnn" if target_platform() == "gpu" else None)
+    if impl not in PALLAS_IMPLS:
+        if pallas_only:
+            raise ValueError(f"flash_attention_fwd/bwd run the Pallas impls {PALLAS_IMPLS}; "
+                             f"impl resolved to {impl!r}: call flash_attention instead")
+        return segment_ids, scale, impl, None
     if impl != "triton":
         why = mosaic_unsupported(impl, q.dtype, D)
         if why:
@@ -139,12 +172,7 @@ def flash_attention(q, k, v, *, causal: bool = True, softmax_scale: float | None
     cfg = config if config is not None else default_config(impl, D, interpret=interpret)
     if impl != "triton":
         cfg.check_mosaic()
-    _, _, multiples = _backend(impl)
-    qp, kp, vp, q_seg, kv_seg = _padded(q, k, v, segment_ids, multiples(cfg))
-    # Padding and slicing stay outside the custom_vjp: autodiff pads dO with zeros, and
-    # padded query rows (dO = 0, delta = 0) contribute nothing to dK/dV.
-    out_p = _flash(qp, kp, vp, q_seg, kv_seg, scale, causal, T, impl, cfg, interpret)
-    return out_p[:, :S]
+    return segment_ids, scale, impl, cfg
 
 
 def _pad_to(x, axis: int, n: int):
@@ -155,38 +183,52 @@ def _pad_to(x, axis: int, n: int):
     return jnp.pad(x, pad)
 
 
-def _padded(q, k, v, seg, multiples):
-    mq, mk = multiples
-    Sp = -(-q.shape[1] // mq) * mq
-    Tp = -(-k.shape[1] // mk) * mk
-    q_seg = kv_seg = None
-    if seg is not None:  # pad values are irrelevant: padded keys are masked by kv_len
-        q_seg, kv_seg = _pad_to(seg, 1, Sp), _pad_to(seg, 1, Tp)
-    return _pad_to(q, 1, Sp), _pad_to(k, 1, Tp), _pad_to(v, 1, Tp), q_seg, kv_seg
+def _padded_lengths(q, k, impl, cfg):
+    mq, mk = _backend(impl)[2](cfg)
+    return -(-q.shape[1] // mq) * mq, -(-k.shape[1] // mk) * mk
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
-def _flash(q, k, v, q_seg, kv_seg, scale, causal, kv_len, impl, cfg, interpret):
-    return _flash_fwd(q, k, v, q_seg, kv_seg, scale, causal, kv_len, impl, cfg, interpret)[0]
-
-
-def _flash_fwd(q, k, v, q_seg, kv_seg, scale, causal, kv_len, impl, cfg, interpret):
-    fwd, _, _ = _backend(impl)
-    out, lse = fwd(q, k, v, q_seg, kv_seg, scale=scale, causal=causal, kv_len=kv_len,
-                   config=cfg, interpret=interpret)
+def _forward(q, k, v, seg, scale, causal, impl, cfg, interpret):
+    """Pads to whole blocks, runs the kernel, slices: (out, lse [B, Hq, Sp])."""
+    Sp, Tp = _padded_lengths(q, k, impl, cfg)
+    # Pad values are irrelevant: padded keys are masked by kv_len.
+    q_seg, kv_seg = (None, None) if seg is None else (_pad_to(seg, 1, Sp), _pad_to(seg, 1, Tp))
+    out, lse = _backend(impl)[0](_pad_to(q, 1, Sp), _pad_to(k, 1, Tp), _pad_to(v, 1, Tp),
+                                 q_seg, kv_seg, scale=scale, causal=causal, kv_len=k.shape[1],
+                                 config=cfg, interpret=interpret)
     # Inside jax.shard_map, Mosaic GPU kernels return values typed as invariant (plgpu.kernel
-    # turns the check off); they vary like q. Cotangents may arrive invariant too.
-    out, lse = match_varying(out, q), match_varying(lse, q)
-    return out, (q, k, v, q_seg, kv_seg, out, lse)
+    # turns the check off); they vary like q.
+    return match_varying(out[:, :q.shape[1]], q), match_varying(lse, q)
 
 
-def _flash_bwd(scale, causal, kv_len, impl, cfg, interpret, res, do):
-    q, k, v, q_seg, kv_seg, out, lse = res
+def _backward(q, k, v, seg, out, lse, do, scale, causal, impl, cfg, interpret):
+    S, T = q.shape[1], k.shape[1]
+    Sp, Tp = _padded_lengths(q, k, impl, cfg)
+    q_seg, kv_seg = (None, None) if seg is None else (_pad_to(seg, 1, Sp), _pad_to(seg, 1, Tp))
+    # Padded query rows get dO = 0, so delta = 0 and they add nothing to dK/dV. A cotangent
+    # may arrive invariant inside shard_map (e.g. of a sum): it varies like out.
     do = match_varying(do, out)
-    _, bwd, _ = _backend(impl)
-    dq, dk, dv = bwd(q, k, v, out, lse, do, q_seg, kv_seg, scale=scale, causal=causal,
-                     kv_len=kv_len, config=cfg, interpret=interpret)
-    return match_varying(dq, q), match_varying(dk, k), match_varying(dv, v), None, None
+    dq, dk, dv = _backend(impl)[1](
+        _pad_to(q, 1, Sp), _pad_to(k, 1, Tp), _pad_to(v, 1, Tp), _pad_to(out, 1, Sp), lse,
+        _pad_to(do, 1, Sp), q_seg, kv_seg, scale=scale, causal=causal, kv_len=T, config=cfg,
+        interpret=interpret)
+    return (match_varying(dq[:, :S], q), match_varying(dk[:, :T], k),
+            match_varying(dv[:, :T], v))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _flash(q, k, v, seg, scale, causal, impl, cfg, interpret):
+    return _forward(q, k, v, seg, scale, causal, impl, cfg, interpret)[0]
+
+
+def _flash_fwd(q, k, v, seg, scale, causal, impl, cfg, interpret):
+    out, lse = _forward(q, k, v, seg, scale, causal, impl, cfg, interpret)
+    return out, (q, k, v, seg, out, lse)
+
+
+def _flash_bwd(scale, causal, impl, cfg, interpret, res, do):
+    q, k, v, seg, out, lse = res
+    return (*_backward(q, k, v, seg, out, lse, do, scale, causal, impl, cfg, interpret), None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

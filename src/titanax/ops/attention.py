@@ -14,12 +14,16 @@ attention keeps XLA's partitioning rule (inside jax.shard_map its compile crashe
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-import pallas_kernels
+from pallas_kernels.flash_attention.api import (PALLAS_IMPLS, flash_attention,
+                                                flash_attention_bwd, flash_attention_fwd,
+                                                resolve_impl)
 from pallas_kernels.target import target_platform
-from titanax.parallel.per_shard import per_shard
+from titanax.parallel.per_shard import per_shard_attention
 
 FLASH_IMPLS = ("auto", "triton", "mosaic_sm90", "mosaic_sm100")
 
@@ -91,11 +95,18 @@ def attention(q_BSHD, k_BTKD, v_BTKD, *, impl: str = "xla", causal: bool = True,
     S, T = q_BSHD.shape[1], k_BTKD.shape[1]
     decoding = not (isinstance(q_offset, int) and q_offset == 0) or kv_valid_len is not None
     if impl in FLASH_IMPLS and not decoding and kv_segment_ids is None and S == T:
-        def flash(q, k, v, seg):
-            return pallas_kernels.flash_attention(
-                q, k, v, causal=causal, softmax_scale=softmax_scale, segment_ids=seg,
-                impl=impl, interpret=target_platform() == "cpu" and impl != "auto")
-        return per_shard(flash, q_BSHD, k_BTKD, v_BTKD, segment_ids)
+        interpret = target_platform() == "cpu" and impl != "auto"
+        kw = dict(causal=causal, softmax_scale=softmax_scale, interpret=interpret)
+        resolved = resolve_impl(impl, q_BSHD.dtype, q_BSHD.shape[-1], interpret=interpret)
+        if interpret or resolved not in PALLAS_IMPLS:
+            # Interpreted kernels are plain HLO loops that XLA partitions itself (and Pallas'
+            # interpreter fails jax's varying-axes check inside shard_map); xla and cudnn
+            # have their own partitioning.
+            return flash_attention(q_BSHD, k_BTKD, v_BTKD, segment_ids=segment_ids,
+                                   impl=resolved, **kw)
+        fwd = functools.partial(flash_attention_fwd, impl=resolved, **kw)
+        bwd = functools.partial(flash_attention_bwd, impl=resolved, **kw)
+        return per_shard_attention(fwd, bwd, q_BSHD, k_BTKD, v_BTKD, segment_ids)
     if impl in FLASH_IMPLS:
         impl = "xla"
     if q_BSHD.shape[2] % k_BTKD.shape[2]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from .rules import activation_spec
@@ -42,14 +43,41 @@ def _entry(axes: tuple[str, ...]):
     return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
-def per_shard(fn, q_BSHD, k_BTKD, v_BTKD, segment_ids_BS=None):
-    """fn(q, k, v, segment_ids) on each device's (batch, heads) shard; the global result.
+def per_shard_attention(fwd, bwd, q_BSHD, k_BTKD, v_BTKD, segment_ids_BS=None):
+    """Differentiable attention whose halves run on each device's (batch, heads) shard:
+    fwd(q, k, v, seg) -> (out, lse [B, Hq, ...]) and bwd(q, k, v, seg, out, lse, do) ->
+    (dq, dk, dv), as pallas_kernels.flash_attention_fwd/_bwd. Each half is its own shard_map
+    whose inputs are plain arrays: JAX cannot yet differentiate a shard_map nested in the
+    pipeline's (its residuals get specs on the already-manual 'pipeline' axis).
 
-    fn must treat batch rows and heads independently and map q head h to kv head
-    h // (Hq // Hkv), as attention does. Without a mesh (or a 1-device one) fn runs as is."""
+    fwd and bwd must treat batch rows and heads independently and map q head h to kv head
+    h // (Hq // Hkv). Without a mesh (or with nothing to split) they run unsharded."""
+    fwd_m, bwd_m = fwd, bwd
+    layout = _layout(q_BSHD, k_BTKD)
+    if layout is not None:
+        fwd_m, bwd_m = _sharded_halves(fwd, bwd, layout, segment_ids_BS is not None)
+
+    @jax.custom_vjp
+    def attention(q, k, v, seg):
+        return fwd_m(q, k, v, seg)[0]
+
+    def attention_fwd(q, k, v, seg):
+        out, lse = fwd_m(q, k, v, seg)
+        return out, (q, k, v, seg, out, lse)
+
+    def attention_bwd(res, do):
+        q, k, v, seg, out, lse = res
+        return (*bwd_m(q, k, v, seg, out, lse, do), None)
+
+    attention.defvjp(attention_fwd, attention_bwd)
+    return attention(q_BSHD, k_BTKD, v_BTKD, segment_ids_BS)
+
+
+def _layout(q_BSHD, k_BTKD):
+    """(mesh axes, q/kv/seg/lse specs, heads axes, K/V slicing) or None when nothing splits."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty or mesh.size == 1:
-        return fn(q_BSHD, k_BTKD, v_BTKD, segment_ids_BS)
+        return None
     free = {a for a in mesh.axis_names if a not in mesh.manual_axes}
     B, _, Hq, _ = q_BSHD.shape
     Hkv = k_BTKD.shape[2]
@@ -59,39 +87,67 @@ def per_shard(fn, q_BSHD, k_BTKD, v_BTKD, segment_ids_BS=None):
     batch = _split_axes(q_rule[0], B, mesh, free)
     heads = _split_axes(q_rule[2], Hq, mesh, free)
     kv_heads = _split_axes(kv_rule[2], Hkv, mesh, free)
-    slice_kv = None  # (kv heads per device, q heads per device) when K/V stay whole
+    slice_kv = None  # (kv heads per device, q heads per device, G) when K/V stay whole
     if heads and kv_heads != heads:
         kv_heads = ()
         hq_local = Hq // math.prod(mesh.shape[a] for a in heads)
         if hq_local % G == 0:
-            slice_kv = (hq_local // G, hq_local)
+            slice_kv = (hq_local // G, hq_local, G)
         elif G % hq_local == 0:
-            slice_kv = (1, hq_local)
+            slice_kv = (1, hq_local, G)
         else:  # q heads of one device span kv heads unevenly: keep the heads whole
             heads = ()
     names = set(batch) | set(heads) | set(kv_heads)
     if not names:
-        return fn(q_BSHD, k_BTKD, v_BTKD, segment_ids_BS)
+        return None
+    b, h = _entry(batch), _entry(heads)
+    return dict(names=names, q=P(b, None, h, None), kv=P(b, None, _entry(kv_heads), None),
+                seg=P(b, None), lse=P(b, h, None), heads=heads, slice_kv=slice_kv)
 
-    q_spec = P(_entry(batch), None, _entry(heads), None)
-    kv_spec = P(_entry(batch), None, _entry(kv_heads), None)
-    seg_spec = P(_entry(batch), None)
 
-    def local(q, k, v, *seg):
+def _sharded_halves(fwd, bwd, layout, has_seg):
+    heads, slice_kv = layout["heads"], layout["slice_kv"]
+    q_s, kv_s, seg_s, lse_s = layout["q"], layout["kv"], layout["seg"], layout["lse"]
+    seg_specs = (seg_s,) if has_seg else ()
+
+    def my_kv_heads(k):
+        """(first kv head, count) that this device's q heads use, when K/V stay whole."""
+        n_kv, hq_local, G = slice_kv
+        return jax.lax.axis_index(heads) * hq_local // G, n_kv
+
+    def local_fwd(q, k, v, *seg):
         if slice_kv is not None:
-            n_kv, hq_local = slice_kv
-            start = jax.lax.axis_index(heads) * hq_local // G
-            k = jax.lax.dynamic_slice_in_dim(k, start, n_kv, axis=2)
-            v = jax.lax.dynamic_slice_in_dim(v, start, n_kv, axis=2)
-        return fn(q, k, v, seg[0] if seg else None)
+            start, n = my_kv_heads(k)
+            k = jax.lax.dynamic_slice_in_dim(k, start, n, axis=2)
+            v = jax.lax.dynamic_slice_in_dim(v, start, n, axis=2)
+        return fwd(q, k, v, seg[0] if seg else None)
 
-    args = (q_BSHD, k_BTKD, v_BTKD)
-    specs = (q_spec, kv_spec, kv_spec)
-    if segment_ids_BS is not None:
-        args, specs = args + (segment_ids_BS,), specs + (seg_spec,)
-    # check_vma=False: Pallas' interpret mode (the CPU path) fails jax's varying-axes check
-    # on its internal loops. Nothing here needs it: every axis in `names` is in out_specs, and
-    # whole K/V (unsplit over 'tensor') get their cotangent summed over it, which is the
-    # transpose of each device using its own slice.
-    return jax.shard_map(local, in_specs=specs, out_specs=q_spec, axis_names=names,
-                         check_vma=False)(*args)
+    def local_bwd(q, k, v, *rest):
+        seg = rest[0] if has_seg else None
+        out, lse, do = rest[-3:]
+        if slice_kv is None:
+            return bwd(q, k, v, seg, out, lse, do)
+        start, n = my_kv_heads(k)
+        k_l = jax.lax.dynamic_slice_in_dim(k, start, n, axis=2)
+        v_l = jax.lax.dynamic_slice_in_dim(v, start, n, axis=2)
+        dq, dk_l, dv_l = bwd(q, k_l, v_l, seg, out, lse, do)
+        # Whole K/V: each device's gradient lands on its kv heads; the sum over the
+        # devices sharing 'heads' is the gradient.
+        def whole(full, part):  # summed in fp32: up to 'tensor'-many bf16 terms
+            grad = jax.lax.dynamic_update_slice_in_dim(
+                jnp.zeros(full.shape, jnp.float32), part.astype(jnp.float32), start, axis=2)
+            return jax.lax.psum(grad, heads).astype(full.dtype)
+        return dq, whole(k, dk_l), whole(v, dv_l)
+
+    names = layout["names"]
+    fwd_sm = jax.shard_map(local_fwd, in_specs=(q_s, kv_s, kv_s, *seg_specs),
+                           out_specs=(q_s, lse_s), axis_names=names)
+    bwd_sm = jax.shard_map(local_bwd, in_specs=(q_s, kv_s, kv_s, *seg_specs, q_s, lse_s, q_s),
+                           out_specs=(q_s, kv_s, kv_s), axis_names=names)
+
+    def fwd_m(q, k, v, seg):
+        return fwd_sm(q, k, v, *((seg,) if has_seg else ()))
+
+    def bwd_m(q, k, v, seg, out, lse, do):
+        return bwd_sm(q, k, v, *((seg,) if has_seg else ()), out, lse, do)
+    return fwd_m, bwd_m
