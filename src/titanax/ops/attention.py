@@ -23,7 +23,7 @@ from pallas_kernels.flash_attention.api import (PALLAS_IMPLS, flash_attention,
                                                 flash_attention_bwd, flash_attention_fwd,
                                                 resolve_impl)
 from pallas_kernels.target import target_platform
-from titanax.parallel.per_shard import per_shard_attention
+from titanax.parallel.per_shard import aligned, per_shard_attention
 
 FLASH_IMPLS = ("auto", "triton", "mosaic_sm90", "mosaic_sm100")
 
@@ -126,6 +126,8 @@ def attention(q_BSHD, k_BTKD, v_BTKD, *, impl: str = "xla", causal: bool = True,
                              causal_chunks=chunks)
     if impl == "cudnn":
         on_gpu = target_platform() == "gpu"
+        if not decoding:
+            q_BSHD, k_BTKD, v_BTKD = aligned(q_BSHD, k_BTKD, v_BTKD)
         return jax.nn.dot_product_attention(
             q_BSHD, k_BTKD, v_BTKD, mask=mask, scale=scale,
             implementation="cudnn" if on_gpu else None)

@@ -73,6 +73,18 @@ def per_shard_attention(fwd, bwd, q_BSHD, k_BTKD, v_BTKD, segment_ids_BS=None):
     return attention(q_BSHD, k_BTKD, v_BTKD, segment_ids_BS)
 
 
+def aligned(q_BSHD, k_BTKD, v_BTKD):
+    """q, k, v constrained to the same batch and head sharding per_shard_attention would use:
+    cuDNN's partitioning rule refuses q, k and v sharded differently, which XLA's propagation
+    produces when a microbatch or the kv heads do not divide the mesh evenly."""
+    layout = _layout(q_BSHD, k_BTKD)
+    if layout is None:
+        return q_BSHD, k_BTKD, v_BTKD
+    constrain = jax.lax.with_sharding_constraint
+    return (constrain(q_BSHD, layout["q"]), constrain(k_BTKD, layout["kv"]),
+            constrain(v_BTKD, layout["kv"]))
+
+
 def _layout(q_BSHD, k_BTKD):
     """(mesh axes, q/kv/seg/lse specs, heads axes, K/V slicing) or None when nothing splits."""
     mesh = jax.sharding.get_abstract_mesh()
