@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.flash_attention import FlashConfig, attention_reference, flash_attention
+from pallas_kernels.flash_attention import (FlashConfig, attention_reference, flash_attention,
+                                            flash_attention_bwd, flash_attention_fwd)
 from pallas_kernels.flash_attention.api import resolve_impl
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
@@ -101,6 +102,21 @@ def test_mosaic_more_keys_than_queries(impl, cfg):
     # their dK, dV must come out zero (not uninitialized accumulators).
     _check(impl, cfg, B=1, S=64, T=300, Hq=2, Hkv=1, D=64, dtype=jnp.bfloat16, causal=True,
            segments=False)
+
+
+def test_fwd_and_bwd_halves_are_the_vjp():
+    # The public halves (what titanax runs under shard_map) give exactly flash_attention's
+    # output and VJP, tails and segments included; they take Pallas impls only.
+    q, k, v, do = _inputs(1, 40, 4, 2, 64, jnp.float32)
+    seg = _packed(1, 40)
+    kw = dict(causal=True, impl="triton", config=SMALL, interpret=True)
+    out, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, segment_ids=seg, **kw), q, k, v)
+    out2, lse = flash_attention_fwd(q, k, v, seg, **kw)
+    np.testing.assert_array_equal(out2, out)
+    for g, g2 in zip(vjp(do), flash_attention_bwd(q, k, v, seg, out2, lse, do, **kw)):
+        np.testing.assert_array_equal(g2, g)
+    with pytest.raises(ValueError, match="Pallas impls"):
+        flash_attention_fwd(q, k, v, impl="xla")
 
 
 def test_fully_masked_padding_rows_stay_finite():
