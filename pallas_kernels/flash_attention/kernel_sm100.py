@@ -29,9 +29,7 @@ a B200 without a GPU (aot_test.py).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -41,8 +39,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ..target import out_struct
 
-MASK = -1e30  # finite: (score * log2 e) cannot overflow to -inf in float32
-LOG2E = math.log2(math.e)
+from .kernel_sm90 import LOG2E, MASK, _interpret_ctx  # shared by the Mosaic kernels
+
 BLOCK_Q = 128  # TMEM lanes: one query row per lane
 _SOFTMAX, _MMA, _LOAD = 0, 1, 2
 
@@ -50,11 +48,6 @@ _SOFTMAX, _MMA, _LOAD = 0, 1, 2
 def pad_multiples(cfg):
     """The forward's and the dq kernel's 128 query rows per CTA, the dkv kernel's 128 keys."""
     return max(BLOCK_Q, cfg.block_q_bwd), max(cfg.block_kv, BLOCK_Q, cfg.block_kv_bwd)
-
-
-def _interpret_ctx(interpret: bool):
-    return plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()) if interpret \
-        else contextlib.nullcontext()
 
 
 def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpret):

@@ -35,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .kernel_sm100 import LOG2E, MASK, _interpret_ctx
+from .kernel_sm90 import LOG2E, MASK, _interpret_ctx
 from ..target import out_struct
 
 BLOCK = 128  # resident rows per CTA: one per TMEM lane

@@ -99,6 +99,18 @@ def _producer(total, steps, load, consumed):
         plgpu.barrier_wait(consumed.at[_slot(t, steps)])
 
 
+def _launch(entry, out_type, grid, seq_name, wgs, args, interpret):
+    """Both kernels: grid (heads, sequence blocks, batch), wgs consumers + 1 producer; the
+    segment-id operands only when given."""
+    args = args[:6] + (args[6:] if args[6] is not None else ())
+    with _interpret_ctx(interpret):
+        return plgpu.kernel(
+            entry, out_type=out_type, grid=grid, grid_names=("heads", seq_name, "batch"),
+            num_threads=wgs + 1, thread_name="wg",
+            compiler_params=plgpu.CompilerParams(approx_math=True),
+        )(*args)
+
+
 def _dq(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, config, interpret):
     B, Sp, Hq, D = q.shape
     Tp, Hkv = k.shape[1], k.shape[2]
@@ -232,14 +244,8 @@ def _dq(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, confi
                                 kseg_ref, dq_ref, s, b),
             smem, bars, collective_axes="wg")
 
-    args = (q, k, v, do, lse2, delta) + ((q_seg, kv_seg) if has_seg else ())
-    with _interpret_ctx(interpret):
-        return plgpu.kernel(
-            entry, out_type=out_struct(q, q.shape, dtype),
-            grid=(Hq, Sp // (wgs * bq), B), grid_names=("heads", "q_seq", "batch"),
-            num_threads=wgs + 1, thread_name="wg",
-            compiler_params=plgpu.CompilerParams(approx_math=True),
-        )(*args)
+    return _launch(entry, out_struct(q, q.shape, dtype), (Hq, Sp // (wgs * bq), B), "q_seq",
+                   wgs, (q, k, v, do, lse2, delta, q_seg, kv_seg), interpret)
 
 
 def _dkv(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, config, interpret):
@@ -390,14 +396,9 @@ def _dkv(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, conf
                                 kseg_ref, dk_ref, dv_ref, s, b),
             smem, bars, collective_axes="wg")
 
-    args = (q, k, v, do, lse2, delta) + ((q_seg, kv_seg) if has_seg else ())
-    with _interpret_ctx(interpret):
-        return plgpu.kernel(
-            entry, out_type=(out_struct(k, k.shape, dtype), out_struct(v, v.shape, dtype)),
-            grid=(Hkv, Tp // (wgs * bkv), B), grid_names=("heads", "kv_seq", "batch"),
-            num_threads=wgs + 1, thread_name="wg",
-            compiler_params=plgpu.CompilerParams(approx_math=True),
-        )(*args)
+    return _launch(entry, (out_struct(k, k.shape, dtype), out_struct(v, v.shape, dtype)),
+                   (Hkv, Tp // (wgs * bkv), B), "kv_seq", wgs,
+                   (q, k, v, do, lse2, delta, q_seg, kv_seg), interpret)
 
 
 def flash_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, *, scale, causal, kv_len, config,

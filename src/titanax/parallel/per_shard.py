@@ -122,14 +122,14 @@ def _sharded_halves(fwd, bwd, layout, has_seg):
     q_s, kv_s, seg_s, lse_s = layout["q"], layout["kv"], layout["seg"], layout["lse"]
     seg_specs = (seg_s,) if has_seg else ()
 
-    def my_kv_heads(k):
+    def my_kv_heads():
         """(first kv head, count) that this device's q heads use, when K/V stay whole."""
         n_kv, hq_local, G = slice_kv
         return jax.lax.axis_index(heads) * hq_local // G, n_kv
 
     def local_fwd(q, k, v, *seg):
         if slice_kv is not None:
-            start, n = my_kv_heads(k)
+            start, n = my_kv_heads()
             k = jax.lax.dynamic_slice_in_dim(k, start, n, axis=2)
             v = jax.lax.dynamic_slice_in_dim(v, start, n, axis=2)
         return fwd(q, k, v, seg[0] if seg else None)
@@ -139,7 +139,7 @@ def _sharded_halves(fwd, bwd, layout, has_seg):
         out, lse, do = rest[-3:]
         if slice_kv is None:
             return bwd(q, k, v, seg, out, lse, do)
-        start, n = my_kv_heads(k)
+        start, n = my_kv_heads()
         k_l = jax.lax.dynamic_slice_in_dim(k, start, n, axis=2)
         v_l = jax.lax.dynamic_slice_in_dim(v, start, n, axis=2)
         dq, dk_l, dv_l = bwd(q, k_l, v_l, seg, out, lse, do)
