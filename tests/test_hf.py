@@ -199,7 +199,7 @@ def test_export_then_import_is_the_identity(peer, tmp_path):
 def test_training_resumes_from_an_import(peer, tmp_path):
     from titanax.data.pipeline import build_data
     from titanax.train.loop import train
-    from titanax.train.step import token_nll
+    from titanax.train.step import make_loss_fn
 
     cfg = apply_overrides(peer.cfg, {"train.steps": 1, "train.log_every": 1,
                                      "checkpoint.every_steps": 0, "optim.lr": 1e-3,
@@ -210,8 +210,8 @@ def test_training_resumes_from_an_import(peer, tmp_path):
     _, graphdef, params = load_run(work)
     batch = next(build_data(cfg, work, 0, 1).train_iterator())
     with model_context(single_device_mesh()):
-        want = float(token_nll(graphdef, params, {k: jnp.asarray(v) for k, v in batch.items()},
-                               document_masking=cfg.data.document_masking).mean())
+        want = float(make_loss_fn(cfg, graphdef)(params,
+                                                 {k: jnp.asarray(v) for k, v in batch.items()}))
     logs = []
     result = train(cfg, work, log=logs.append, devices=jax.devices()[:1])
     assert any("resumed from" in line and "/0 at step 0" in line for line in logs), logs

@@ -70,7 +70,7 @@ MATMUL_PRECISIONS = ("default", "highest", "fp8_tensorwise", "fp8_delayed", "mxf
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 ROPE_SCALINGS = ("none", "llama3")
-PIPELINE_SCHEDULES = ("gpipe", "circular")
+PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b")
 LR_SCHEDULES = ("cosine", "linear", "constant")
 
 
@@ -161,7 +161,11 @@ class MeshConfig:
 class PipelineConfig:
     # Used when mesh.pipeline > 1 (see parallel/pipeline.py and docs/parallelism.md).
     microbatches: int = 1  # per pipelined forward/backward (per train.grad_accum microbatch)
-    schedule: str = "gpipe"  # gpipe: one layer chunk per stage; circular: virtual_stages each
+    # gpipe: one layer chunk per stage, all forwards then all backwards; circular:
+    # virtual_stages chunks per stage; 1f1b: gpipe's layout with forwards and backwards
+    # interleaved, so a stage holds at most 2 x stages - 1 microbatches' activations
+    # whatever pipeline.microbatches is.
+    schedule: str = "gpipe"
     virtual_stages: int = 0  # layer chunks per stage; 0: 1 for gpipe, 2 for circular
 
     @property
@@ -174,9 +178,10 @@ class PipelineConfig:
         _check_choice("pipeline.schedule", self.schedule, PIPELINE_SCHEDULES)
         if self.virtual_stages < 0:
             _fail("pipeline.virtual_stages", "must be >= 0 (0: 1 for gpipe, 2 for circular)")
-        if self.schedule == "gpipe" and self.virtual_stages > 1:
+        if self.schedule in ("gpipe", "1f1b") and self.virtual_stages > 1:
             _fail("pipeline.virtual_stages", f"{self.virtual_stages} needs "
-                  "pipeline.schedule=circular (gpipe runs one layer chunk per stage)")
+                  f"pipeline.schedule=circular ({self.schedule} runs one layer chunk per "
+                  "stage)")
         if self.schedule == "circular" and self.virtual_stages == 1:
             _fail("pipeline.virtual_stages", "circular with one chunk per stage is gpipe; set "
                   "pipeline.virtual_stages >= 2 or pipeline.schedule=gpipe")
@@ -192,6 +197,11 @@ class TrainConfig:
     eval_every: int = 50  # 0: only at the start and end
     eval_batches: int = 8
     grad_accum: int = 1  # microbatches per optimizer step, summed inside the step
+    # Tokens per device whose output-layer logits exist at once: the output layer and the
+    # cross-entropy run fused, chunked over the sequence (ops/cross_entropy.py), so no
+    # [batch, seq, vocab] float32 tensor is ever held. 0: one chunk per step (microbatch).
+    # 4096 is one chunk for the CPU configs, and ~2 GB of float32 logits for Llama 3's vocab.
+    loss_chunk: int = 4096
     # Peak FLOP/s per device for MFU. 0: look the device up in perf/hardware.py, or on CPU
     # measure it once with a matmul probe at start.
     peak_flops: float = 0.0
@@ -208,6 +218,9 @@ class TrainConfig:
             _fail("train.eval_every", "must be >= 0")
         if self.peak_flops < 0:
             _fail("train.peak_flops", "must be >= 0 (0: measure or look up)")
+        if self.loss_chunk < 0:
+            _fail("train.loss_chunk", "must be >= 0 (tokens per device per chunk; 0: no "
+                  "chunking)")
         if self.batch_size % self.grad_accum:
             _fail("train.grad_accum", f"train.batch_size={self.batch_size} must be divisible "
                   f"by train.grad_accum={self.grad_accum}")
@@ -343,6 +356,10 @@ def check_parallel_layout(cfg: Config, degrees: dict[str, int]) -> None:
         if cfg.pipeline.schedule == "circular" and micro < pp:
             _fail("pipeline.microbatches", f"the circular schedule needs at least as many "
                   f"microbatches as stages (mesh.pipeline={pp}), got {micro}")
+        if cfg.pipeline.schedule == "1f1b" and m.matmul_precision == "fp8_delayed":
+            _fail("pipeline.schedule", "1f1b computes gradients inside its schedule, where "
+                  "fp8_delayed's amax histories (carried as gradients) cannot pass; use "
+                  "model.matmul_precision=fp8_tensorwise or pipeline.schedule=gpipe")
     if degrees["data"] > 0 and degrees["fsdp"] > 0:
         ways = degrees["data"] * degrees["fsdp"]
         micro = cfg.pipeline.microbatches if pp > 1 else 1

@@ -17,10 +17,15 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x):
-        # Statistics in float32 whatever the compute dtype: bf16 sums of squares lose too much.
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+        return rms_norm(x, self.scale[...], self.eps)
+
+
+def rms_norm(x, scale, eps: float):
+    """RMSNorm as a pure function (the pipeline's loss head calls it with explicit params).
+    Statistics in float32 whatever the compute dtype: bf16 sums of squares lose too much."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (normed * scale.astype(jnp.float32)).astype(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: str = "none", factor: float = 8.0,

@@ -16,9 +16,10 @@ from flax import nnx
 
 from titanax import ops
 from titanax.config import ModelConfig
-from titanax.models.layers import RMSNorm, apply_rope, rope_inv_freq
+from titanax.models.layers import RMSNorm, apply_rope, rms_norm, rope_inv_freq
 from titanax.parallel.pipeline import PipelineSchedule, pipeline_stages, run_pipelined
-from titanax.parallel.rules import shard_activation
+from titanax.ops.cross_entropy import chunk_positions, linear_cross_entropy_sum
+from titanax.parallel.rules import batch_shards, loss_rows, shard_activation
 
 _FP8_SITES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the FP8 matmuls
 
@@ -122,43 +123,102 @@ class Llama(nnx.Module):
         cache_index: how many positions of the cache are already filled.
         pipeline: run the layer stack staged over the mesh's 'pipeline' axis (when it is > 1;
         training and scoring only) instead of one scan.
+        Training does not call this: `loss_sum` never holds the [B, S, vocab] logits.
         """
         cfg = self.cfg
-        dt = jnp.dtype(cfg.dtype)
         B, S = tokens_BS.shape
         if positions_BS is None:
             start = 0 if cache_index is None else cache_index
             positions_BS = jnp.broadcast_to(start + jnp.arange(S, dtype=jnp.int32), (B, S))
-        x_BSD = jnp.take(self.embed[...], tokens_BS, axis=0).astype(dt)
-        x_BSD = shard_activation(x_BSD, ("batch", "norm_seq", "embed"))
+        x_BSD = self._embed(tokens_BS)
+        one_layer, layer_state = self._layer_fn(cache_index)
+        if cache is None:
+            x_BSD = self._run_layers(one_layer, layer_state, x_BSD, positions_BS,
+                                     segment_ids_BS, pipeline)
+            new_cache = None
+        else:
+            x_BSD, new_kv = jax.lax.scan(
+                lambda x, xs: one_layer(x, *xs, positions_BS, segment_ids_BS),
+                x_BSD, (layer_state, (cache["k"], cache["v"])))
+            new_cache = {"k": new_kv[0], "v": new_kv[1]}
+        h_BSD = self.final_norm(x_BSD)
+        # fp8=False: the output layer stays in the compute dtype under every FP8 recipe (its
+        # logits feed the softmax directly; FP8 recipes keep it high precision).
+        logits_BSV = ops.linear(h_BSD, self.output[...], "bsd,dv->bsv",
+                                precision=cfg.matmul_precision, dtype=jnp.dtype(cfg.dtype),
+                                fp8=False)
+        return shard_activation(logits_BSV, ("batch", "seq", "vocab")), new_cache
 
+    def loss_sum(self, tokens_BS, targets_BS, positions_BS, segment_ids_BS=None, *,
+                 pipeline: PipelineSchedule | None = None, loss_chunk: int = 0):
+        """Sum over all tokens of -log p(target), float32: the output layer and the
+        cross-entropy fused and chunked (ops.cross_entropy), so no [B, S, vocab] float32
+        logits exist. loss_chunk: tokens per device whose logits are alive at once (0: all).
+        Pipelined runs compute it on each stage's share of the microbatches (gpipe,
+        circular), or on the last stage as each microbatch leaves it (1f1b)."""
+        x_BSD = self._embed(tokens_BS)
+        one_layer, layer_state = self._layer_fn(None)
+        head_params = (self.final_norm.scale[...], self.output[...])
+        staged = pipeline is not None and pipeline_stages() > 1
+        if staged and pipeline.schedule == "1f1b":
+            from titanax.parallel.pipeline_1f1b import run_1f1b
+
+            # Inside the pipeline's shard_map each microbatch's rows follow the 'batch' rule.
+            head = lambda hp, y_bSD, t_bS: head_nll_sum(self.cfg, hp, y_bSD, t_bS,
+                                                        loss_chunk, rows="batch")
+            return run_1f1b(lambda x, state, ex: one_layer(x, state, None, *ex)[0], head,
+                            layer_state, head_params, x_BSD, (positions_BS, segment_ids_BS),
+                            targets_BS, pipeline.microbatches)
+        x_BSD = self._run_layers(one_layer, layer_state, x_BSD, positions_BS, segment_ids_BS,
+                                 pipeline)
+        rows = loss_rows(x_BSD.shape[0])
+        return head_nll_sum(self.cfg, head_params, shard_activation(x_BSD, (rows, "seq", "embed")),
+                            shard_activation(targets_BS, (rows, "seq")), loss_chunk, rows=rows)
+
+    def _embed(self, tokens_BS):
+        x_BSD = jnp.take(self.embed[...], tokens_BS, axis=0).astype(jnp.dtype(self.cfg.dtype))
+        return shard_activation(x_BSD, ("batch", "norm_seq", "embed"))
+
+    def _layer_fn(self, cache_index):
+        """(one_layer(x, layer_state, kv, positions, segment_ids) -> (x, kv), the stacked
+        layer state): one decoder layer as a pure function, remat-wrapped per model.remat."""
         graphdef, layer_state = nnx.split(self.layers)
 
         def one_layer(x_BSD, state, kv, positions_BS, segment_ids_BS):
             block = nnx.merge(graphdef, state)
             return block(x_BSD, positions_BS, segment_ids_BS, kv, cache_index)
 
-        if cfg.remat != "none":
-            one_layer = jax.checkpoint(one_layer, policy=_REMAT_POLICIES[cfg.remat],
+        if self.cfg.remat != "none":
+            one_layer = jax.checkpoint(one_layer, policy=_REMAT_POLICIES[self.cfg.remat],
                                        prevent_cse=False)
-        if pipeline is not None and cache is None and pipeline_stages() > 1:
-            x_BSD = run_pipelined(lambda x, state, ex: one_layer(x, state, None, *ex)[0],
-                                  layer_state, x_BSD, (positions_BS, segment_ids_BS), pipeline)
-            new_kv = None
-        else:
-            kv_xs = None if cache is None else (cache["k"], cache["v"])
-            x_BSD, new_kv = jax.lax.scan(
-                lambda x, xs: one_layer(x, *xs, positions_BS, segment_ids_BS),
-                x_BSD, (layer_state, kv_xs))
+        return one_layer, layer_state
 
-        h_BSD = self.final_norm(x_BSD)
-        # fp8=False: the output layer stays in the compute dtype under every FP8 recipe (its
-        # logits feed the softmax directly; FP8 recipes keep it high precision).
-        logits_BSV = ops.linear(h_BSD, self.output[...], "bsd,dv->bsv",
-                                precision=cfg.matmul_precision, dtype=dt, fp8=False)
-        logits_BSV = shard_activation(logits_BSV, ("batch", "seq", "vocab"))
-        new_cache = None if cache is None else {"k": new_kv[0], "v": new_kv[1]}
-        return logits_BSV, new_cache
+    def _run_layers(self, one_layer, layer_state, x_BSD, positions_BS, segment_ids_BS,
+                    pipeline):
+        if pipeline is not None and pipeline_stages() > 1:
+            return run_pipelined(lambda x, state, ex: one_layer(x, state, None, *ex)[0],
+                                 layer_state, x_BSD, (positions_BS, segment_ids_BS), pipeline)
+        x_BSD, _ = jax.lax.scan(
+            lambda x, state: (one_layer(x, state, None, positions_BS, segment_ids_BS)[0], None),
+            x_BSD, layer_state)
+        return x_BSD
+
+
+def head_nll_sum(cfg: ModelConfig, head_params, x_BSD, targets_BS, loss_chunk: int, *,
+                 rows: str = "batch"):
+    """Final norm, output layer and cross-entropy of the last layer's output: the summed
+    float32 loss. head_params = (final norm scale, output weight [d, vocab]); rows: the
+    logical name the batch rows are sharded by (see loss_rows)."""
+    norm_scale, w_DV = head_params
+    dt = jnp.dtype(cfg.dtype)
+    h_BSD = rms_norm(x_BSD, norm_scale, cfg.norm_eps)
+    B, S, _ = h_BSD.shape
+    chunk = chunk_positions(S, B // batch_shards(rows), loss_chunk)
+    # The output layer stays in the compute dtype under every FP8 recipe (its logits feed the
+    # softmax directly); 'highest' keeps its meaning here too.
+    precision = "highest" if cfg.matmul_precision == "highest" else "default"
+    return linear_cross_entropy_sum(h_BSD.astype(dt), w_DV.astype(dt), targets_BS, chunk=chunk,
+                                    precision=precision, rows=rows)
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> dict:

@@ -37,10 +37,13 @@ _LAYER_INPUT = "pipeline_layer_input"
 class PipelineSchedule:
     microbatches: int = 1
     virtual_stages: int = 1  # layer chunks per stage: 1 is gpipe, more is circular
+    # 'gpipe' / 'circular' run here (all forwards, then autodiff's backward); '1f1b'
+    # interleaves forward and backward in one tick loop (parallel/pipeline_1f1b.py).
+    schedule: str = "gpipe"
 
     @classmethod
     def from_config(cls, cfg: PipelineConfig) -> "PipelineSchedule":
-        return cls(cfg.microbatches, cfg.resolved_virtual_stages)
+        return cls(cfg.microbatches, cfg.resolved_virtual_stages, cfg.schedule)
 
 
 def pipeline_stages() -> int:
@@ -122,7 +125,9 @@ def run_pipelined(layer_fn, layer_state, x_BSD, extras, schedule: PipelineSchedu
     """layer_fn(x_bSD, one_layer_state, extras_b) -> x_bSD applied over all stacked layers, as
     jax.lax.scan would, but staged over the 'pipeline' axis. extras: a pytree of [B, ...] arrays
     split into microbatches with x (positions, segment ids). with_busy: also return how many
-    ticks each stage did real work ([PP] int32), for bubble measurements."""
+    ticks each stage did real work ([PP] int32), for bubble measurements. The output's rows
+    are split over the stages too when M divides by them (rules.py 'loss_batch'), else
+    replicated on every stage."""
     stages, V, M = pipeline_stages(), schedule.virtual_stages, schedule.microbatches
     if x_BSD.shape[0] % M:
         raise ValueError(f"batch of {x_BSD.shape[0]} does not split into {M} microbatches")
@@ -182,12 +187,19 @@ def run_pipelined(layer_fn, layer_state, x_BSD, extras, schedule: PipelineSchedu
 
         (_, out_MbSD, _), busy_T = jax.lax.scan(
             tick, (parked_MbSD, out_MbSD, recv_bSD), jnp.arange(ticks))
-        # Only the last stage holds the outputs; the sum hands them to every stage.
-        out_MbSD = jax.lax.psum(jnp.where(s == stages - 1, out_MbSD, 0), AXIS)
+        # Only the last stage holds the outputs. Scattered, each stage gets M/PP of the
+        # microbatches, so what follows (the output layer and the loss) runs once per
+        # microbatch, spread over the stages, not on every stage for all of them.
+        out_MbSD = jnp.where(s == stages - 1, out_MbSD, 0)
+        if scatter:
+            out_MbSD = jax.lax.psum_scatter(out_MbSD, AXIS, scatter_dimension=0, tiled=True)
+        else:
+            out_MbSD = jax.lax.psum(out_MbSD, AXIS)
         return out_MbSD, busy_T.sum(dtype=jnp.int32)[None]
 
+    scatter = M % stages == 0
     out_MbSD, busy_P = jax.shard_map(
-        stage_fn, in_specs=(P(AXIS), P(), P()), out_specs=(P(), P(AXIS)),
+        stage_fn, in_specs=(P(AXIS), P(), P()), out_specs=(P(AXIS) if scatter else P(), P(AXIS)),
         axis_names={AXIS})(layer_state, x_MbSD, extras_M)
     out_BSD = _from_microbatches(out_MbSD)
     return (out_BSD, busy_P) if with_busy else out_BSD

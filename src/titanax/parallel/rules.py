@@ -34,6 +34,9 @@ PARAM_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 
 ACTIVATION_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("batch", ("data", "fsdp")),
+    # The loss head after a gpipe/circular pipeline: each stage takes its own share of the
+    # rows instead of every stage computing the output layer for all of them.
+    ("loss_batch", ("data", "fsdp", "pipeline")),
     ("seq", None),
     ("norm_seq", "tensor"),  # sequence parallelism: residual stream and norms
     ("embed", None),
@@ -75,6 +78,26 @@ def shard_activation(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     if mesh is None or mesh.empty or mesh.size == 1:
         return x
     return jax.lax.with_sharding_constraint(x, activation_spec(names))
+
+
+def batch_shards(name: str = "batch") -> int:
+    """How many ways the activation rule `name` splits an axis on the mesh in context (1
+    without one): e.g. the batch rows per device are B // batch_shards()."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return 1
+    axes = dict(ACTIVATION_RULES)[name]
+    axes = (axes,) if isinstance(axes, str) else axes or ()
+    n = 1
+    for a in axes:
+        n *= mesh.shape.get(a, 1)
+    return n
+
+
+def loss_rows(batch: int) -> str:
+    """'loss_batch' when `batch` rows split over data x fsdp x pipeline (the loss then runs on
+    each pipeline stage's share), else 'batch'."""
+    return "loss_batch" if batch % batch_shards("loss_batch") == 0 else "batch"
 
 
 @contextlib.contextmanager

@@ -12,28 +12,26 @@ from titanax.config import Config
 from titanax.parallel.pipeline import PipelineSchedule
 
 
-def token_nll(graphdef, params, batch, *, document_masking: bool,
-              pipeline: PipelineSchedule | None = None):
-    """Per-token negative log-likelihood [B, S] in float32. pipeline: stage the layers over the
-    mesh's 'pipeline' axis when it is > 1."""
+def nll_sum(graphdef, params, batch, *, document_masking: bool, loss_chunk: int,
+            pipeline: PipelineSchedule | None = None):
+    """Sum of the per-token negative log-likelihood over the batch, float32 (the output layer
+    and cross-entropy fused and chunked: no [B, S, V] logits). pipeline: stage the layers over
+    the mesh's 'pipeline' axis when it is > 1."""
     model = nnx.merge(graphdef, params)
     segment_ids = batch["segment_ids"] if document_masking else None
-    logits_BSV, _ = model(batch["inputs"], batch["positions"], segment_ids, pipeline=pipeline)
-    # logsumexp - target logit: one [B, S, V] float32 pass fewer than log_softmax, forward and
-    # backward (the vocab-wide tensors dominate the loss's memory traffic).
-    logits_BSV = logits_BSV.astype(jnp.float32)
-    target_BS = jnp.take_along_axis(logits_BSV, batch["targets"][..., None], axis=-1)[..., 0]
-    return jax.nn.logsumexp(logits_BSV, axis=-1) - target_BS
+    return model.loss_sum(batch["inputs"], batch["targets"], batch["positions"], segment_ids,
+                          pipeline=pipeline, loss_chunk=loss_chunk)
 
 
 def make_loss_fn(cfg: Config, graphdef):
     """mean_loss(params, batch): the scalar the train step differentiates."""
-    masking = cfg.data.document_masking
+    masking, chunk = cfg.data.document_masking, cfg.train.loss_chunk
     pipeline = PipelineSchedule.from_config(cfg.pipeline)
 
     def mean_loss(params, batch):
-        return token_nll(graphdef, params, batch, document_masking=masking,
-                         pipeline=pipeline).mean()
+        total = nll_sum(graphdef, params, batch, document_masking=masking, loss_chunk=chunk,
+                        pipeline=pipeline)
+        return total / batch["targets"].size
 
     return mean_loss
 
@@ -70,15 +68,14 @@ def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation, sch
         # for good: such a step keeps the old ones. 'step' still advances (a batch was consumed;
         # the data position and the step count stay in lockstep) and the loop counts the skip.
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-
-        def updated():
-            new_params = ops.merge_fp8_meta(optax.apply_updates(params, updates), fp8_meta)
-            return new_params, opt_state
-
-        # A cond, not an elementwise select: the update is computed (and state buffers
-        # reused) only on the taken branch, no extra pass over params and moments.
-        new_params, new_opt_state = jax.lax.cond(finite, updated,
-                                                 lambda: (params, state["opt_state"]))
+        new_params = ops.merge_fp8_meta(optax.apply_updates(params, updates), fp8_meta)
+        # An elementwise select, folded by XLA into the fusion that computes each update, so
+        # the new values are written in place over the donated state. (A lax.cond choosing
+        # between two whole states made XLA hold a second copy of params and moments: 52 GB
+        # per GPU for Llama-3-70B on 8 B200s, docs/planner.md.)
+        keep = lambda new, old: jnp.where(finite, new, old)
+        new_params = jax.tree.map(keep, new_params, params)
+        new_opt_state = jax.tree.map(keep, opt_state, state["opt_state"])
         new_state = {"step": state["step"] + 1, "params": new_params,
                      "opt_state": new_opt_state}
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]),
@@ -89,11 +86,12 @@ def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation, sch
 
 
 def make_eval_step(cfg: Config, graphdef):
-    masking = cfg.data.document_masking
+    masking, chunk = cfg.data.document_masking, cfg.train.loss_chunk
     pipeline = PipelineSchedule.from_config(cfg.pipeline)
 
     def eval_step(params, batch):
-        nll = token_nll(graphdef, params, batch, document_masking=masking, pipeline=pipeline)
-        return nll.sum(), jnp.asarray(nll.size, jnp.float32)
+        total = nll_sum(graphdef, params, batch, document_masking=masking, loss_chunk=chunk,
+                        pipeline=pipeline)
+        return total, jnp.asarray(batch["targets"].size, jnp.float32)
 
     return eval_step

@@ -1,0 +1,145 @@
+"""The output layer and cross-entropy fused, chunked over the sequence: no [B, S, V] float32
+tensor exists in the forward or the backward pass.
+
+`linear_cross_entropy_sum(h_BSD, w_DV, targets_BS, chunk=c)` = sum over tokens of
+logsumexp(h w) - (h w)[target], in float32, the same value and gradients as the dense
+reference (`dense_cross_entropy_sum`, what the model computed before). For Llama-3-70B at 4 x 8192
+tokens per GPU the dense float32 logits and their gradient are ~34 GB; chunked, one chunk's
+logits are alive at a time.
+
+How: a custom VJP whose forward pass also computes the gradients, chunk by chunk (a scan over
+the sequence, so each device keeps its batch rows and the batch sharding never moves):
+logits_c = h_c w, p_c = softmax(logits_c), dlogits_c = p_c - onehot(target), dh_c = dlogits_c w^T,
+dW += h_c^T dlogits_c (float32 accumulator). The loss is a scalar sum, so the backward pass
+only scales dh and dW by the incoming cotangent: the logits are computed once, not recomputed
+(the same 3 matmuls per chunk as the dense forward + backward). Called without
+differentiation (evaluation) it computes the loss only.
+
+Sharding: the vocabulary axis of the logits follows the 'vocab' activation rule (tensor
+parallel: each device holds V/tp columns and the logsumexp reduces across them); the weight is
+gathered over FSDP once, before the scan, as the dense path does.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from titanax.parallel.rules import shard_activation
+
+_PRECISION = {"default": None, "highest": jax.lax.Precision.HIGHEST}
+
+
+def chunk_positions(seq_len: int, rows: int, chunk_tokens: int) -> int:
+    """Sequence positions per chunk: the largest divisor of seq_len whose chunk of `rows`
+    (this device's batch rows) x positions holds at most chunk_tokens tokens (at least one
+    position). chunk_tokens <= 0: the whole sequence at once."""
+    if chunk_tokens <= 0:
+        return seq_len
+    target = max(1, chunk_tokens // max(rows, 1))
+    return max(c for c in range(1, min(target, seq_len) + 1) if seq_len % c == 0)
+
+
+def dense_cross_entropy_sum(h_BSD, w_DV, targets_BS, *, precision: str = "default"):
+    """The reference: full [B, S, V] float32 logits, logsumexp minus the target logit."""
+    logits_BSV = jnp.dot(h_BSD, w_DV, precision=_PRECISION[precision]).astype(jnp.float32)
+    target_BS = jnp.take_along_axis(logits_BSV, targets_BS[..., None], axis=-1)[..., 0]
+    return jnp.sum(jax.nn.logsumexp(logits_BSV, axis=-1) - target_BS)
+
+
+def _chunks(x_BS, c: int):
+    """[B, S, ...] -> [S/c, B, c, ...]: chunk k is positions k*c..(k+1)*c of every row."""
+    B, S = x_BS.shape[:2]
+    return jnp.swapaxes(x_BS.reshape(B, S // c, c, *x_BS.shape[2:]), 0, 1)
+
+
+def _unchunk(x_NBC):
+    n, B, c = x_NBC.shape[:3]
+    return jnp.swapaxes(x_NBC, 0, 1).reshape(B, n * c, *x_NBC.shape[3:])
+
+
+def _logits(h_BcD, w_DV, precision, rows):
+    logits_BcV = jnp.dot(h_BcD, w_DV, precision=_PRECISION[precision])
+    return shard_activation(logits_BcV.astype(jnp.float32), (rows, "seq", "vocab"))
+
+
+def _nll_and_dlogits(logits_BcV, targets_Bc, with_grad: bool):
+    """(sum of nll over the chunk, dnll/dlogits or None). The target logit by an iota compare
+    (fused with the logsumexp pass, and partitionable over a vocab-sharded axis)."""
+    is_target_BcV = jnp.arange(logits_BcV.shape[-1])[None, None, :] == targets_Bc[..., None]
+    lse_Bc = jax.nn.logsumexp(logits_BcV, axis=-1)
+    target_Bc = jnp.sum(jnp.where(is_target_BcV, logits_BcV, 0.0), axis=-1)
+    nll = jnp.sum(lse_Bc - target_Bc)
+    if not with_grad:
+        return nll, None
+    dlogits_BcV = jnp.exp(logits_BcV - lse_Bc[..., None]) - is_target_BcV
+    return nll, dlogits_BcV
+
+
+def _prepare(h_BSD, w_DV, targets_BS, c, rows):
+    # Whole sequences per device before chunking (the sequence-parallel regions split it over
+    # 'tensor'), and the weight gathered over FSDP once rather than in every chunk.
+    h_BSD = shard_activation(h_BSD, (rows, "seq", "embed"))
+    w_DV = shard_activation(w_DV, ("embed", "vocab"))
+    return _chunks(h_BSD, c), w_DV, _chunks(targets_BS, c)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _ce_sum(h_BSD, w_DV, targets_BS, c: int, precision: str, rows: str):
+    h_NBcD, w_DV, t_NBc = _prepare(h_BSD, w_DV, targets_BS, c, rows)
+
+    def body(total, xs):
+        h_BcD, t_Bc = xs
+        nll, _ = _nll_and_dlogits(_logits(h_BcD, w_DV, precision, rows), t_Bc, with_grad=False)
+        return total + nll, None
+
+    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (h_NBcD, t_NBc))
+    return total
+
+
+def _ce_sum_fwd(h_BSD, w_DV, targets_BS, c, precision, rows):
+    h_NBcD, w_g_DV, t_NBc = _prepare(h_BSD, w_DV, targets_BS, c, rows)
+    dt = h_BSD.dtype
+
+    def body(carry, xs):
+        total, dw_DV = carry
+        h_BcD, t_Bc = xs
+        nll, dlogits_BcV = _nll_and_dlogits(_logits(h_BcD, w_g_DV, precision, rows), t_Bc,
+                                            with_grad=True)
+        dlogits_BcV = dlogits_BcV.astype(dt)
+        dh_BcD = jnp.dot(dlogits_BcV, w_g_DV.T, precision=_PRECISION[precision])
+        dw_DV = dw_DV + jnp.einsum("bcd,bcv->dv", h_BcD, dlogits_BcV,
+                                   precision=_PRECISION[precision],
+                                   preferred_element_type=jnp.float32)
+        return (total + nll, dw_DV), dh_BcD.astype(dt)
+
+    zeros_DV = shard_activation(jnp.zeros(w_g_DV.shape, jnp.float32), ("embed", "vocab"))
+    (total, dw_DV), dh_NBcD = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros_DV),
+                                           (h_NBcD, t_NBc))
+    # Residuals in the operands' dtypes: the float32 sum is rounded once, where the dense
+    # backward's dot rounds its output.
+    return total, (_unchunk(dh_NBcD), dw_DV.astype(w_DV.dtype))
+
+
+def _ce_sum_bwd(c, precision, rows, res, g):
+    dh_BSD, dw_DV = res
+    return ((dh_BSD * g.astype(dh_BSD.dtype)).astype(dh_BSD.dtype),
+            (dw_DV * g.astype(dw_DV.dtype)).astype(dw_DV.dtype), None)
+
+
+_ce_sum.defvjp(_ce_sum_fwd, _ce_sum_bwd)
+
+
+def linear_cross_entropy_sum(h_BSD, w_DV, targets_BS, *, chunk: int,
+                             precision: str = "default", rows: str = "batch"):
+    """sum over all tokens of -log softmax(h w)[target], float32, chunked over the sequence.
+
+    h_BSD and w_DV in the compute dtype (cast by the caller); chunk: sequence positions per
+    chunk, a divisor of S (see chunk_positions); rows: the logical axis name of the batch
+    rows' sharding (parallel/rules.py). Differentiable in h and w."""
+    S = h_BSD.shape[1]
+    if chunk <= 0 or S % chunk:
+        raise ValueError(f"chunk={chunk} must be a positive divisor of the sequence length {S}")
+    return _ce_sum(h_BSD, w_DV, targets_BS.astype(jnp.int32), chunk, precision, rows)
