@@ -32,6 +32,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(default 6)")
     p.add_argument("--no-compile", action="store_true",
                    help="cost model only: skip the deviceless compile")
+    p.add_argument("--buffers", type=int, default=0, metavar="N",
+                   help="also list the N largest buffers live at the compiled step's memory "
+                        "peak (plan.json: compile.peak_buffers)")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="where plan.json and plan.png go (default runs/plan-CONFIG-GPUxNODES)")
     return p.parse_args(argv)
@@ -50,7 +53,7 @@ def main(argv=None) -> None:
         cluster = Cluster(args.gpu.lower(), args.nodes, args.gpus_per_node)
         cfg = load_config(args.config, args.overrides)
         plan = make_plan(cfg, cluster, compile_step=not args.no_compile, search=args.search,
-                         verify=args.verify)
+                         verify=args.verify, buffers=args.buffers)
     except (PlanError, ConfigError) as e:
         fail(str(e))
     out = pathlib.Path(args.out or f"runs/plan-{pathlib.Path(args.config).stem}-"

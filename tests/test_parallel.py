@@ -65,6 +65,14 @@ LAYOUTS = {
     "pp4_gpipe": {"mesh.data": 2, "mesh.pipeline": 4, "pipeline.microbatches": 4},
     "pp4_circular": {"mesh.data": 2, "mesh.pipeline": 4, "pipeline.microbatches": 4,
                      "pipeline.schedule": "circular", "pipeline.virtual_stages": 2},
+    # fewer microbatches than stages: the output is replicated, not scattered, before the loss
+    "pp2_one_microbatch": {"mesh.data": 4, "mesh.pipeline": 2, "pipeline.microbatches": 1},
+    # 1f1b: the loss runs on the last stage inside the schedule, gradients by its custom VJP
+    "pp4_1f1b": {"mesh.data": 2, "mesh.pipeline": 4, "pipeline.microbatches": 8,
+                 "pipeline.schedule": "1f1b"},
+    "tp2_fsdp2_pp2_1f1b": {"mesh.data": 1, "mesh.fsdp": 2, "mesh.tensor": 2,
+                           "mesh.pipeline": 2, "pipeline.microbatches": 2,
+                           "pipeline.schedule": "1f1b", "mesh.nvlink_domain": 4},
 }
 
 

@@ -78,6 +78,12 @@ def _nll_and_dlogits(logits_BcV, targets_Bc, with_grad: bool):
     return nll, dlogits_BcV
 
 
+def _zero(like):
+    """A float32 0 typed like `like` (varying over the same manual mesh axes inside a
+    shard_map, e.g. a pipeline stage), so the scans' carries keep one type."""
+    return jnp.zeros_like(like, jnp.float32, shape=())
+
+
 def _prepare(h_BSD, w_DV, targets_BS, c, rows):
     # Whole sequences per device before chunking (the sequence-parallel regions split it over
     # 'tensor'), and the weight gathered over FSDP once rather than in every chunk.
@@ -95,7 +101,7 @@ def _ce_sum(h_BSD, w_DV, targets_BS, c: int, precision: str, rows: str):
         nll, _ = _nll_and_dlogits(_logits(h_BcD, w_DV, precision, rows), t_Bc, with_grad=False)
         return total + nll, None
 
-    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (h_NBcD, t_NBc))
+    total, _ = jax.lax.scan(body, _zero(h_NBcD), (h_NBcD, t_NBc))
     return total
 
 
@@ -115,9 +121,9 @@ def _ce_sum_fwd(h_BSD, w_DV, targets_BS, c, precision, rows):
                                    preferred_element_type=jnp.float32)
         return (total + nll, dw_DV), dh_BcD.astype(dt)
 
-    zeros_DV = shard_activation(jnp.zeros(w_g_DV.shape, jnp.float32), ("embed", "vocab"))
-    (total, dw_DV), dh_NBcD = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros_DV),
-                                           (h_NBcD, t_NBc))
+    zeros_DV = shard_activation(jnp.zeros_like(w_g_DV, jnp.float32) + _zero(h_NBcD),
+                                ("embed", "vocab"))
+    (total, dw_DV), dh_NBcD = jax.lax.scan(body, (_zero(h_NBcD), zeros_DV), (h_NBcD, t_NBc))
     # Residuals in the operands' dtypes: the float32 sum is rounded once, where the dense
     # backward's dot rounds its output.
     return total, (_unchunk(dh_NBcD), dw_DV.astype(w_DV.dtype))

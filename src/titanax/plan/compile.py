@@ -30,8 +30,9 @@ from titanax.plan.cluster import Cluster
 _RESULT = "PLAN_COMPILE_RESULT "
 
 
-def compile_train_step(cfg: Config, cluster: Cluster, target: str) -> dict:
-    """In this process (already set up for `target`): lower and compile; memory per device."""
+def compile_train_step(cfg: Config, cluster: Cluster, target: str, buffers: int = 0) -> dict:
+    """In this process (already set up for `target`): lower and compile; memory per device.
+    buffers > 0: also the largest buffers live at the memory peak (titanax.plan.buffers)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
@@ -58,7 +59,11 @@ def compile_train_step(cfg: Config, cluster: Cluster, target: str) -> dict:
         t1 = time.perf_counter()
         lowered = step.lower(abstract_state, batch)
         t2 = time.perf_counter()
-        compiled = lowered.compile()
+        if buffers:     # XLA dumps its buffer assignment into a temporary folder
+            from titanax.plan.buffers import compile_with_buffers
+            compiled, peak_buffers = compile_with_buffers(lowered, top=buffers)
+        else:
+            compiled = lowered.compile()
         t3 = time.perf_counter()
     mem = compiled.memory_analysis()
     get = lambda name: int(getattr(mem, name, 0) or 0)
@@ -74,6 +79,7 @@ def compile_train_step(cfg: Config, cluster: Cluster, target: str) -> dict:
         "memory": {"arguments": args, "outputs": out, "aliased": alias, "temporaries": temp,
                    # donated state: outputs that alias an argument take no new memory
                    "total": args + out - alias + temp},
+        **({"peak_buffers": peak_buffers} if buffers else {}),
     }
 
 
@@ -93,11 +99,12 @@ def _error_summary(stderr: str) -> str:
     return " | ".join(dict.fromkeys(errors))[-1500:] if errors else "\n".join(lines[-5:])
 
 
-def compile_in_subprocess(cfg: Config, cluster: Cluster, *, timeout_s: float = 600) -> dict:
+def compile_in_subprocess(cfg: Config, cluster: Cluster, *, timeout_s: float = 600,
+                          buffers: int = 0) -> dict:
     """compile_train_step in a fresh process: {'ok': True, ...} or {'ok': False, 'error'}."""
     env, target = _worker_env(cluster)
     spec = {"config": cfg.to_dict(), "gpu": cluster.gpu, "nodes": cluster.nodes,
-            "gpus_per_node": cluster.gpus_per_node, "target": target}
+            "gpus_per_node": cluster.gpus_per_node, "target": target, "buffers": buffers}
     t0 = time.perf_counter()
     try:
         proc = subprocess.run([sys.executable, "-m", "titanax.plan.compile", json.dumps(spec)],
@@ -123,7 +130,8 @@ def main(argv: list[str]) -> None:
                           spec["nodes"] * spec["gpus_per_node"])
     cfg = Config.from_dict(spec["config"])
     cluster = Cluster(spec["gpu"], spec["nodes"], spec["gpus_per_node"])
-    print(_RESULT + json.dumps(compile_train_step(cfg, cluster, spec["target"])), flush=True)
+    result = compile_train_step(cfg, cluster, spec["target"], spec.get("buffers", 0))
+    print(_RESULT + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,9 @@ def _memory_lines(plan: dict) -> list[str]:
         lines.append(f"  compiled ({comp['target']}): arguments {_gb(m['arguments'])}, temporaries "
                      f"{_gb(m['temporaries'])}, outputs not aliased {_gb(m['outputs'] - m['aliased'])}"
                      f" -> total {_gb(m['total'])} per device")
+        if comp.get("peak_buffers"):
+            from titanax.plan.buffers import format_buffers
+            lines += format_buffers(comp["peak_buffers"])
     elif comp:
         lines.append(f"  compile FAILED: {comp.get('error', '')[:400]}")
     model = plan["memory_model_bytes"]
