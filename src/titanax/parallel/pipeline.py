@@ -120,6 +120,19 @@ def _from_microbatches(a_M):
     return jnp.swapaxes(a_M, 0, 1).reshape(-1, *a_M.shape[2:])
 
 
+def _from_last_stage(out_MbSD, s, stages: int, per: int):
+    """Stage j gets microbatches [j*per, (j+1)*per) of the last stage's outputs.
+    Point-to-point sends, not psum_scatter: XLA gathers the operand of a collective over
+    'pipeline' across the automatic axes (rows over fsdp, sequence over tensor) first, 17 GB
+    per device for the 70B NeMo-like layout; a ppermute moves each device's shard."""
+    last = stages - 1
+    mine = out_MbSD[last * per:(last + 1) * per]
+    for j in range(stages - 1):
+        got = jax.lax.ppermute(out_MbSD[j * per:(j + 1) * per], AXIS, [(last, j)])
+        mine = jnp.where(s == j, got, mine)
+    return mine
+
+
 def run_pipelined(layer_fn, layer_state, x_BSD, extras, schedule: PipelineSchedule,
                   *, with_busy: bool = False):
     """layer_fn(x_bSD, one_layer_state, extras_b) -> x_bSD applied over all stacked layers, as
@@ -190,11 +203,10 @@ def run_pipelined(layer_fn, layer_state, x_BSD, extras, schedule: PipelineSchedu
         # Only the last stage holds the outputs. Scattered, each stage gets M/PP of the
         # microbatches, so what follows (the output layer and the loss) runs once per
         # microbatch, spread over the stages, not on every stage for all of them.
-        out_MbSD = jnp.where(s == stages - 1, out_MbSD, 0)
         if scatter:
-            out_MbSD = jax.lax.psum_scatter(out_MbSD, AXIS, scatter_dimension=0, tiled=True)
-        else:
-            out_MbSD = jax.lax.psum(out_MbSD, AXIS)
+            out_MbSD = _from_last_stage(out_MbSD, s, stages, M // stages)
+        else:  # every stage gets all of them (out_specs P() needs a psum's invariant type)
+            out_MbSD = jax.lax.psum(jnp.where(s == stages - 1, out_MbSD, 0), AXIS)
         return out_MbSD, busy_T.sum(dtype=jnp.int32)[None]
 
     scatter = M % stages == 0
