@@ -86,8 +86,9 @@ def test_output_layer_exclusion_is_exact():
     plain = ops.linear(x, w, "bsd,dv->bsv", precision="default", dtype=jnp.float32)
     excluded = ops.linear(x, w, "bsd,dv->bsv", precision="mxfp8", dtype=jnp.float32, fp8=False)
     np.testing.assert_array_equal(plain, excluded)
-    with pytest.raises(ValueError, match="AK,KB->AB"):
-        ops.linear(x, w.T, "bsd,vd->bsv", precision="fp8_tensorwise", dtype=jnp.float32)
+    with pytest.raises(ValueError, match="AK,KB->AB"):  # w's contracted axis in its middle
+        ops.linear(x, w.reshape(1, 16, 8), "bsd,udv->bsuv", precision="fp8_tensorwise",
+                   dtype=jnp.float32)
 
 
 def test_delayed_histories_live_in_state_update_by_step_and_checkpoint(tmp_path):

@@ -49,3 +49,30 @@ def test_circular_checkpoint_reads_back_in_logical_order(tmp_path):
     assert a.keys() == b.keys() and "model.layers.3.self_attn.q_proj.weight" in a
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def test_circular_checkpoint_restores_into_an_offloaded_run(tmp_path):
+    """Another layout's stack order is fixed on restore also when the run keeps its moments in
+    pinned host memory (train.offload_optimizer): they are reordered on the device and go back."""
+    from titanax.config import Config
+    from titanax.train.loop import _match_layer_order
+    from titanax.train.state import abstract_train_state
+
+    circular = _save_run(tmp_path, "circular", CIRCULAR, jax.devices())
+    plain = _save_run(tmp_path, "plain", {"mesh.data": 1}, jax.devices()[:1])
+    cfg = apply_overrides(load_config(ROOT / "configs" / "tiny.py"),
+                          {**SMALL, **LAYOUT, "mesh.data": 1, "mesh.fsdp": 8,
+                           "train.offload_optimizer": True})
+    mesh = build_mesh(cfg.mesh, jax.devices())
+    _, abstract, shardings = abstract_train_state(cfg, mesh, make_optimizer(cfg))
+    got = {}
+    for name, run in (("circular", circular), ("plain", plain)):
+        ckpt = Checkpointer(run / "checkpoints", cfg.checkpoint)
+        state, _, saved = ckpt.restore(0, abstract)
+        ckpt.close()
+        got[name] = _match_layer_order(state, shardings, Config.from_dict(saved), cfg)
+    kinds = {leaf.sharding.memory_kind for leaf in jax.tree.leaves(got["circular"]["opt_state"])
+             if leaf.ndim}
+    assert kinds == {"pinned_host"}
+    for a, b in zip(jax.tree.leaves(got["circular"]), jax.tree.leaves(got["plain"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

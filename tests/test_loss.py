@@ -56,6 +56,16 @@ def test_bf16_operands_match_the_dense_bf16_path():
         assert _rel(a.astype(jnp.float32), b.astype(jnp.float32)) < 2e-2
 
 
+def test_out_of_vocabulary_target_gives_nan():
+    """Broken data must reach the train step's non-finite guard, not vanish into the loss."""
+    h, w, t = _inputs()
+    t = t.at[1, 3].set(V)
+    assert not np.isfinite(float(linear_cross_entropy_sum(h, w, t, chunk=8)))
+    val, grads = jax.value_and_grad(
+        lambda h, w: linear_cross_entropy_sum(h, w, t, chunk=8), argnums=(0, 1))(h, w)
+    assert not np.isfinite(float(val))
+
+
 def test_chunk_positions():
     assert chunk_positions(8192, 4, 4096) == 1024  # 4 rows x 1024 positions
     assert chunk_positions(8192, 2, 0) == 8192  # 0: no chunking

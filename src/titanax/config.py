@@ -68,7 +68,8 @@ ATTENTION_IMPLS = ("xla", "cudnn", "triton", "mosaic_sm90", "mosaic_sm100", "aut
 # embedding, output layer, norms and softmax stay in model.dtype.
 MATMUL_PRECISIONS = ("default", "highest", "fp8_tensorwise", "fp8_delayed", "mxfp8")
 DTYPES = ("float32", "bfloat16", "float16")
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+# full_offload: full remat whose saved layer inputs go to pinned host memory.
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "full_offload")
 ROPE_SCALINGS = ("none", "llama3")
 PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b")
 LR_SCHEDULES = ("cosine", "linear", "constant")
@@ -209,6 +210,12 @@ class TrainConfig:
     # Steps with a non-finite loss or gradient are skipped (weights and optimizer state kept);
     # this many in a row stop the run: the model has diverged or the data is broken.
     max_bad_steps: int = 5
+    # Host offload (train/offload.py) for when the train state does not fit in HBM: Adam's
+    # moments, and with offload_params also the float32 master weights of the stacked decoder
+    # layers, live in pinned host memory between steps and are streamed through the device
+    # one layer at a time (the weights also in the forward and backward passes).
+    offload_optimizer: bool = False
+    offload_params: bool = False
 
     def __post_init__(self):
         _check_types("train", self)
@@ -224,6 +231,12 @@ class TrainConfig:
         if self.batch_size % self.grad_accum:
             _fail("train.grad_accum", f"train.batch_size={self.batch_size} must be divisible "
                   f"by train.grad_accum={self.grad_accum}")
+        if self.offload_params and self.grad_accum > 1:
+            _fail("train.offload_params", f"does not work with train.grad_accum="
+                  f"{self.grad_accum}: the offloaded layers' gradients come out in host "
+                  "memory, where the microbatch sum cannot run; set train.grad_accum=1 (the "
+                  "memory offloading frees holds a larger batch per step) or use "
+                  "train.offload_optimizer alone")
 
 
 @dataclass(frozen=True)
@@ -310,6 +323,11 @@ class Config:
         if self.train.seq_len > self.model.max_seq_len:
             _fail("train.seq_len", f"{self.train.seq_len} exceeds model.max_seq_len="
                   f"{self.model.max_seq_len}; raise model.max_seq_len or shorten the sequence")
+        if self.train.offload_params and self.model.remat == "none":
+            _fail("train.offload_params", "needs a model.remat policy: without one the "
+                  "backward pass keeps every layer's weights on the device, the very copy "
+                  "offloading avoids; set model.remat=full (or full_offload, dots, "
+                  "dots_no_batch)")
         check_parallel_layout(self, dict(data=self.mesh.data, fsdp=self.mesh.fsdp,
                                          tensor=self.mesh.tensor, pipeline=self.mesh.pipeline))
 
@@ -342,6 +360,11 @@ def check_parallel_layout(cfg: Config, degrees: dict[str, int]) -> None:
         if cfg.train.seq_len % tensor:
             _fail("train.seq_len", f"{cfg.train.seq_len} is not divisible by mesh.tensor="
                   f"{tensor} (sequence parallelism splits the norm regions along the sequence)")
+    if pp > 1 and cfg.train.offload_params:
+        _fail("train.offload_params", f"does not work with mesh.pipeline={pp}: the pipeline "
+              "schedules pick each stage's layer chunk with a traced index, which XLA cannot "
+              "do on weights in host memory; use mesh.pipeline=1 (fsdp/data/tensor) or "
+              "train.offload_optimizer alone")
     if pp > 1:
         v = cfg.pipeline.resolved_virtual_stages
         if m.n_layers % (pp * v):

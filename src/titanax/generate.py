@@ -32,7 +32,10 @@ def load_for_inference(workdir, step: int | None = None):
     run_cfg = Config.from_dict(ckpt.read_config(step))
     # Sampling runs on one device whatever layout trained the model; the arrays' shapes do not
     # depend on the layout, only (circular pipelines) the stored order of the layers.
-    cfg = dataclasses.replace(run_cfg, mesh=MeshConfig(), pipeline=PipelineConfig())
+    # Host offload is a training memory option: sampling keeps everything on the device.
+    cfg = dataclasses.replace(run_cfg, mesh=MeshConfig(), pipeline=PipelineConfig(),
+                              train=dataclasses.replace(run_cfg.train, offload_optimizer=False,
+                                                        offload_params=False))
     mesh = single_device_mesh()
     graphdef, abstract, _ = abstract_train_state(cfg, mesh, make_optimizer(cfg))
     with model_context(mesh):

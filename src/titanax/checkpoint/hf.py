@@ -10,13 +10,17 @@ titanax keeps the head structure and stacks layers:
   model.layers.i.self_attn.q_proj.weight     [Hq*hd, d]       layers.wq              [d, Hq, hd]
   model.layers.i.self_attn.k_proj.weight     [Hkv*hd, d]      layers.wk              [d, Hkv, hd]
   model.layers.i.self_attn.v_proj.weight     [Hkv*hd, d]      layers.wv              [d, Hkv, hd]
-  model.layers.i.self_attn.o_proj.weight     [d, Hq*hd]       layers.wo              [Hq, hd, d]
+  model.layers.i.self_attn.o_proj.weight     [d, Hq*hd]       layers.wo              [d, Hq, hd]
   model.layers.i.post_attention_layernorm.weight [d]          layers.mlp_norm.scale  [d]
   model.layers.i.mlp.gate_proj.weight        [F, d]           layers.w_gate          [d, F]
   model.layers.i.mlp.up_proj.weight          [F, d]           layers.w_up            [d, F]
-  model.layers.i.mlp.down_proj.weight        [d, F]           layers.w_down          [F, d]
+  model.layers.i.mlp.down_proj.weight        [d, F]           layers.w_down          [d, F]
   model.norm.weight                          [d]              final_norm.scale       [d]
   lm_head.weight                             [V, d]           output                 [d, V]
+
+wo and w_down are stored [out, in] like HF (embed first, so FSDP gathers each layer's slice
+along its major axis): o_proj is a reshape and down_proj a plain copy. (Checkpoints written
+before that stored them [Hq, hd, d] and [F, d]; checkpoint/orbax_io.py converts them on load.)
 
 RoPE needs no permutation: titanax rotates pairs (i, i + hd/2) ("rotate half"), the layout of
 HF Llama checkpoints (Meta's original checkpoints interleave pairs and HF's conversion script
@@ -60,9 +64,9 @@ def _heads_in(shape):  # [d, H, hd] <-> [H*hd, d]
     return (lambda x: x.reshape(d, -1).T), (lambda y: y.T.reshape(shape))
 
 
-def _heads_out(shape):  # [H, hd, d] <-> [d, H*hd]
-    d = shape[-1]
-    return (lambda x: x.reshape(-1, d).T), (lambda y: y.T.reshape(shape))
+def _heads_out(shape):  # [d, H, hd] <-> [d, H*hd]
+    d = shape[0]
+    return (lambda x: x.reshape(d, -1)), (lambda y: y.reshape(shape))
 
 
 def _entry(name, param, layer, shape, kind) -> HFTensor:
@@ -77,7 +81,7 @@ def _entry(name, param, layer, shape, kind) -> HFTensor:
         hf_shape = (shape[1] * shape[2], shape[0])
     else:  # heads_out
         to_hf, from_hf = _heads_out(shape)
-        hf_shape = (shape[-1], shape[0] * shape[1])
+        hf_shape = (shape[0], shape[1] * shape[2])
     return HFTensor(name, param, layer, tuple(hf_shape), tuple(shape), to_hf, from_hf)
 
 
@@ -92,11 +96,11 @@ def tensor_table(cfg: ModelConfig) -> list[HFTensor]:
         ("self_attn.q_proj.weight", ("layers", "wq"), (d, Hq, hd), "heads_in"),
         ("self_attn.k_proj.weight", ("layers", "wk"), (d, Hkv, hd), "heads_in"),
         ("self_attn.v_proj.weight", ("layers", "wv"), (d, Hkv, hd), "heads_in"),
-        ("self_attn.o_proj.weight", ("layers", "wo"), (Hq, hd, d), "heads_out"),
+        ("self_attn.o_proj.weight", ("layers", "wo"), (d, Hq, hd), "heads_out"),
         ("post_attention_layernorm.weight", ("layers", "mlp_norm", "scale"), (d,), "copy"),
         ("mlp.gate_proj.weight", ("layers", "w_gate"), (d, F), "transpose"),
         ("mlp.up_proj.weight", ("layers", "w_up"), (d, F), "transpose"),
-        ("mlp.down_proj.weight", ("layers", "w_down"), (F, d), "transpose"),
+        ("mlp.down_proj.weight", ("layers", "w_down"), (d, F), "copy"),
     ]
     table = [_entry("model.embed_tokens.weight", ("embed",), None, (V, d), "copy")]
     for suffix, param, shape, kind in per_layer:

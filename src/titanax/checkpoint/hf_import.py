@@ -159,9 +159,12 @@ def _put(x: np.ndarray, sharding) -> jax.Array:
 
 
 def _set_layer(stacked_sharding):
+    # train.offload_params keeps the stack in pinned host memory: the layer goes there first.
+    space = (jax.memory.Space.Host if getattr(stacked_sharding, "memory_kind", None) == "pinned_host"
+             else jax.memory.Space.Device)
     return jax.jit(lambda stacked, layer, i: jax.lax.dynamic_update_index_in_dim(
-        stacked, layer.astype(stacked.dtype), i, 0), out_shardings=stacked_sharding,
-        donate_argnums=0)
+        stacked, jax.device_put(layer.astype(stacked.dtype), space), i, 0),
+        out_shardings=stacked_sharding, donate_argnums=0)
 
 
 def _param_path(keypath) -> tuple[str, ...]:

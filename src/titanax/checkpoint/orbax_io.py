@@ -9,6 +9,13 @@ Items of a step (names are stable: generate.py, export and HF import read and wr
   config  the run's Config as JSON
   data    the grain train iterator's state (JSON), optional
   run     loop counters that are not train state (skipped steps), optional
+
+Parameter layout. Each step's metadata records PARAM_LAYOUT. Layout 2 stores wo as
+[L, d, Hq, hd] and w_down as [L, d, F] (embed first, as HF does: FSDP then gathers each layer's
+slice along its major axis). Steps without a recorded layout were written before and hold them
+as [L, Hq, hd, d] and [L, F, d], the Adam moments alike; restoring such a step (and
+checkpoint/reader.py, which export reads through) transposes those leaves into the current
+layout, so every checkpoint a user has keeps working.
 """
 
 from __future__ import annotations
@@ -22,7 +29,9 @@ import time
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import jax.numpy as jnp
 from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec as P
 from orbax.checkpoint import checkpoint_managers as policies
 
 from titanax.checkpoint import integrity
@@ -31,6 +40,93 @@ from titanax.config import CheckpointConfig, Config, ConfigError, ModelConfig
 # Fields that change how the same weights are computed, not what they are: a checkpoint may be
 # resumed with other values (say a GPU attention kernel after a CPU run).
 EXECUTION_ONLY_MODEL_FIELDS = ("attention_impl", "matmul_precision", "dtype", "remat")
+
+PARAM_LAYOUT = 2  # the parameter layout this code writes (see the module docstring)
+_LAYOUT_KEY = "titanax_param_layout"  # in each step's custom metadata
+# Stacked parameters whose layout changed in layout 2: name under 'layers' -> the permutation
+# taking the old array to the current one (current = old.transpose(perm)).
+LEGACY_TRANSPOSES = {"wo": (0, 3, 1, 2),  # [L, Hq, hd, d] -> [L, d, Hq, hd]
+                     "w_down": (0, 2, 1)}  # [L, F, d] -> [L, d, F]
+
+
+def _current_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
+    L, d, hd = model.n_layers, model.d_model, model.resolved_head_dim
+    return {"wo": (L, d, model.n_heads, hd), "w_down": (L, d, model.ffn_dim)}
+
+
+def legacy_shape(shape, perm) -> tuple:
+    """The old-layout shape (or spec) of a current-layout `shape`: the inverse of `perm`."""
+    return tuple(shape[i] for i in np.argsort(perm))
+
+
+def legacy_params(model: ModelConfig, stored_shapes: dict[str, tuple[int, ...]],
+                  layout: int | None) -> dict[str, tuple[int, ...]]:
+    """{name: perm} of the stacked parameters ('wo', 'w_down') a checkpoint holds in the old
+    layout. model: the checkpoint's own config (its dimensions give both layouts' shapes);
+    stored_shapes: the stored shape of params.layers.<name>; layout: the step's recorded layout,
+    None for steps written before layouts were recorded, which hold the old layout. Shapes
+    alone cannot tell: with ffn_dim == d_model both w_down layouts have the same shape (and
+    with n_heads == head_dim == d_model both wo layouts)."""
+    if layout is not None and layout >= 2:
+        return {}
+    current = _current_shapes(model)
+    return {name: perm for name, perm in LEGACY_TRANSPOSES.items()
+            if stored_shapes.get(name) is not None
+            and tuple(stored_shapes[name]) == legacy_shape(current[name], perm)}
+
+
+def _key_names(keypath) -> tuple[str, ...]:
+    keys = (getattr(k, "key", getattr(k, "name", getattr(k, "idx", None))) for k in keypath)
+    return tuple(str(k) for k in keys if k != "value")
+
+
+def _legacy_perm(keypath, legacy: dict) -> tuple[int, ...] | None:
+    """The permutation for a train-state leaf of a legacy parameter (the parameter itself or
+    an optimizer moment of it: any leaf at ...layers.<name>), else None."""
+    names = _key_names(keypath)
+    if len(names) >= 2 and names[-2] == "layers" and names[-1] in legacy:
+        return legacy[names[-1]]
+    return None
+
+
+def _legacy_abstract(abstract_state, legacy: dict):
+    """abstract_state with the legacy leaves in their old shape, sharded by the permuted spec:
+    each device restores exactly the data it keeps after the transpose."""
+    def old(keypath, leaf):
+        perm = _legacy_perm(keypath, legacy)
+        if perm is None or len(getattr(leaf, "shape", ())) != len(perm):
+            return leaf
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding):
+            spec = tuple(sharding.spec) + (None,) * (len(perm) - len(sharding.spec))
+            sharding = NamedSharding(sharding.mesh, P(*legacy_shape(spec, perm)),
+                                     memory_kind=sharding.memory_kind)
+        return jax.ShapeDtypeStruct(legacy_shape(leaf.shape, perm), leaf.dtype,
+                                    sharding=sharding)
+    return jax.tree_util.tree_map_with_path(old, abstract_state)
+
+
+def _transposed(x, perm, sharding):
+    """x.transpose(perm) on x's devices, placed by `sharding` (a leaf kept in host memory is
+    transposed on the device and goes back). No data moves between devices."""
+    def f(a):
+        if getattr(jax.typeof(a), "memory_space", None) == jax.memory.Space.Host:
+            a = jax.device_put(a, jax.memory.Space.Device)
+        return jnp.transpose(a, perm)
+
+    out = jax.jit(f, out_shardings=sharding)(x)
+    x.delete()  # one old-layout leaf alive beside its transpose at a time
+    return out
+
+
+def _to_current_layout(state, abstract_state, legacy: dict):
+    """The restored state with its legacy leaves transposed into the current layout."""
+    def convert(keypath, x, target):
+        perm = _legacy_perm(keypath, legacy)
+        if perm is None or getattr(x, "ndim", None) != len(perm):
+            return x
+        return _transposed(x, perm, getattr(target, "sharding", None))
+    return jax.tree_util.tree_map_with_path(convert, state, abstract_state)
 
 
 @dataclasses.dataclass
@@ -91,7 +187,8 @@ class Checkpointer:
             items["data"] = ocp.args.JsonSave(data_state)
         if run_state is not None:
             items["run"] = ocp.args.JsonSave(run_state)
-        self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+        self.manager.save(step, args=ocp.args.Composite(**items), force=True,
+                          custom_metadata={_LAYOUT_KEY: PARAM_LAYOUT})
         if jax.process_index() == 0:
             # Checksumming a large checkpoint takes a while: never on the step path.
             sealer = threading.Thread(target=self._seal_when_committed, args=(step,),
@@ -115,14 +212,46 @@ class Checkpointer:
 
     def _restore(self, step: int, abstract_state) -> Restored:
         names = {p.name for p in self.step_dir(step).iterdir() if p.is_dir()}
-        items = {"state": ocp.args.StandardRestore(abstract_state),
+        legacy = self.legacy_params(step)
+        items = {"state": ocp.args.StandardRestore(_legacy_abstract(abstract_state, legacy)
+                                                   if legacy else abstract_state),
                  "config": ocp.args.JsonRestore()}
         for optional in ("data", "run"):
             if optional in names:
                 items[optional] = ocp.args.JsonRestore()
         out = self.manager.restore(step, args=ocp.args.Composite(**items))
-        return Restored(step, out["state"], out["data"] if "data" in names else None,
+        state = out["state"]
+        if legacy:
+            state = _to_current_layout(state, abstract_state, legacy)
+        return Restored(step, state, out["data"] if "data" in names else None,
                         out["config"], out["run"] if "run" in names else {})
+
+    def param_layout(self, step: int) -> int | None:
+        """The parameter layout the step was written with; None: written before layouts
+        were recorded (the old layout)."""
+        custom = self.manager.metadata(step).custom_metadata or {}
+        return custom.get(_LAYOUT_KEY)
+
+    def legacy_params(self, step: int) -> dict[str, tuple[int, ...]]:
+        """{name: perm} of the step's stacked parameters stored in the old layout (see
+        legacy_params); {} for a step in the current layout."""
+        layout = self.param_layout(step)
+        if layout is not None and layout >= PARAM_LAYOUT:
+            return {}
+        meta = ocp.StandardCheckpointHandler().metadata(self.step_dir(step) / "state")
+        tree = meta.tree if hasattr(meta, "tree") else meta
+        params = tree.get("params") if isinstance(tree, dict) else None
+        layers = params.get("layers") if isinstance(params, dict) else None
+        stored = {}
+        for name in LEGACY_TRANSPOSES:
+            leaf = layers.get(name) if isinstance(layers, dict) else None
+            leaf = leaf.get("value") if isinstance(leaf, dict) else leaf
+            if getattr(leaf, "shape", None) is not None:
+                stored[name] = tuple(leaf.shape)
+        if not stored:  # not a Llama train state
+            return {}
+        model = Config.from_dict(self.read_config(step)).model
+        return legacy_params(model, stored, layout)
 
     def read_config(self, step: int) -> dict:
         return self.manager.restore(step, args=ocp.args.Composite(

@@ -7,6 +7,10 @@ that array with tensorstore and indexing it reads only the chunks the index touc
 memory holds the requested slice plus the chunks being decoded, never the whole model. orbax
 chunks an array by its per-device shard, and splits shards above its target file size (2 GB) into
 smaller chunks, so a chunk is at most one device's shard of one parameter.
+
+Checkpoints written before the current parameter layout (orbax_io.PARAM_LAYOUT: wo stored
+[L, Hq, hd, d], w_down [L, F, d]) are read in the current layout: params() reports the current
+shapes, read() maps the index onto the stored array and transposes what it read.
 """
 
 from __future__ import annotations
@@ -40,7 +44,12 @@ class CheckpointReader:
                                     f"steps present: {steps}")
         self.step = step
         self.config_dict = ckpt.read_config(step)
-        ckpt.close()
+        try:
+            # {('layers', name): perm} of parameters stored in the old layout
+            self._legacy = {("layers", name): perm
+                            for name, perm in ckpt.legacy_params(step).items()}
+        finally:
+            ckpt.close()
         self.state_dir = pathlib.Path(checkpoint_dir).absolute() / str(step) / "state"
         meta = ocp.StandardCheckpointHandler().metadata(self.state_dir)
         self._use_zarr3 = bool(meta.use_zarr3)
@@ -55,8 +64,15 @@ class CheckpointReader:
         self._open: dict[tuple[str, ...], ts.TensorStore] = {}
 
     def params(self) -> dict[tuple[str, ...], tuple[tuple[int, ...], np.dtype]]:
-        """{('layers', 'wq'): (shape, dtype), ...} for every stored parameter."""
-        return {k: (tuple(m.shape), np.dtype(m.dtype)) for k, m in self._arrays.items()}
+        """{('layers', 'wq'): (shape, dtype), ...} for every stored parameter, in the current
+        layout."""
+        out = {}
+        for k, m in self._arrays.items():
+            shape = tuple(m.shape)
+            if k in self._legacy:
+                shape = tuple(shape[i] for i in self._legacy[k])
+            out[k] = (shape, np.dtype(m.dtype))
+        return out
 
     def _store(self, path: tuple[str, ...]) -> ts.TensorStore:
         if path not in self._open:
@@ -71,14 +87,35 @@ class CheckpointReader:
         return self._open[path]
 
     def read(self, path: tuple[str, ...], index=()) -> np.ndarray:
-        """The parameter, or `index` of it (e.g. slice(2, 4) for layers 2 and 3), as numpy."""
+        """The parameter, or `index` of it (e.g. slice(2, 4) for layers 2 and 3), as numpy, in
+        the current layout. index: an int, a slice or a tuple of them."""
         store = self._store(path)
-        return np.asarray(store[index].read().result() if index != () else store.read().result())
+        perm = self._legacy.get(path)
+        if perm is not None:  # stored in the old layout: index it there, then transpose
+            index, perm = _legacy_index(index, perm)
+        out = np.asarray(store[index].read().result() if index != () else store.read().result())
+        return out if perm is None else out.transpose(perm)
 
     def layer_chunk(self, path: tuple[str, ...]) -> int:
         """How many layers one stored chunk of a stacked parameter spans: reading fewer than
         that decodes the same chunk again for the next layers."""
         return int(self._store(path).chunk_layout.read_chunk.shape[0])
+
+
+def _legacy_index(index, perm):
+    """(the index into the old-layout array, the permutation of what it reads) for `index`
+    into the current layout, where current = old.transpose(perm)."""
+    index = index if isinstance(index, tuple) else (index,)
+    if len(index) > len(perm) or not all(isinstance(i, (int, np.integer, slice)) for i in index):
+        raise IndexError(f"reading an old-layout parameter takes ints and slices, one per "
+                         f"dimension at most; got {index!r}")
+    index = index + (slice(None),) * (len(perm) - len(index))
+    old_index = [slice(None)] * len(perm)
+    for axis, i in enumerate(index):  # current axis `axis` is old axis perm[axis]
+        old_index[perm[axis]] = i
+    kept_old = [a for a in range(len(perm)) if isinstance(old_index[a], slice)]
+    kept_new = [perm[a] for a in range(len(perm)) if isinstance(index[a], slice)]
+    return tuple(old_index), tuple(kept_old.index(a) for a in kept_new)
 
 
 def _collect(node, prefix, out) -> None:

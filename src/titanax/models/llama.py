@@ -13,6 +13,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from titanax import ops
 from titanax.config import ModelConfig
@@ -23,11 +24,26 @@ from titanax.parallel.rules import batch_shards, loss_rows, shard_activation
 
 _FP8_SITES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the FP8 matmuls
 
+# The name of each decoder layer's input inside its checkpointed function ("full_offload").
+LAYER_INPUT = "decoder_layer_input"
+
 _REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the whole layer in the backward pass
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # Full remat whose one saved value per layer, its input, goes to pinned host memory in the
+    # forward pass and comes back for the layer's backward (no [layers, B, S, D] in HBM).
+    "full_offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=(), names_which_can_be_offloaded=(LAYER_INPUT,),
+        offload_src="device", offload_dst="pinned_host"),
 }
+
+
+def _to_device(x):
+    """x in device memory: a host-resident array (train.offload_params) is copied over."""
+    if getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host:
+        return jax.device_put(x, jax.memory.Space.Device)
+    return x
 
 
 def _param(rngs: nnx.Rngs, shape, names, std, dtype):
@@ -46,11 +62,14 @@ class Block(nnx.Module):
         self.wq = _param(rngs, (L, d, cfg.n_heads, hd), ("layers", "embed", "heads", "head_dim"), std, pdt)
         self.wk = _param(rngs, (L, d, cfg.n_kv_heads, hd), ("layers", "embed", "kv_heads", "head_dim"), std, pdt)
         self.wv = _param(rngs, (L, d, cfg.n_kv_heads, hd), ("layers", "embed", "kv_heads", "head_dim"), std, pdt)
-        self.wo = _param(rngs, (L, cfg.n_heads, hd, d), ("layers", "heads", "head_dim", "embed"), out_std, pdt)
+        # wo and w_down are stored [out, in] (embed first, as HF stores them): FSDP's sharded
+        # 'embed' is then each layer's major axis, which XLA:GPU gathers and reduce-scatters
+        # in place (embed-last, it kept a transposed copy of the whole stack).
+        self.wo = _param(rngs, (L, d, cfg.n_heads, hd), ("layers", "embed", "heads", "head_dim"), out_std, pdt)
         self.mlp_norm = RMSNorm(d, eps=cfg.norm_eps, param_dtype=pdt, stack=L)
         self.w_gate = _param(rngs, (L, d, cfg.ffn_dim), ("layers", "embed", "mlp"), std, pdt)
         self.w_up = _param(rngs, (L, d, cfg.ffn_dim), ("layers", "embed", "mlp"), std, pdt)
-        self.w_down = _param(rngs, (L, cfg.ffn_dim, d), ("layers", "mlp", "embed"), out_std, pdt)
+        self.w_down = _param(rngs, (L, d, cfg.ffn_dim), ("layers", "embed", "mlp"), out_std, pdt)
         if cfg.matmul_precision == "fp8_delayed":  # amax histories per FP8 call site
             for name in _FP8_SITES:
                 setattr(self, f"fp8_{name}", ops.make_fp8_meta(L, cfg.fp8_amax_history))
@@ -91,7 +110,7 @@ class Block(nnx.Module):
             out_BSHK = ops.attention(q_BSHK, k_cache, v_cache, impl=cfg.attention_impl,
                                      causal=True, q_offset=cache_index,
                                      kv_valid_len=cache_index + q_BSHK.shape[1])
-        x_BSD = x_BSD + ops.linear(out_BSHK, self.wo[...], "bshk,hkd->bsd", precision=prec, dtype=dt,
+        x_BSD = x_BSD + ops.linear(out_BSHK, self.wo[...], "bshk,dhk->bsd", precision=prec, dtype=dt,
                     fp8_meta=self._meta("wo"))
         x_BSD = shard_activation(x_BSD, ("batch", "norm_seq", "embed"))
 
@@ -101,7 +120,7 @@ class Block(nnx.Module):
         up_BSF = ops.linear(h_BSD, self.w_up[...], "bsd,df->bsf", precision=prec, dtype=dt,
                     fp8_meta=self._meta("w_up"))
         act_BSF = shard_activation(jax.nn.silu(gate_BSF) * up_BSF, ("batch", "seq", "mlp"))
-        x_BSD = x_BSD + ops.linear(act_BSF, self.w_down[...], "bsf,fd->bsd", precision=prec, dtype=dt,
+        x_BSD = x_BSD + ops.linear(act_BSF, self.w_down[...], "bsf,df->bsd", precision=prec, dtype=dt,
                     fp8_meta=self._meta("w_down"))
         return shard_activation(x_BSD, ("batch", "norm_seq", "embed")), new_kv
 
@@ -183,8 +202,15 @@ class Llama(nnx.Module):
         """(one_layer(x, layer_state, kv, positions, segment_ids) -> (x, kv), the stacked
         layer state): one decoder layer as a pure function, remat-wrapped per model.remat."""
         graphdef, layer_state = nnx.split(self.layers)
+        offload_input = self.cfg.remat == "full_offload"
 
         def one_layer(x_BSD, state, kv, positions_BS, segment_ids_BS):
+            if offload_input:  # the value the policy offloads; x itself is then not kept
+                x_BSD = checkpoint_name(x_BSD, LAYER_INPUT)
+            # train.offload_params: the layer's slice of the stacked weights lives in host
+            # memory; it comes over here, inside the checkpoint, so the backward pass fetches
+            # it again instead of keeping a device copy of every layer.
+            state = jax.tree.map(_to_device, state)
             block = nnx.merge(graphdef, state)
             return block(x_BSD, positions_BS, segment_ids_BS, kv, cache_index)
 

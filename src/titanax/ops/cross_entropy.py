@@ -68,9 +68,13 @@ def _logits(h_BcD, w_DV, precision, rows):
 def _nll_and_dlogits(logits_BcV, targets_Bc, with_grad: bool):
     """(sum of nll over the chunk, dnll/dlogits or None). The target logit by an iota compare
     (fused with the logsumexp pass, and partitionable over a vocab-sharded axis)."""
-    is_target_BcV = jnp.arange(logits_BcV.shape[-1])[None, None, :] == targets_Bc[..., None]
+    V = logits_BcV.shape[-1]
+    is_target_BcV = jnp.arange(V)[None, None, :] == targets_Bc[..., None]
     lse_Bc = jax.nn.logsumexp(logits_BcV, axis=-1)
     target_Bc = jnp.sum(jnp.where(is_target_BcV, logits_BcV, 0.0), axis=-1)
+    # A target outside the vocabulary is broken data: NaN, so the step's non-finite guard
+    # skips and counts it (as the dense gather did), rather than a silently wrong loss.
+    target_Bc = jnp.where((targets_Bc >= 0) & (targets_Bc < V), target_Bc, jnp.nan)
     nll = jnp.sum(lse_Bc - target_Bc)
     if not with_grad:
         return nll, None

@@ -6,6 +6,12 @@ float32 accumulation where the backend does so; 'highest' asks for full-precisio
 pallas_kernels.fp8.fp8_linear (e4m3 forward, e5m2 gradients), flattened to one 2-D matmul
 [tokens, in] x [in, out]. Call sites that must stay in the compute dtype whatever the recipe
 (the output layer) pass fp8=False.
+
+Specs: 'AK,KB->AB' (w's contracted axes first: w is [in, out]) or 'AK,BK->AB' (contracted axes
+last: w is [out, in], the torch Linear layout), e.g. 'bsd,dhk->bshk' and 'bshk,dhk->bsd'. The
+second form is how wo and w_down are stored: FSDP shards 'embed', and a weight whose sharded
+axis is its major one is all-gathered (and its gradient reduce-scattered) in place, where an
+embed-last weight made XLA:GPU keep a transposed copy of the whole stacked parameter.
 """
 
 from __future__ import annotations
@@ -19,18 +25,23 @@ _PRECISION = {"default": None, "highest": jax.lax.Precision.HIGHEST}
 FP8_RECIPES = ("fp8_tensorwise", "fp8_delayed", "mxfp8")
 
 
-def _split_spec(spec: str) -> tuple[str, str, str]:
-    """'bsd,dhk->bshk' -> ('bs', 'd', 'hk'): x's kept axes, contracted axes, w's kept axes.
-    Every product runs as one 2-D matmul, so x = kept + contracted and w = contracted + kept."""
+def _split_spec(spec: str) -> tuple[str, str, str, bool]:
+    """'bsd,dhk->bshk' -> ('bs', 'd', 'hk', False); 'bshk,dhk->bsd' -> ('bs', 'hk', 'd', True):
+    x's kept axes, the contracted axes, w's kept axes, and whether w holds its contracted axes
+    last. Every product runs as one 2-D matmul, so x = kept + contracted and w = contracted +
+    kept ('AK,KB->AB') or kept + contracted ('AK,BK->AB')."""
     ins, out = spec.replace(" ", "").split("->")
     xs, ws = ins.split(",")
     contracted = "".join(c for c in xs if c in ws and c not in out)
-    x_keep, w_keep = xs[:len(xs) - len(contracted)], ws[len(contracted):]
-    if (not contracted or xs != x_keep + contracted or ws != contracted + w_keep
-            or out != x_keep + w_keep):
-        raise ValueError(f"linear needs a spec of the form 'AK,KB->AB' (contracted axes last "
-                         f"in x, first in w), got {spec!r}")
-    return x_keep, contracted, w_keep
+    x_keep = xs[:len(xs) - len(contracted)]
+    if contracted and xs == x_keep + contracted:
+        first, last = ws[len(contracted):], ws[:len(ws) - len(contracted)]
+        for w_keep, w_last in ((first, False), (last, True)):
+            w_order = w_keep + contracted if w_last else contracted + w_keep
+            if ws == w_order and out == x_keep + w_keep:
+                return x_keep, contracted, w_keep, w_last
+    raise ValueError(f"linear needs a spec of the form 'AK,KB->AB' or 'AK,BK->AB' (contracted "
+                     f"axes last in x, in the same order first or last in w), got {spec!r}")
 
 
 def linear(x, w, spec: str, *, precision: str = "default", dtype=jnp.bfloat16,
@@ -38,15 +49,18 @@ def linear(x, w, spec: str, *, precision: str = "default", dtype=jnp.bfloat16,
     """einsum(spec, x, w) with both operands cast to the compute dtype, or FP8 GEMMs when
     precision names an FP8 recipe and fp8 is True. fp8_meta: the call site's amax histories
     ({'x', 'w', 'g'}), needed by 'fp8_delayed' only."""
+    x_keep, contracted, _, w_last = _split_spec(spec)
+    lead = x.shape[:len(x_keep)]
+    k = math.prod(x.shape[len(x_keep):])
+    tail = w.shape[:w.ndim - len(contracted)] if w_last else w.shape[len(contracted):]
     if precision in FP8_RECIPES and fp8:
         from pallas_kernels.fp8 import fp8_linear  # the kernels package loads on first FP8 use
 
-        x_keep, contracted, _ = _split_spec(spec)
-        k = math.prod(x.shape[len(x_keep):])
-        lead, tail = x.shape[:len(x_keep)], w.shape[len(contracted):]
-        # Activations arrive in the compute dtype; weights are quantized straight from the
-        # float32 master copy (no detour through bf16 rounding).
-        y = fp8_linear(x.astype(dtype).reshape(-1, k), w.reshape(k, -1),
+        # fp8_linear takes w [K, N]: an [N, K] weight passes this layer's transpose. Activations
+        # arrive in the compute dtype; weights are quantized straight from the float32 master
+        # copy (no detour through bf16 rounding).
+        w_KN = w.reshape(-1, k).T if w_last else w.reshape(k, -1)
+        y = fp8_linear(x.astype(dtype).reshape(-1, k), w_KN,
                        fp8_meta if precision == "fp8_delayed" else None,
                        recipe=precision, out_dtype=dtype)
         return y.reshape(*lead, *tail)
@@ -55,14 +69,16 @@ def linear(x, w, spec: str, *, precision: str = "default", dtype=jnp.bfloat16,
     if precision not in _PRECISION:
         raise ValueError(f"unknown matmul precision {precision!r}; use one of "
                          f"{list(_PRECISION) + list(FP8_RECIPES)}")
-    x_keep, contracted, _ = _split_spec(spec)
-    lead, tail = x.shape[:len(x_keep)], w.shape[len(contracted):]
-    k = math.prod(x.shape[len(x_keep):])
-    # One 2-D GEMM [tokens, in] x [in, out]: XLA:CPU runs the backward of the 3-D/4-D einsum
-    # (two contracted axes for dW) about 1.5x slower than the same product flattened
+    # One 2-D GEMM [tokens, in] x [in, out] (or x [out, in]^T, contracting w's minor dimension;
+    # cuBLAS takes a transposed operand as it is): XLA:CPU runs the backward of the 3-D/4-D
+    # einsum (two contracted axes for dW) about 1.5x slower than the same product flattened
     # (docs/performance.md); on GPU both lower to the same cuBLAS call.
-    y = jnp.dot(x.astype(dtype).reshape(-1, k), w.astype(dtype).reshape(k, -1),
-                precision=_PRECISION[precision])
+    x2 = x.astype(dtype).reshape(-1, k)
+    if w_last:
+        y = jax.lax.dot_general(x2, w.astype(dtype).reshape(-1, k), (((1,), (1,)), ((), ())),
+                                precision=_PRECISION[precision])
+    else:
+        y = jnp.dot(x2, w.astype(dtype).reshape(k, -1), precision=_PRECISION[precision])
     return y.reshape(*lead, *tail)
 
 

@@ -9,6 +9,11 @@ GB200 NVL72 datasheets (per GPU, dense). Interconnect, per GPU and per direction
   400 Gb/s per GPU as well (ConnectX-8 800 Gb/s arrives with GB300).
 - NVLink domain: 8 GPUs on an HGX/DGX baseboard; 72 in a GB200 NVL72 rack, whose nodes
   (compute trays) hold 4 GPUs each, so an NVLink domain spans 18 nodes there.
+- Host link (what host offload of optimizer state, weights or activations moves over), per GPU
+  and per direction: H100/H200 SXM and B200 (HGX/DGX) connect each GPU to the CPU by PCIe Gen5
+  x16, 128 GB/s bidirectional on their datasheets -> 64 GB/s each way; a GB200 superchip joins
+  one Grace CPU to its two Blackwell GPUs by NVLink-C2C, 900 GB/s bidirectional (GB200 NVL72
+  datasheet) -> 225 GB/s per GPU each way.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ class Hardware:
     ib_rail_bandwidth: float = 0.0  # bytes/s of the GPU's own rail NIC, one direction
     nvlink_domain: int = 8  # GPUs that reach each other over NVLink
     gpus_per_node: int = 8  # GPUs per host (process)
+    host_bandwidth: float = 64e9  # bytes/s between the GPU and pinned host memory, one direction
 
 
 HARDWARE = {
@@ -38,7 +44,7 @@ HARDWARE = {
                      nvlink_bandwidth=900e9, ib_rail_bandwidth=50e9, nvlink_domain=8),
     "gb200": Hardware("GB200", 2.5e15, 5.0e15, 186e9, 8.0e12,
                       nvlink_bandwidth=900e9, ib_rail_bandwidth=50e9, nvlink_domain=72,
-                      gpus_per_node=4),
+                      gpus_per_node=4, host_bandwidth=225e9),
 }
 
 

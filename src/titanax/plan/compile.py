@@ -69,6 +69,11 @@ def compile_train_step(cfg: Config, cluster: Cluster, target: str, buffers: int 
     get = lambda name: int(getattr(mem, name, 0) or 0)
     args, out, alias, temp = (get("argument_size_in_bytes"), get("output_size_in_bytes"),
                               get("alias_size_in_bytes"), get("temp_size_in_bytes"))
+    # Pinned host memory (train.offload_*, remat full_offload): XLA reports it apart.
+    h_args, h_out, h_alias, h_temp = (get("host_argument_size_in_bytes"),
+                                      get("host_output_size_in_bytes"),
+                                      get("host_alias_size_in_bytes"),
+                                      get("host_temp_size_in_bytes"))
     return {
         "target": target,
         "device_kind": devices[0].device_kind,
@@ -78,7 +83,8 @@ def compile_train_step(cfg: Config, cluster: Cluster, target: str, buffers: int 
         "setup_s": t1 - t0, "lower_s": t2 - t1, "compile_s": t3 - t2,
         "memory": {"arguments": args, "outputs": out, "aliased": alias, "temporaries": temp,
                    # donated state: outputs that alias an argument take no new memory
-                   "total": args + out - alias + temp},
+                   "total": args + out - alias + temp,
+                   "host_total": h_args + h_out - h_alias + h_temp},
         **({"peak_buffers": peak_buffers} if buffers else {}),
     }
 

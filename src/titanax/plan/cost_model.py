@@ -31,6 +31,7 @@ import functools
 from titanax.config import Config, ModelConfig
 from titanax.models.llama import count_params
 from titanax.plan.cluster import Cluster, Layout
+from titanax.plan.memory_model import memory_per_device, param_split
 from titanax.train.metrics import flops_per_token
 
 
@@ -50,6 +51,9 @@ class Efficiencies:
     # ~40 GB/s per 400 Gb/s NDR rail, i.e. ~80% of the link either way.
     nvlink: float = 0.8
     ib: float = 0.8
+    # Copies between HBM and pinned host memory: ~50-55 GB/s of PCIe Gen5's 64 GB/s each way
+    # (cudaMemcpyAsync from pinned memory, bandwidthTest), i.e. ~80% of the link.
+    host: float = 0.8
     # Fixed cost per collective call (launch, synchronisation, ring setup): ~10 us inside a
     # node, ~25 us across InfiniBand (small-message NCCL latencies).
     nvlink_latency_s: float = 10e-6
@@ -67,29 +71,25 @@ class Efficiencies:
 
 EFFICIENCIES = Efficiencies()
 
-# Bytes per token per layer that the backward pass keeps from the forward, in units of
-# (bf16) activations: full remat keeps the layer input; 'dots' keeps every matmul output
-# (q, k, v, attention output projection, gate, up, down) and the input; 'none' keeps
-# everything the layer computes (norm outputs, RoPE'd q/k, SwiGLU products as well).
-def _saved_elems_per_token(m: ModelConfig, remat: str) -> float:
-    d, f, kv = m.d_model, m.ffn_dim, m.n_kv_heads * m.resolved_head_dim
-    q = m.n_heads * m.resolved_head_dim
-    if remat == "full":
-        return d
-    if remat in ("dots", "dots_no_batch"):
-        return d + q + 2 * kv + d + 2 * f + d
-    return 3 * d + 2 * (q + 2 * kv) + q + d + 4 * f + d
-
-
 # Forward passes (in units of one forward) each remat policy runs per step: the backward is
 # two forwards' worth of matmuls; full remat recomputes the forward once more.
-_GEMM_PASSES = {"full": 4.0, "dots": 3.0, "dots_no_batch": 3.0, "none": 3.0}
+_GEMM_PASSES = {"full": 4.0, "full_offload": 4.0, "dots": 3.0, "dots_no_batch": 3.0,
+                "none": 3.0}
 # Attention is not a dot to the remat policies: it is recomputed under every policy but none.
-_ATTN_PASSES = {"full": 4.0, "dots": 4.0, "dots_no_batch": 4.0, "none": 3.0}
+_ATTN_PASSES = {"full": 4.0, "full_offload": 4.0, "dots": 4.0, "dots_no_batch": 4.0,
+                "none": 3.0}
+# Pipelined layers are checkpointed per tick (gpipe, circular) or recomputed per microbatch
+# (1f1b): the backward runs the layers' forward once more, and a layer under full remat then
+# recomputes itself a third time inside its own backward. Attention is recomputed by every
+# policy but none.
+_PIPELINE_GEMM_PASSES = {"full": 5.0, "full_offload": 5.0, "dots": 4.0, "dots_no_batch": 4.0,
+                         "none": 4.0}
+_PIPELINE_ATTN_PASSES = {"full": 5.0, "full_offload": 5.0, "dots": 5.0, "dots_no_batch": 5.0,
+                         "none": 4.0}
 # Tensor-parallel collectives per layer and forward: all-gather + reduce-scatter around the
 # attention block and around the MLP (sequence parallelism). Backward has as many; a remat
 # policy that recomputes the forward repeats its collectives.
-_TP_COLLECTIVES = {"full": 12, "dots": 12, "dots_no_batch": 12, "none": 8}
+_TP_COLLECTIVES = {"full": 12, "full_offload": 12, "dots": 12, "dots_no_batch": 12, "none": 8}
 
 
 @dataclasses.dataclass
@@ -112,6 +112,7 @@ class Estimate:
     flops_per_token: float
     flops_per_step: float
     memory: dict[str, float]  # bytes per device by component, plus 'total'
+    host_memory: dict[str, float]  # pinned host bytes per device (offload options), 'total'
     usable_memory_bytes: float
     fits: bool
     comm: dict[str, AxisComm]
@@ -153,36 +154,11 @@ def estimate(cfg: Config, cluster: Cluster, layout: Layout,
     fpt = flops_per_token(m, S, n_no_embed)
     flops_step = fpt * tokens
 
-    # --- memory per device -----------------------------------------------------------------
-    param_bytes = 4 if m.param_dtype == "float32" else 2
+    # --- memory per device (plan/memory_model.py) -----------------------------------------
+    memory, host_memory = memory_per_device(cfg, deg, n_params)
+    local_params = param_split(m, n_params, deg).total
     act_bytes = 4 if m.dtype == "float32" else 2
-    shards = fsdp * tp * pp  # a parameter is split over these; 'data' replicates it
-    local_params = n_params / shards
-    layer_params = (n_no_embed - d * V) / L  # one decoder layer
-    # Tokens one device holds per grad-accumulation microbatch: its data x fsdp share of the
-    # rows; all pipeline microbatches of it are in flight at once (GPipe stores them all).
-    tokens_dev = tokens / (accum * dp * fsdp)
-    tokens_pipe_micro = tokens_dev / micro
-    memory = {
-        # fp32 master weights and Adam's two fp32 moments
-        "weights_and_optimizer": local_params * (param_bytes + 8),
-        # fp32 gradients (with accumulation: the running sum; each microbatch's gradient is
-        # reduce-scattered and added into it a layer at a time)
-        "gradients": local_params * 4,
-        # what the backward keeps from each of this stage's layers, sequence/tensor-sharded
-        "saved_activations": (L / pp) * tokens_dev * _saved_elems_per_token(m, m.remat) * act_bytes / tp,
-        # Transient, the larger of two phases that never overlap: the backward of one layer
-        # (its weights gathered in bf16, two for prefetch, its fp32 gradient before the
-        # reduce-scatter, and every activation of the layer recomputed) or the loss (bf16
-        # logits from the output matmul and the fp32 copy the loss and its gradient use; every
-        # pipeline stage computes them for the whole batch, see parallel/pipeline.py).
-        "transient": max(
-            layer_params / tp * (2 * act_bytes + 4)
-            + tokens_pipe_micro * _saved_elems_per_token(m, "none") * act_bytes / tp,
-            # the output layer runs after the pipeline, on all its microbatches at once
-            tokens_dev * V / tp * (act_bytes + 4)),
-    }
-    memory["total"] = sum(memory.values())
+    tokens_pipe_micro = tokens / (accum * dp * fsdp * micro)
     usable = hw.hbm_bytes * eff.usable_memory
 
     # --- compute -----------------------------------------------------------------------------
@@ -192,18 +168,24 @@ def estimate(cfg: Config, cluster: Cluster, layout: Layout,
     # The decoder layers' matmuls are rematerialised per the policy; the output layer is not.
     output_flops = 6.0 * d * V * tokens
     layer_gemm_flops = 6.0 * n_no_embed * tokens - output_flops
-    # Every pipeline stage runs the output layer (and its backward) on the whole batch: pp-1
-    # redundant copies of its 6 d V FLOPs per token, in the compute dtype (never FP8).
-    redundant_output = (pp - 1) * 6.0 * d * V * tokens / cluster.n_gpus / (hw.bf16_flops * eff.gemm)
-    gemm_s = ((layer_gemm_flops * _GEMM_PASSES[m.remat] / 3 + output_flops) / cluster.n_gpus
+    # The output layer and loss run once per microbatch, spread over the pipeline stages
+    # (gpipe and circular with microbatches divisible by the stages); otherwise one stage
+    # (1f1b: the last) or every stage runs it for all of them, and the others wait: pp-1
+    # extra copies of its 6 d V FLOPs per token on the critical path, never FP8.
+    spread = pp == 1 or (cfg.pipeline.schedule != "1f1b" and micro % pp == 0)
+    redundant_output = 0.0 if spread else \
+        (pp - 1) * 6.0 * d * V * tokens / cluster.n_gpus / (hw.bf16_flops * eff.gemm)
+    gemm_passes = (_PIPELINE_GEMM_PASSES if pp > 1 else _GEMM_PASSES)[m.remat]
+    attn_passes = (_PIPELINE_ATTN_PASSES if pp > 1 else _ATTN_PASSES)[m.remat]
+    gemm_s = ((layer_gemm_flops * gemm_passes / 3 + output_flops) / cluster.n_gpus
               / (peak * eff.gemm) + redundant_output)
     # Fused kernels skip the masked half of causal attention; they run at bf16 rate.
-    attn_s = (attn_model_flops * 0.5 * _ATTN_PASSES[m.remat] / 3 / cluster.n_gpus
+    attn_s = (attn_model_flops * 0.5 * attn_passes / 3 / cluster.n_gpus
               / (hw.bf16_flops * eff.attention))
     # Elementwise traffic per token and layer, one forward: two RMSNorms, RoPE on q and k,
     # SwiGLU and two residual adds read/write ~ 12 d + 3 f values.
     fwd_bytes = (12 * d + 3 * m.ffn_dim) * act_bytes * L * tokens / (dp * fsdp * tp * pp)
-    elem_s = fwd_bytes * _GEMM_PASSES[m.remat] / (hw.hbm_bandwidth * eff.hbm)
+    elem_s = fwd_bytes * gemm_passes / (hw.hbm_bandwidth * eff.hbm)
     compute_s = gemm_s + attn_s + elem_s
 
     # --- communication per axis --------------------------------------------------------------
@@ -224,7 +206,7 @@ def estimate(cfg: Config, cluster: Cluster, layout: Layout,
     add("fsdp", 3 * accum * (fsdp - 1) / fsdp * fsdp_group_params * act_bytes,
         3 * accum * (L // pp + 2), overlapped=True)
     # Data parallel: all-reduce of the gradients (bf16) of this device's shard, per microbatch.
-    add("data", accum * 2 * (dp - 1) / dp * n_params / shards * act_bytes, accum * (L // pp + 2),
+    add("data", accum * 2 * (dp - 1) / dp * local_params * act_bytes, accum * (L // pp + 2),
         overlapped=True)
     # Tensor parallel: sequence-parallel all-gathers / reduce-scatters of the residual stream
     # [tokens of this data x fsdp shard, d], _TP_COLLECTIVES of them per layer.
@@ -233,7 +215,8 @@ def estimate(cfg: Config, cluster: Cluster, layout: Layout,
         overlapped=False)
     # Pipeline: each of the v*m + p - 1 iterations of the schedule passes one microbatch's
     # activations to the next stage, forward and backward (point to point, one hop).
-    pp_iters = (virtual * micro + pp - 1) * accum
+    pp_iters = (micro + 2 * (pp - 1) if cfg.pipeline.schedule == "1f1b"
+                else virtual * micro + pp - 1) * accum
     add("pipeline", 2 * pp_iters * tokens_pipe_micro * d * act_bytes / tp, 2 * pp_iters,
         overlapped=False)
     if "pipeline" in comm:  # a send/recv moves the whole message, not (n-1)/n of it
@@ -242,20 +225,40 @@ def estimate(cfg: Config, cluster: Cluster, layout: Layout,
             c.bus_bandwidth = cluster.hardware.ib_rail_bandwidth * eff.ib
             c.seconds = c.bytes_per_step / c.bus_bandwidth + c.calls * eff.ib_latency_s
 
+    # --- host link (offload options), per device: one direction each way, full duplex -------
+    host_bw = hw.host_bandwidth * eff.host
+    split = param_split(m, n_params, deg)
+    pbytes = 4 if m.param_dtype == "float32" else 2
+    host_hidden = host_exposed = 0.0
+    if m.remat == "full_offload":  # layer inputs out in the forward, back in the backward
+        host_hidden += host_memory.get("saved_activations", 0.0) * accum / host_bw
+    if cfg.train.offload_params:
+        # each layer's master slice read for the forward, the recompute and the backward,
+        # its gradient written back, per accumulation step; hidden under the layers' compute
+        host_hidden += accum * split.layers * max(3 * pbytes, 4) / host_bw
+    # The update streams what lives on the host through HBM once per step, after the
+    # backward: nothing to hide it under. Reads and writes overlap (full duplex).
+    update_read = (8 if cfg.train.offload_optimizer else 0) * split.total \
+        + (pbytes + 4 if cfg.train.offload_params else 0) * split.layers
+    update_write = (8 if cfg.train.offload_optimizer else 0) * split.total \
+        + (pbytes if cfg.train.offload_params else 0) * split.layers
+    host_exposed = max(update_read, update_write) / host_bw
+
     exposed = sum(c.seconds for c in comm.values() if not c.overlapped)
-    hidden = sum(c.seconds for c in comm.values() if c.overlapped)
+    hidden = max(sum(c.seconds for c in comm.values() if c.overlapped), host_hidden)
     bubble = (pp - 1) / (micro + pp - 1) / virtual if pp > 1 else 0.0
     pipelined = (compute_s + exposed) / (1 - bubble)
     # AdamW update: read weights, gradient and two moments, write three (fp32), memory bound.
     optimizer_s = local_params * (4 * 4 + 3 * 4) / (hw.hbm_bandwidth * eff.hbm)
-    step_s = max(pipelined, hidden) + optimizer_s
+    step_s = max(pipelined, hidden) + optimizer_s + host_exposed
     tps = tokens / step_s / cluster.n_gpus
     return Estimate(
         params=n_params, params_no_embed=n_no_embed, tokens_per_step=tokens,
-        flops_per_token=fpt, flops_per_step=flops_step, memory=memory,
+        flops_per_token=fpt, flops_per_step=flops_step, memory=memory, host_memory=host_memory,
         usable_memory_bytes=usable, fits=memory["total"] <= usable, comm=comm,
         compute_s=compute_s, bubble=bubble, step_s=step_s, tokens_per_s_per_gpu=tps,
         mfu=tps * fpt / hw.bf16_flops,
         breakdown_s={"gemm": gemm_s, "attention": attn_s, "elementwise": elem_s,
                      "exposed_comm": exposed, "overlapped_comm": hidden,
-                     "bubble": pipelined - compute_s - exposed, "optimizer": optimizer_s})
+                     "bubble": pipelined - compute_s - exposed, "optimizer": optimizer_s,
+                     "host_offload_exposed": host_exposed, "host_offload_overlapped": host_hidden})

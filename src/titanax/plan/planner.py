@@ -31,7 +31,7 @@ def _compiled_for(result: dict | None, cluster: Cluster) -> str:
     return where if result.get("ok") else f"{where}: FAILED"
 
 
-def evaluate(cfg: Config, cluster: Cluster, *, compile_step: bool) -> dict:
+def evaluate(cfg: Config, cluster: Cluster, *, compile_step: bool, buffers: int = 0) -> dict:
     """Plan for cfg as configured (its mesh, batch, remat) on the cluster."""
     try:
         layout = layout_for(cfg, cluster)
@@ -39,7 +39,8 @@ def evaluate(cfg: Config, cluster: Cluster, *, compile_step: bool) -> dict:
         raise PlanError(f"the config's layout does not work on {cluster.n_gpus} GPUs: {e}. "
                         "Change it with --set mesh.*=... or try --search") from None
     est = estimate(cfg, cluster, layout)
-    compiled = plan_compile.compile_in_subprocess(cfg, cluster) if compile_step else None
+    compiled = (plan_compile.compile_in_subprocess(cfg, cluster, buffers=buffers)
+                if compile_step else None)
     return _plan_dict(cfg, cluster, layout, est, compiled)
 
 
@@ -59,6 +60,9 @@ def _plan_dict(cfg: Config, cluster: Cluster, layout: Layout, est: Estimate,
                      "grad_accum": cfg.train.grad_accum, "remat": cfg.model.remat,
                      "attention_impl": cfg.model.attention_impl,
                      "matmul_precision": cfg.model.matmul_precision,
+                     "loss_chunk": cfg.train.loss_chunk,
+                     "offload_optimizer": cfg.train.offload_optimizer,
+                     "offload_params": cfg.train.offload_params,
                      "pipeline": dataclasses.asdict(cfg.pipeline)},
         "compiled_for": _compiled_for(compiled, cluster),
         "compile": compiled,
@@ -71,6 +75,7 @@ def _plan_dict(cfg: Config, cluster: Cluster, layout: Layout, est: Estimate,
         "per_device_bytes": int(per_device),
         "per_device_bytes_source": "compiled" if trust_compiled else "cost model",
         "memory_model_bytes": {k: int(v) for k, v in est.memory.items()},
+        "host_memory_model_bytes": {k: int(v) for k, v in est.host_memory.items()},
         "device_memory_bytes": int(hw.hbm_bytes),
         "usable_memory_bytes": int(usable),
         "fits": per_device <= usable,
@@ -133,7 +138,9 @@ def overrides_for(cfg: Config) -> list[str]:
     """The --set flags that turn the searched config's knobs into this candidate."""
     vals = {f"mesh.{a}": getattr(cfg.mesh, a) for a in MESH_AXES}
     vals.update({"model.remat": cfg.model.remat, "train.grad_accum": cfg.train.grad_accum,
-                 "model.attention_impl": cfg.model.attention_impl})
+                 "model.attention_impl": cfg.model.attention_impl,
+                 "train.offload_optimizer": cfg.train.offload_optimizer,
+                 "train.offload_params": cfg.train.offload_params})
     if cfg.mesh.pipeline > 1:
         vals.update({"pipeline.schedule": cfg.pipeline.schedule,
                      "pipeline.microbatches": cfg.pipeline.microbatches,
@@ -142,10 +149,10 @@ def overrides_for(cfg: Config) -> list[str]:
 
 
 def make_plan(cfg: Config, cluster: Cluster, *, compile_step: bool = True,
-              search: bool = False, verify: int = 1) -> dict:
+              search: bool = False, verify: int = 1, buffers: int = 0) -> dict:
     cfg = plan_config(cfg, cluster)
     try:
-        plan = evaluate(cfg, cluster, compile_step=compile_step)
+        plan = evaluate(cfg, cluster, compile_step=compile_step, buffers=buffers)
     except PlanError as e:
         if not search:
             raise

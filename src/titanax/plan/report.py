@@ -28,6 +28,15 @@ def _memory_lines(plan: dict) -> list[str]:
     model = plan["memory_model_bytes"]
     parts = ", ".join(f"{k.replace('_', ' ')} {_gb(v)}" for k, v in model.items() if k != "total")
     lines.append(f"  cost model: {parts} -> total {_gb(model['total'])}")
+    host = plan.get("host_memory_model_bytes") or {}
+    if host.get("total"):
+        parts = ", ".join(f"{k.replace('_', ' ')} {_gb(v)}" for k, v in host.items()
+                          if k != "total")
+        compiled_host = ""
+        if comp.get("ok") and comp["memory"].get("host_total"):
+            compiled_host = f"; compiled: {_gb(comp['memory']['host_total'])}"
+        lines.append(f"  pinned host memory (offload): {parts} -> {_gb(host['total'])} per "
+                     f"device{compiled_host}")
     hbm, usable, per = plan["device_memory_bytes"], plan["usable_memory_bytes"], plan["per_device_bytes"]
     verdict = (f"FITS with {_gb(usable - per)} to spare" if plan["fits"] else
                f"DOES NOT FIT by {_gb(per - usable)}")

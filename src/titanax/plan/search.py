@@ -13,8 +13,11 @@ from titanax.config import Config, ConfigError
 from titanax.plan.cluster import Cluster, layout_for
 from titanax.plan.cost_model import Estimate, estimate
 
-REMATS = ("none", "dots", "full")  # dots_no_batch plans like dots here: the layer's dots
-GRAD_ACCUMS = (1, 2, 4, 8, 16)     # have no batch dimensions
+REMATS = ("none", "dots", "full", "full_offload")  # dots_no_batch plans like dots here: the
+GRAD_ACCUMS = (1, 2, 4, 8, 16)                     # layer's dots have no batch dimensions
+# Host offload (train.offload_optimizer, train.offload_params): Adam's moments, then also the
+# layers' master weights, in pinned host memory, streamed through HBM.
+OFFLOADS = ((False, False), (True, False), (True, True))
 MICROBATCH_MULTIPLES = (1, 2, 4, 8)  # pipeline microbatches per stage
 VIRTUAL_STAGES = (2, 4, 5)
 
@@ -39,13 +42,16 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def _label(tp, pp, dp, fsdp, remat, accum, pipe) -> str:
+def _label(tp, pp, dp, fsdp, remat, accum, pipe, offload) -> str:
     parts = [f"tensor={tp}", f"pipeline={pp}", f"data={dp}", f"fsdp={fsdp}"]
     if pp > 1:
         parts.append(f"{pipe['pipeline.schedule']}(m={pipe['pipeline.microbatches']}"
                      + (f",v={pipe['pipeline.virtual_stages']}"
                         if pipe['pipeline.schedule'] == "circular" else "") + ")")
-    return " ".join(parts) + f" remat={remat} grad_accum={accum}"
+    label = " ".join(parts) + f" remat={remat} grad_accum={accum}"
+    if offload[0]:
+        label += " offload=optimizer" + ("+params" if offload[1] else "")
+    return label
 
 
 def _pipeline_options(pp: int, n_layers: int):
@@ -54,8 +60,9 @@ def _pipeline_options(pp: int, n_layers: int):
                "pipeline.microbatches": 1}
         return
     for k in MICROBATCH_MULTIPLES:
-        yield {"pipeline.schedule": "gpipe", "pipeline.virtual_stages": 0,
-               "pipeline.microbatches": k * pp}
+        for schedule in ("gpipe", "1f1b"):
+            yield {"pipeline.schedule": schedule, "pipeline.virtual_stages": 0,
+                   "pipeline.microbatches": k * pp}
         for v in VIRTUAL_STAGES:
             if n_layers % (pp * v) == 0:
                 yield {"pipeline.schedule": "circular", "pipeline.virtual_stages": v,
@@ -67,12 +74,14 @@ def candidates(cfg: Config, cluster: Cluster):
     for tp in (t for t in _divisors(domain) if t <= 8):
         for pp in (p for p in _divisors(n // tp) if p <= 16):
             rest = n // (tp * pp)
-            for fsdp, remat, accum in itertools.product(_divisors(rest), REMATS, GRAD_ACCUMS):
+            for fsdp, remat, accum, offload in itertools.product(
+                    _divisors(rest), REMATS, GRAD_ACCUMS, OFFLOADS):
                 for pipe in _pipeline_options(pp, cfg.model.n_layers):
-                    label = _label(tp, pp, rest // fsdp, fsdp, remat, accum, pipe)
+                    label = _label(tp, pp, rest // fsdp, fsdp, remat, accum, pipe, offload)
                     overrides = {"mesh.tensor": tp, "mesh.pipeline": pp, "mesh.fsdp": fsdp,
                                  "mesh.data": rest // fsdp, "model.remat": remat,
-                                 "train.grad_accum": accum, **pipe}
+                                 "train.grad_accum": accum, "train.offload_optimizer": offload[0],
+                                 "train.offload_params": offload[1], **pipe}
                     if pp > 1 and cfg.model.attention_impl == "cudnn":
                         # JAX's cuDNN attention cannot be partitioned inside the pipeline's
                         # shard_map (custom_partitioning fails to compile); 'auto' picks the

@@ -103,6 +103,10 @@ def _match_layer_order(state, shardings, saved_cfg: Config, cfg: Config):
 
     def reorder(path, x):
         if any(getattr(k, "key", None) == "layers" for k in path):
+            # host-resident leaves (train.offload_*) are reordered on the device; the
+            # out_shardings put them back
+            if getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host:
+                x = jax.device_put(x, jax.memory.Space.Device)
             return x[take]
         return x
 

@@ -15,6 +15,7 @@ from titanax.models.llama import Llama
 from titanax.parallel.mesh import check_layout
 from titanax.parallel.pipeline import to_storage_order
 from titanax.parallel.rules import activation_spec, model_context
+from titanax.train import offload
 
 
 def _state_shardings(abstract_state, mesh):
@@ -43,12 +44,16 @@ def _make_init(cfg: Config, tx: optax.GradientTransformation, mesh):
 
 def abstract_train_state(cfg: Config, mesh, tx):
     """(graphdef, abstract state with shardings, shardings) without allocating anything.
-    Checks the model and batch against the mesh first (ConfigError naming the fix)."""
+    Checks the model and batch against the mesh first (ConfigError naming the fix). The
+    leaves that train.offload_* put in host memory have memory_kind 'pinned_host' (so the
+    state is created there, and checkpoints restore there)."""
     check_layout(cfg, mesh)
     init, box = _make_init(cfg, tx, mesh)
     with model_context(mesh):
         abstract = jax.eval_shape(init)
         shardings = _state_shardings(abstract, mesh)
+    # (outside the mesh: optax runs tx.init eagerly to find the moments, on no device of it)
+    shardings = offload.place_state(cfg, tx, shardings)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             abstract, shardings)
     return box["graphdef"], abstract, shardings

@@ -10,6 +10,7 @@ from flax import nnx
 from titanax import ops
 from titanax.config import Config
 from titanax.parallel.pipeline import PipelineSchedule
+from titanax.train import offload
 
 
 def nll_sum(graphdef, params, batch, *, document_masking: bool, loss_chunk: int,
@@ -38,6 +39,7 @@ def make_loss_fn(cfg: Config, graphdef):
 
 def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation, schedule):
     accum = cfg.train.grad_accum
+    offload_update = offload.enabled(cfg)
     grad_fn = jax.value_and_grad(make_loss_fn(cfg, graphdef))
 
     def train_step(state, batch):
@@ -62,20 +64,27 @@ def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation, sch
         # fp8_delayed: the amax histories (ops.Fp8Meta, inside params) get their updated values
         # as "gradients"; they bypass the optimizer and the norm and are written back below.
         grads, fp8_meta = ops.split_fp8_meta(grads)
-        grad_norm = optax.tree.norm(grads)
-        updates, opt_state = tx.update(grads, state["opt_state"], params)
+        # (offload_params: the layers' gradients are in host memory, read a layer at a time)
+        grad_norm = offload.global_norm(grads) if offload_update else optax.tree.norm(grads)
         # One NaN/inf (an overflow, a broken batch) would poison the weights and Adam's moments
         # for good: such a step keeps the old ones. 'step' still advances (a batch was consumed;
         # the data position and the step count stay in lockstep) and the loop counts the skip.
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        new_params = ops.merge_fp8_meta(optax.apply_updates(params, updates), fp8_meta)
-        # An elementwise select, folded by XLA into the fusion that computes each update, so
-        # the new values are written in place over the donated state. (A lax.cond choosing
-        # between two whole states made XLA hold a second copy of params and moments: 52 GB
-        # per GPU for Llama-3-70B on 8 B200s, docs/planner.md.)
-        keep = lambda new, old: jnp.where(finite, new, old)
-        new_params = jax.tree.map(keep, new_params, params)
-        new_opt_state = jax.tree.map(keep, opt_state, state["opt_state"])
+        if offload_update:
+            # Host-resident moments / layer weights: the same update, streamed one layer at a
+            # time through the device (train/offload.py), the guard folded in.
+            new_params, new_opt_state = offload.streamed_update(
+                cfg, tx, grads, fp8_meta, state["opt_state"], params, grad_norm, finite)
+        else:
+            updates, opt_state = tx.update(grads, state["opt_state"], params)
+            new_params = ops.merge_fp8_meta(optax.apply_updates(params, updates), fp8_meta)
+            # An elementwise select, folded by XLA into the fusion that computes each update,
+            # so the new values are written in place over the donated state. (A lax.cond
+            # choosing between two whole states made XLA hold a second copy of params and
+            # moments: 52 GB per GPU for Llama-3-70B on 8 B200s, docs/planner.md.)
+            keep = lambda new, old: jnp.where(finite, new, old)
+            new_params = jax.tree.map(keep, new_params, params)
+            new_opt_state = jax.tree.map(keep, opt_state, state["opt_state"])
         new_state = {"step": state["step"] + 1, "params": new_params,
                      "opt_state": new_opt_state}
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]),

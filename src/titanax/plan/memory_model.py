@@ -1,0 +1,151 @@
+"""Analytic memory per device of one train step: what the compiled step's buffers hold at its
+peak (docs/planner.md checks it against XLA's figures for every row of its table).
+
+The peak is either at the start of the layers' backward pass (the state, every layer's saved
+activations, the whole gradient buffer the backward writes into, and one layer being
+recomputed and differentiated) or in the loss (the state, the saved activations and the loss's
+own buffers, before the layers' gradients exist), whichever is larger. Host memory (pinned)
+holds what the offload options move out of HBM; it is reported apart.
+
+Names: N parameters, L layers, d width, f MLP width, V vocabulary, tp/fsdp/pp/dp mesh degrees,
+a = train.grad_accum, m = pipeline microbatches, v = virtual stages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from titanax.config import Config, ModelConfig
+
+
+def saved_elems_per_token(m: ModelConfig, remat: str) -> float:
+    """Values per token and layer the backward keeps from the forward (in activations of the
+    compute dtype): full remat keeps the layer input; 'dots' keeps every matmul output (q, k,
+    v, the attention output projection, gate, up, down) and the input; 'none' keeps everything
+    the layer computes (norm outputs, RoPE'd q/k, SwiGLU products as well)."""
+    d, f, kv = m.d_model, m.ffn_dim, m.n_kv_heads * m.resolved_head_dim
+    q = m.n_heads * m.resolved_head_dim
+    if remat in ("full", "full_offload"):
+        return d
+    if remat in ("dots", "dots_no_batch"):
+        return d + q + 2 * kv + d + 2 * f + d
+    return 3 * d + 2 * (q + 2 * kv) + q + d + 4 * f + d
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSplit:
+    """Parameters per device: the stacked decoder layers (sharded over fsdp, tensor and
+    pipeline) and the rest (embedding, output layer, final norm: fsdp and tensor only; every
+    pipeline stage holds them)."""
+    layers: float
+    other: float
+    one_layer: float  # one decoder layer's parameters over tensor (what FSDP gathers)
+
+    @property
+    def total(self) -> float:
+        return self.layers + self.other
+
+
+def param_split(m: ModelConfig, n_params: int, deg: dict[str, int]) -> ParamSplit:
+    tp, fsdp, pp = deg["tensor"], deg["fsdp"], deg["pipeline"]
+    other = 2 * m.vocab_size * m.d_model + m.d_model
+    layers = n_params - other
+    return ParamSplit(layers / (fsdp * tp * pp), other / (fsdp * tp), layers / m.n_layers / tp)
+
+
+def pipeline_in_flight(cfg: Config, pp: int) -> float:
+    """Microbatch-layer inputs a stage keeps for the backward, in units of one microbatch
+    through one layer: gpipe/circular keep every layer input of every tick (autodiff of the
+    whole tick loop: (m v + pp - 1) ticks of L/(pp v) layers); 1f1b keeps its layers' inputs
+    for at most 2 pp - 1 microbatches in flight (parallel/pipeline_1f1b.py)."""
+    L = cfg.model.n_layers
+    m, v = cfg.pipeline.microbatches, cfg.pipeline.resolved_virtual_stages
+    if cfg.pipeline.schedule == "1f1b":
+        return min(m, 2 * pp - 1) * L / pp
+    return (m * v + pp - 1) * L / (pp * v)
+
+
+def memory_per_device(cfg: Config, deg: dict[str, int], n_params: int
+                      ) -> tuple[dict[str, float], dict[str, float]]:
+    """({component: bytes in HBM, 'total'}, {component: bytes in pinned host memory, 'total'})
+    per device for cfg on a mesh of degrees `deg`."""
+    m, t = cfg.model, cfg.train
+    dp, fsdp, tp, pp = deg["data"], deg["fsdp"], deg["tensor"], deg["pipeline"]
+    d, V = m.d_model, m.vocab_size
+    pbytes = 4 if m.param_dtype == "float32" else 2
+    abytes = 4 if m.dtype == "float32" else 2
+    p = param_split(m, n_params, deg)
+    offload_opt = t.offload_optimizer
+    offload_params = t.offload_params
+    offload_acts = m.remat == "full_offload"
+
+    # Tokens of one grad-accumulation microbatch on this device (its data x fsdp share).
+    tokens = t.batch_size * t.seq_len / (t.grad_accum * dp * fsdp)
+    pipelined = pp > 1
+    micro = cfg.pipeline.microbatches if pipelined else 1
+    tokens_micro = tokens / micro  # one pipeline microbatch
+
+    device, host = {}, {}
+    weights = p.total * pbytes
+    moments = p.total * 8  # Adam's two float32 moments
+    grads = p.total * 4  # float32, reduce-scattered into this shard layer by layer
+    if offload_params:  # the layers' master weights and their gradients live on the host
+        host["weights"] = p.layers * pbytes
+        host["gradients"] = p.layers * 4
+        weights -= p.layers * pbytes
+        grads -= p.layers * 4
+    if offload_opt:
+        host["optimizer"] = moments
+        moments = 0.0
+    device["weights"] = weights
+    device["optimizer"] = moments
+    # With accumulation the running sum and the microbatch's own gradient buffer coexist:
+    # the backward writes a fresh stacked buffer that is then added into the sum.
+    device["gradients"] = grads * (2 if t.grad_accum > 1 else 1)
+
+    # Saved activations: the layer inputs (or more, by remat policy) of this stage's layers
+    # for every token it holds; sequence- or head-sharded over tensor.
+    if pipelined:
+        # Inside the pipeline a tick keeps each layer's input only (its own checkpoint).
+        saved = pipeline_in_flight(cfg, pp) * tokens_micro * d * abytes / tp
+        # stage 0's inputs, the parked/finished microbatches and their gradients (sequence
+        # parallel: split over tensor like the layer inputs)
+        saved += 3 * tokens * d * abytes / tp
+    else:
+        saved = m.n_layers * tokens * saved_elems_per_token(m, m.remat) * abytes / tp
+    if offload_acts:
+        host["saved_activations"] = saved
+        saved = 0.0
+    device["saved_activations"] = saved
+
+    # One layer's backward: its weights gathered in the compute dtype twice (the next one is
+    # prefetched), its float32 gradient before the reduce-scatter, and all its activations
+    # recomputed for one (pipeline) microbatch.
+    layer_transient = (p.one_layer * (2 * abytes + 4)
+                       + tokens_micro * saved_elems_per_token(m, "none") * abytes / tp)
+    if pipelined and cfg.pipeline.schedule != "1f1b" and m.remat not in ("full", "full_offload"):
+        # A tick's backward recomputes its chunk of layers, keeping what the remat policy
+        # saves for all of them (1f1b differentiates one layer at a time).
+        chunk_layers = m.n_layers / (pp * cfg.pipeline.resolved_virtual_stages)
+        layer_transient += (chunk_layers * tokens_micro * saved_elems_per_token(m, m.remat)
+                            * abytes / tp)
+    if offload_params:  # the float32 slice brought over from the host before the cast
+        layer_transient += 2 * p.one_layer / fsdp * pbytes
+    # The loss: one chunk of float32 logits, their exponentials and their gradient in the
+    # compute dtype, the output weight gathered over fsdp, its float32 gradient sum, and the
+    # last hidden states with their gradient. gpipe/circular run it on each stage's share of
+    # the microbatches; 1f1b on one microbatch at a time on the last stage.
+    if pipelined and cfg.pipeline.schedule == "1f1b":
+        loss_tokens = tokens_micro
+    elif pipelined and micro % pp == 0:
+        loss_tokens = tokens / pp
+    else:
+        loss_tokens = tokens
+    chunk = min(t.loss_chunk or loss_tokens, loss_tokens)
+    loss_transient = (chunk * V / tp * (4 + 4 + abytes) + d * V / tp * (abytes + 4)
+                      + 2 * loss_tokens * d * abytes)
+    # The loss runs before the layers' gradient buffer exists.
+    device["transient"] = max(layer_transient, loss_transient - device["gradients"])
+    device["total"] = sum(device.values())
+    host["total"] = sum(host.values())
+    return device, host
