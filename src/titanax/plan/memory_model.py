@@ -108,9 +108,12 @@ def memory_per_device(cfg: Config, deg: dict[str, int], n_params: int
     if pipelined:
         # Inside the pipeline a tick keeps each layer's input only (its own checkpoint).
         saved = pipeline_in_flight(cfg, pp) * tokens_micro * d * abytes / tp
-        # stage 0's inputs, the parked/finished microbatches and their gradients (sequence
-        # parallel: split over tensor like the layer inputs)
-        saved += 3 * tokens * d * abytes / tp
+        # Whole-step activation buffers outside the layers, each tokens x d (sequence
+        # parallel: split over tensor like the layer inputs). 1f1b: the inputs, their
+        # gradient and the microbatch-major copy; gpipe/circular (measured, --buffers): also
+        # the parked and finished microbatches with their cotangents and the loss's hidden
+        # states and their gradient.
+        saved += (3 if cfg.pipeline.schedule == "1f1b" else 7) * tokens * d * abytes / tp
     else:
         saved = m.n_layers * tokens * saved_elems_per_token(m, m.remat) * abytes / tp
     if offload_acts:
@@ -118,23 +121,18 @@ def memory_per_device(cfg: Config, deg: dict[str, int], n_params: int
         saved = 0.0
     device["saved_activations"] = saved
 
-    # One layer's backward: its weights gathered in the compute dtype twice (the next one is
-    # prefetched), its float32 gradient before the reduce-scatter, and all its activations
-    # recomputed for one (pipeline) microbatch.
-    layer_transient = (p.one_layer * (2 * abytes + 4)
-                       + tokens_micro * saved_elems_per_token(m, "none") * abytes / tp)
-    if pipelined and cfg.pipeline.schedule != "1f1b" and m.remat not in ("full", "full_offload"):
-        # A tick's backward recomputes its chunk of layers, keeping what the remat policy
-        # saves for all of them (1f1b differentiates one layer at a time).
-        chunk_layers = m.n_layers / (pp * cfg.pipeline.resolved_virtual_stages)
-        layer_transient += (chunk_layers * tokens_micro * saved_elems_per_token(m, m.remat)
-                            * abytes / tp)
-    if offload_params:  # the float32 slice brought over from the host before the cast
-        layer_transient += 2 * p.one_layer / fsdp * pbytes
+    # One layer's backward, at its largest point (the MLP, measured in the compiled buffers,
+    # `launch.plan --buffers`): the gate, up and product activations and their gradient for one
+    # (pipeline) microbatch, and the largest weight matrix gathered in the compute dtype twice
+    # (the next one is prefetched) plus its unreduced gradient before the reduce-scatter. The
+    # gradient itself goes straight into its slot of the gradient buffer.
+    layer_transient = (tokens_micro * 4 * m.ffn_dim * abytes / tp
+                       + 3 * d * m.ffn_dim / tp * abytes)
     # The loss: one chunk of float32 logits, their exponentials and their gradient in the
-    # compute dtype, the output weight gathered over fsdp, its float32 gradient sum, and the
-    # last hidden states with their gradient. gpipe/circular run it on each stage's share of
-    # the microbatches; 1f1b on one microbatch at a time on the last stage.
+    # compute dtype, the output weight gathered over fsdp, its float32 gradient sum (which XLA
+    # keeps reduce-scattered over fsdp), and the last hidden states with their gradient.
+    # gpipe/circular run it on each stage's share of the microbatches; 1f1b on one microbatch
+    # at a time on the last stage.
     if pipelined and cfg.pipeline.schedule == "1f1b":
         loss_tokens = tokens_micro
     elif pipelined and micro % pp == 0:
@@ -142,8 +140,8 @@ def memory_per_device(cfg: Config, deg: dict[str, int], n_params: int
     else:
         loss_tokens = tokens
     chunk = min(t.loss_chunk or loss_tokens, loss_tokens)
-    loss_transient = (chunk * V / tp * (4 + 4 + abytes) + d * V / tp * (abytes + 4)
-                      + 2 * loss_tokens * d * abytes)
+    loss_transient = (chunk * V / tp * (4 + 4 + abytes) + d * V / tp * abytes
+                      + d * V / (tp * fsdp) * 4 + 2 * loss_tokens * d * abytes)
     # The loss runs before the layers' gradient buffer exists.
     device["transient"] = max(layer_transient, loss_transient - device["gradients"])
     device["total"] = sum(device.values())
