@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from pallas_kernels.target import target_platform
 from titanax import ops
 from titanax.config import Config
 from titanax.parallel.pipeline import PipelineSchedule
@@ -35,6 +36,18 @@ def make_loss_fn(cfg: Config, graphdef):
         return total / batch["targets"].size
 
     return mean_loss
+
+
+def _keep_if_finite(finite, new, old):
+    """new where the step is finite, else old. On GPU an elementwise select, which XLA folds
+    into the fusion computing each update, so the new values are written in place over the
+    donated state (a lax.cond choosing between two whole states made XLA hold a second copy
+    of params and moments: 52 GB per GPU for Llama-3-70B on 8 B200s, docs/planner.md). XLA:CPU
+    does not fold the select and pays a pass over the state for it (4% of a step of the
+    peer benchmark, docs/performance.md), so the CPU keeps the cond."""
+    if target_platform() == "cpu":
+        return jax.lax.cond(finite, lambda: new, lambda: old)
+    return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
 
 
 def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation, schedule):
@@ -78,13 +91,8 @@ def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation, sch
         else:
             updates, opt_state = tx.update(grads, state["opt_state"], params)
             new_params = ops.merge_fp8_meta(optax.apply_updates(params, updates), fp8_meta)
-            # An elementwise select, folded by XLA into the fusion that computes each update,
-            # so the new values are written in place over the donated state. (A lax.cond
-            # choosing between two whole states made XLA hold a second copy of params and
-            # moments: 52 GB per GPU for Llama-3-70B on 8 B200s, docs/planner.md.)
-            keep = lambda new, old: jnp.where(finite, new, old)
-            new_params = jax.tree.map(keep, new_params, params)
-            new_opt_state = jax.tree.map(keep, opt_state, state["opt_state"])
+            new_params, new_opt_state = _keep_if_finite(
+                finite, (new_params, opt_state), (params, state["opt_state"]))
         new_state = {"step": state["step"] + 1, "params": new_params,
                      "opt_state": new_opt_state}
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]),
