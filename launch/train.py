@@ -50,4 +50,7 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    from launch.common import use_tcmalloc
+
+    use_tcmalloc()
     main()

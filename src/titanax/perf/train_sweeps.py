@@ -47,13 +47,34 @@ def _peer_args(cfg: Config, steps: int, warmup: int, peak_gflops: float, compile
     return [str(a) for a in args] + (["--compile"] if compiled else [])
 
 
+def allocator(environ=None) -> str:
+    """'tcmalloc' when this process runs with TCMalloc preloaded, else 'glibc malloc'."""
+    env = os.environ if environ is None else environ
+    return "tcmalloc" if "tcmalloc" in env.get("LD_PRELOAD", "") else "glibc malloc"
+
+
+def peer_env(environ=None) -> dict:
+    """The environment the peer runs in: the user's, without the allocator titanax's launcher
+    preloaded for itself (launch/common.py use_tcmalloc), so the peer runs as its users run it.
+    A preload the user set (LD_PRELOAD=... python -m launch.bench) applies to both."""
+    env = dict(os.environ if environ is None else environ)
+    ours = env.pop("TITANAX_PRELOADED", None)
+    if ours:
+        kept = [p for p in env.get("LD_PRELOAD", "").split(":") if p and p != ours]
+        if kept:
+            env["LD_PRELOAD"] = ":".join(kept)
+        else:
+            env.pop("LD_PRELOAD", None)
+    return env
+
+
 def run_peer(cfg: Config, peer: str, python: str, *, steps: int, warmup: int,
              peak_gflops: float, compiled: bool) -> dict:
     if not pathlib.Path(python).exists():
         raise FileNotFoundError(f"{python} not found: run `bash scripts/dev.sh setup` to create "
                                 "the PyTorch peer environment")
     cmd = [python, peer, *_peer_args(cfg, steps, warmup, peak_gflops, compiled)]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=peer_env())
     line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
     if out.returncode != 0 or line is None:
         raise RuntimeError(f"peer failed ({' '.join(cmd)}):\n{out.stderr[-2000:]}")
@@ -72,12 +93,14 @@ def run_single(cfg: Config, *, steps: int, warmup: int, peer: str | None = None,
                 cfg, peer, peer_python, steps=steps, warmup=warmup, peak_gflops=peak / 1e9,
                 compiled=compiled)
     res = bench_train_step(cfg, steps=steps, warmup=warmup, peak_flops=peak)
-    rows = [{"system": f"titanax (jax {jax.__version__})", "tokens/s": res.tokens_per_s,
+    rows = [{"system": f"titanax (jax {jax.__version__}, {allocator()})",
+             "tokens/s": res.tokens_per_s,
              "step_s": res.step_median_s, "p10-p90_s": f"{res.step_p10_s:.3f}-{res.step_p90_s:.3f}",
              "GFLOP/s": res.achieved_flops / 1e9, "MFU": res.mfu,
              "compile_s": res.compile_s, "rss_MiB": res.max_rss_bytes / 2**20}]
     for name, pr in peers.items():
-        rows.append({"system": pr["system"] + (" compile" if name == "peer_compiled" else " eager"),
+        rows.append({"system": pr["system"] + (" compile" if name == "peer_compiled" else " eager")
+                     + f", {allocator(peer_env())}",
                      "tokens/s": pr["tokens_per_s"], "step_s": pr["step_median_s"],
                      "p10-p90_s": f"{pr['step_min_s']:.3f}-{pr['step_max_s']:.3f} (min-max)",
                      "GFLOP/s": pr["achieved_gflops"], "MFU": pr.get("mfu", 0.0),
