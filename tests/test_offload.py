@@ -3,7 +3,6 @@ model.remat=full_offload train exactly as without them, keep their leaves in pin
 between steps, checkpoint and restore there, and (deviceless H100 compile) move bytes from HBM
 to host memory."""
 
-import json
 
 import jax
 import numpy as np
@@ -14,6 +13,8 @@ from titanax.config import ConfigError, apply_overrides, load_config
 from titanax.parallel.mesh import build_mesh
 from titanax.parallel.rules import model_context
 from titanax.perf import aot
+from titanax.plan.cluster import Cluster
+from titanax.plan.compile import compile_in_subprocess
 from titanax.train import offload
 from titanax.train.optim import lr_schedule, make_optimizer
 from titanax.train.state import abstract_train_state, create_train_state, jit_train_step
@@ -221,33 +222,6 @@ def test_config_errors_name_the_fix():
                    "model.remat": "none"})  # the optimizer offload alone has no such limits
 
 
-_H100_SCRIPT = r"""
-import json, sys
-import jax, jax.numpy as jnp
-from jax.sharding import NamedSharding
-from titanax.config import apply_overrides, load_config
-from titanax.parallel.mesh import build_mesh
-from titanax.parallel.rules import activation_spec, model_context
-from titanax.perf import aot
-from titanax.train.optim import lr_schedule, make_optimizer
-from titanax.train.state import abstract_train_state, jit_train_step
-
-out = {}
-for name, overrides in json.loads(sys.argv[1]).items():
-    cfg = apply_overrides(load_config("configs/tiny.py"), overrides)
-    mesh = build_mesh(cfg.mesh, aot.gpu_topology("h100").devices)
-    tx = make_optimizer(cfg)
-    graphdef, abstract, shardings = abstract_train_state(cfg, mesh, tx)
-    step = jit_train_step(cfg, mesh, graphdef, shardings, tx, lr_schedule(cfg))
-    bs = NamedSharding(mesh, activation_spec(("batch", "seq")))
-    shape = (cfg.train.batch_size, cfg.train.seq_len)
-    batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=bs)
-             for k in ("inputs", "targets", "segment_ids", "positions")}
-    with model_context(mesh):
-        m = step.lower(abstract, batch).compile().memory_analysis()
-    out[name] = {k: int(getattr(m, k)) for k in dir(m) if k.endswith("_in_bytes")}
-print("RESULT " + json.dumps(out))
-"""
 
 
 @pytest.mark.skipif(not aot.plugin_available(), reason="needs the CUDA plugin (scripts/dev.sh)")
@@ -263,28 +237,26 @@ def test_deviceless_h100_compile_moves_state_and_activations_to_host():
            "model.attention_impl": "cudnn"}  # (XLA's attention compiles 3x slower here)
     plain = {**cfg, "model.remat": "full", "train.offload_optimizer": False,
              "train.offload_params": False}
-    proc = aot.run_script(_H100_SCRIPT, json.dumps({"plain": plain, "offload": cfg}),
-                          timeout=240)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert lines, proc.stderr[-3000:]
-    mem = json.loads(lines[-1][len("RESULT "):])
+    mem = {}
+    for name, overrides in (("plain", plain), ("offload", cfg)):
+        result = compile_in_subprocess(tiny(**overrides), Cluster("h100", 1), timeout_s=240)
+        assert result["ok"] and result["target"] == "gpu", result
+        mem[name] = result["memory"]
     m = mem["offload"]
     # float32 bytes per device of the stacked layers (matrices sharded 8 ways, norm scales
     # replicated) and of the rest (embedding and output layer sharded, final norm replicated)
     layers = L * (4 * d * d + 3 * d * F) * 4 // 8 + L * 2 * d * 4
     rest = 2 * V * d * 4 // 8 + d * 4
     # Weights of the layers, all moments: host arguments, updated in place.
-    assert m["host_argument_size_in_bytes"] == 3 * layers + 2 * rest
-    assert m["host_alias_size_in_bytes"] == m["host_argument_size_in_bytes"]
+    assert m["host_arguments"] == 3 * layers + 2 * rest
+    assert m["host_aliased"] == m["host_arguments"]
     # Host temporaries: the layers' gradients and the saved layer inputs (L x B/8 x S x d bf16).
-    assert m["host_temp_size_in_bytes"] == layers + L * (B // 8) * S * d * 2
+    assert m["host_temporaries"] == layers + L * (B // 8) * S * d * 2
     # The device keeps the rest of the weights (and the batch, the step count)...
-    assert rest < m["argument_size_in_bytes"] < rest + 4 * B * S * 4 // 8 + 1024
+    assert rest < m["arguments"] < rest + 4 * B * S * 4 // 8 + 1024
     # ...and its total drops by the state, the gradients and the saved inputs that moved.
-    total = lambda m: (m["argument_size_in_bytes"] + m["output_size_in_bytes"]
-                       - m["alias_size_in_bytes"] + m["temp_size_in_bytes"])
-    assert mem["plain"]["host_argument_size_in_bytes"] == 0
-    assert total(m) <= total(mem["plain"]) - m["host_argument_size_in_bytes"] - layers
+    assert mem["plain"]["host_arguments"] == 0
+    assert m["total"] <= mem["plain"]["total"] - m["host_arguments"] - layers
 
 
 def test_hf_import_into_host_resident_layers(tmp_path):

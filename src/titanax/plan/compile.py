@@ -84,7 +84,8 @@ def compile_train_step(cfg: Config, cluster: Cluster, target: str, buffers: int 
         "memory": {"arguments": args, "outputs": out, "aliased": alias, "temporaries": temp,
                    # donated state: outputs that alias an argument take no new memory
                    "total": args + out - alias + temp,
-                   "host_total": h_args + h_out - h_alias + h_temp},
+                   "host_arguments": h_args, "host_outputs": h_out, "host_aliased": h_alias,
+                   "host_temporaries": h_temp, "host_total": h_args + h_out - h_alias + h_temp},
         **({"peak_buffers": peak_buffers} if buffers else {}),
     }
 
