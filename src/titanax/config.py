@@ -71,6 +71,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 # full_offload: full remat whose saved layer inputs go to pinned host memory.
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "full_offload")
 ROPE_SCALINGS = ("none", "llama3")
+GRAD_REDUCE_DTYPES = ("compute", "float32")
 PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b")
 LR_SCHEDULES = ("cosine", "linear", "constant")
 
@@ -101,6 +102,11 @@ class ModelConfig:
     dtype: str = "bfloat16"  # compute
     param_dtype: str = "float32"  # master weights
     remat: str = "none"
+    # The dtype the weight gradients are summed and reduce-scattered in: 'compute' (the
+    # backward's weight-gradient dots run in model.dtype, and XLA reduce-scatters them in it:
+    # half the bytes) or 'float32' (summed and reduced in float32, TorchTitan's default; twice
+    # the reduce-scatter traffic). FP8 recipes keep their own gradient dtypes.
+    grad_reduce_dtype: str = "compute"
 
     @property
     def resolved_head_dim(self) -> int:
@@ -127,6 +133,7 @@ class ModelConfig:
         _check_choice("model.dtype", self.dtype, DTYPES)
         _check_choice("model.param_dtype", self.param_dtype, DTYPES)
         _check_choice("model.remat", self.remat, REMAT_POLICIES)
+        _check_choice("model.grad_reduce_dtype", self.grad_reduce_dtype, GRAD_REDUCE_DTYPES)
         _check_choice("model.rope_scaling", self.rope_scaling, ROPE_SCALINGS)
         if self.rope_scaling == "llama3":
             _check_positive("model", self, "rope_factor", "rope_low_freq_factor",

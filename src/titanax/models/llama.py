@@ -89,11 +89,11 @@ class Block(nnx.Module):
                                  cfg.rope_high_freq_factor, cfg.rope_original_max_seq_len)
         h_BSD = self.attn_norm(x_BSD)
         q_BSHK = ops.linear(h_BSD, self.wq[...], "bsd,dhk->bshk", precision=prec, dtype=dt,
-                    fp8_meta=self._meta("wq"))
+                    fp8_meta=self._meta("wq"), grad_reduce=cfg.grad_reduce_dtype)
         k_BSHK = ops.linear(h_BSD, self.wk[...], "bsd,dhk->bshk", precision=prec, dtype=dt,
-                    fp8_meta=self._meta("wk"))
+                    fp8_meta=self._meta("wk"), grad_reduce=cfg.grad_reduce_dtype)
         v_BSHK = ops.linear(h_BSD, self.wv[...], "bsd,dhk->bshk", precision=prec, dtype=dt,
-                    fp8_meta=self._meta("wv"))
+                    fp8_meta=self._meta("wv"), grad_reduce=cfg.grad_reduce_dtype)
         q_BSHK = shard_activation(apply_rope(q_BSHK, positions_BS, inv_freq),
                                   ("batch", "seq", "heads", "head_dim"))
         k_BSHK = shard_activation(apply_rope(k_BSHK, positions_BS, inv_freq),
@@ -111,17 +111,17 @@ class Block(nnx.Module):
                                      causal=True, q_offset=cache_index,
                                      kv_valid_len=cache_index + q_BSHK.shape[1])
         x_BSD = x_BSD + ops.linear(out_BSHK, self.wo[...], "bshk,dhk->bsd", precision=prec, dtype=dt,
-                    fp8_meta=self._meta("wo"))
+                    fp8_meta=self._meta("wo"), grad_reduce=cfg.grad_reduce_dtype)
         x_BSD = shard_activation(x_BSD, ("batch", "norm_seq", "embed"))
 
         h_BSD = self.mlp_norm(x_BSD)
         gate_BSF = ops.linear(h_BSD, self.w_gate[...], "bsd,df->bsf", precision=prec, dtype=dt,
-                    fp8_meta=self._meta("w_gate"))
+                    fp8_meta=self._meta("w_gate"), grad_reduce=cfg.grad_reduce_dtype)
         up_BSF = ops.linear(h_BSD, self.w_up[...], "bsd,df->bsf", precision=prec, dtype=dt,
-                    fp8_meta=self._meta("w_up"))
+                    fp8_meta=self._meta("w_up"), grad_reduce=cfg.grad_reduce_dtype)
         act_BSF = shard_activation(jax.nn.silu(gate_BSF) * up_BSF, ("batch", "seq", "mlp"))
         x_BSD = x_BSD + ops.linear(act_BSF, self.w_down[...], "bsf,df->bsd", precision=prec, dtype=dt,
-                    fp8_meta=self._meta("w_down"))
+                    fp8_meta=self._meta("w_down"), grad_reduce=cfg.grad_reduce_dtype)
         return shard_activation(x_BSD, ("batch", "norm_seq", "embed")), new_kv
 
 
@@ -243,7 +243,10 @@ def head_nll_sum(cfg: ModelConfig, head_params, x_BSD, targets_BS, loss_chunk: i
     # The output layer stays in the compute dtype under every FP8 recipe (its logits feed the
     # softmax directly); 'highest' keeps its meaning here too.
     precision = "highest" if cfg.matmul_precision == "highest" else "default"
-    return linear_cross_entropy_sum(h_BSD.astype(dt), w_DV.astype(dt), targets_BS, chunk=chunk,
+    # model.grad_reduce_dtype=float32: the weight enters in its own dtype, and its gradient
+    # (summed in float32 over the chunks) leaves in it, so FSDP reduces it in float32.
+    w_DV = w_DV if cfg.grad_reduce_dtype == "float32" else w_DV.astype(dt)
+    return linear_cross_entropy_sum(h_BSD.astype(dt), w_DV, targets_BS, chunk=chunk,
                                     precision=precision, rows=rows)
 
 

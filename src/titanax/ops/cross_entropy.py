@@ -92,7 +92,7 @@ def _prepare(h_BSD, w_DV, targets_BS, c, rows):
     # Whole sequences per device before chunking (the sequence-parallel regions split it over
     # 'tensor'), and the weight gathered over FSDP once rather than in every chunk.
     h_BSD = shard_activation(h_BSD, (rows, "seq", "embed"))
-    w_DV = shard_activation(w_DV, ("embed", "vocab"))
+    w_DV = shard_activation(w_DV.astype(h_BSD.dtype), ("embed", "vocab"))
     return _chunks(h_BSD, c), w_DV, _chunks(targets_BS, c)
 
 
@@ -146,7 +146,8 @@ def linear_cross_entropy_sum(h_BSD, w_DV, targets_BS, *, chunk: int,
                              precision: str = "default", rows: str = "batch"):
     """sum over all tokens of -log softmax(h w)[target], float32, chunked over the sequence.
 
-    h_BSD and w_DV in the compute dtype (cast by the caller); chunk: sequence positions per
+    h_BSD in the compute dtype; w_DV in it or in float32 (cast here; its gradient comes back in
+    w_DV's own dtype, summed over the chunks in float32 either way); chunk: sequence positions per
     chunk, a divisor of S (see chunk_positions); rows: the logical axis name of the batch
     rows' sharding (parallel/rules.py). Differentiable in h and w."""
     S = h_BSD.shape[1]

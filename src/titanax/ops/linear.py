@@ -16,6 +16,7 @@ embed-last weight made XLA:GPU keep a transposed copy of the whole stacked param
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -45,10 +46,13 @@ def _split_spec(spec: str) -> tuple[str, str, str, bool]:
 
 
 def linear(x, w, spec: str, *, precision: str = "default", dtype=jnp.bfloat16,
-           fp8: bool = True, fp8_meta=None):
+           fp8: bool = True, fp8_meta=None, grad_reduce: str = "compute"):
     """einsum(spec, x, w) with both operands cast to the compute dtype, or FP8 GEMMs when
     precision names an FP8 recipe and fp8 is True. fp8_meta: the call site's amax histories
-    ({'x', 'w', 'g'}), needed by 'fp8_delayed' only."""
+    ({'x', 'w', 'g'}), needed by 'fp8_delayed' only. grad_reduce: 'compute' (the weight
+    gradient is a compute-dtype dot, so FSDP reduce-scatters it in the compute dtype) or
+    'float32' (accumulated and reduced in float32; not for the FP8 GEMMs, whose recipes fix
+    their own gradient dtypes)."""
     x_keep, contracted, _, w_last = _split_spec(spec)
     lead = x.shape[:len(x_keep)]
     k = math.prod(x.shape[len(x_keep):])
@@ -74,12 +78,39 @@ def linear(x, w, spec: str, *, precision: str = "default", dtype=jnp.bfloat16,
     # einsum (two contracted axes for dW) about 1.5x slower than the same product flattened
     # (docs/performance.md); on GPU both lower to the same cuBLAS call.
     x2 = x.astype(dtype).reshape(-1, k)
-    if w_last:
-        y = jax.lax.dot_general(x2, w.astype(dtype).reshape(-1, k), (((1,), (1,)), ((), ())),
-                                precision=_PRECISION[precision])
+    w2 = w.reshape(-1, k) if w_last else w.reshape(k, -1)
+    if grad_reduce == "float32" and jnp.dtype(dtype) != jnp.float32:
+        y = _dot_f32_wgrad(x2, w2, w_last, precision, jnp.dtype(dtype))
     else:
-        y = jnp.dot(x2, w.astype(dtype).reshape(k, -1), precision=_PRECISION[precision])
+        y = _dot(x2, w2.astype(dtype), w_last, precision)
     return y.reshape(*lead, *tail)
+
+
+def _dot(x2, w2, w_last: bool, precision: str, **kw):
+    dims = (((1,), (1,)) if w_last else ((1,), (0,)), ((), ()))
+    return jax.lax.dot_general(x2, w2, dims, precision=_PRECISION[precision], **kw)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _dot_f32_wgrad(x2, w2, w_last, precision, dtype):
+    """x2 @ w2 in the compute dtype whose weight gradient is accumulated and returned in
+    float32 (model.grad_reduce_dtype=float32): the partial sums that FSDP reduce-scatters are
+    float32, where autodiff's compute-dtype dot makes XLA reduce them in the compute dtype."""
+    return _dot(x2, w2.astype(dtype), w_last, precision)
+
+
+def _dot_f32_wgrad_fwd(x2, w2, w_last, precision, dtype):
+    return _dot_f32_wgrad(x2, w2, w_last, precision, dtype), (x2, w2)
+
+
+def _dot_f32_wgrad_bwd(w_last, precision, dtype, res, dy):
+    x2, w2 = res
+    dx = _dot(dy, w2.astype(dtype), not w_last, precision)  # dy [T, N] . w [K, N]^T or [N, K]
+    dw = _dot(x2.T, dy, False, precision, preferred_element_type=jnp.float32)  # [K, N]
+    return dx.astype(x2.dtype), (dw.T if w_last else dw).astype(w2.dtype)
+
+
+_dot_f32_wgrad.defvjp(_dot_f32_wgrad_fwd, _dot_f32_wgrad_bwd)
 
 
 # --- delayed scaling state ------------------------------------------------------------------

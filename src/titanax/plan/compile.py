@@ -86,8 +86,21 @@ def compile_train_step(cfg: Config, cluster: Cluster, target: str, buffers: int 
                    "total": args + out - alias + temp,
                    "host_arguments": h_args, "host_outputs": h_out, "host_aliased": h_alias,
                    "host_temporaries": h_temp, "host_total": h_args + h_out - h_alias + h_temp},
+        "collectives": collective_dtypes(compiled.as_text()),
         **({"peak_buffers": peak_buffers} if buffers else {}),
     }
+
+
+def collective_dtypes(hlo_text: str) -> dict[str, dict[str, int]]:
+    """{collective: {element type: count}} in compiled HLO text, e.g. which dtype FSDP
+    reduce-scatters gradients in (model.grad_reduce_dtype)."""
+    out: dict[str, dict[str, int]] = {}
+    pattern = (r"= \(*(\w+)\[[\d,]*\][^=]*? (all-gather|all-reduce|reduce-scatter|"
+               r"collective-permute|all-to-all)(?:-start)?\(")
+    for dtype, op in re.findall(pattern, hlo_text):
+        out.setdefault(op, {}).setdefault(dtype, 0)
+        out[op][dtype] += 1
+    return out
 
 
 def _worker_env(cluster: Cluster) -> tuple[dict, str]:

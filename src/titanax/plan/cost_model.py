@@ -201,12 +201,14 @@ def estimate(cfg: Config, cluster: Cluster, layout: Layout,
 
     stage_layers = L / pp
     # FSDP: all-gather the bf16 weights for the forward and again for the backward, and
-    # reduce-scatter the bf16 gradients, once per grad-accumulation microbatch.
+    # reduce-scatter the gradients (in the compute dtype, or float32 by
+    # model.grad_reduce_dtype), once per grad-accumulation microbatch.
+    grad_bytes = 4 if m.grad_reduce_dtype == "float32" else act_bytes
     fsdp_group_params = n_params / (tp * pp)
-    add("fsdp", 3 * accum * (fsdp - 1) / fsdp * fsdp_group_params * act_bytes,
+    add("fsdp", accum * (fsdp - 1) / fsdp * fsdp_group_params * (2 * act_bytes + grad_bytes),
         3 * accum * (L // pp + 2), overlapped=True)
-    # Data parallel: all-reduce of the gradients (bf16) of this device's shard, per microbatch.
-    add("data", accum * 2 * (dp - 1) / dp * local_params * act_bytes, accum * (L // pp + 2),
+    # Data parallel: all-reduce of the gradients of this device's shard, per microbatch.
+    add("data", accum * 2 * (dp - 1) / dp * local_params * grad_bytes, accum * (L // pp + 2),
         overlapped=True)
     # Tensor parallel: sequence-parallel all-gathers / reduce-scatters of the residual stream
     # [tokens of this data x fsdp shard, d], _TP_COLLECTIVES of them per layer.
