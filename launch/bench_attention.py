@@ -43,20 +43,24 @@ def _default_impls():
     return impls + ["triton", "cudnn", "xla"]
 
 
-def bench_one(impl, B, S, *, causal, iters):
+def bench_one(impl, B, S, *, causal, iters, segments: bool = False):
+    """One row. segments: packed-document segment ids (one document per sequence, so the
+    FLOP count is unchanged) through the kernels' segment path."""
     ks = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(ks[0], (B, S, HQ, D), jnp.bfloat16)
     k = jax.random.normal(ks[1], (B, S, HKV, D), jnp.bfloat16)
     v = jax.random.normal(ks[2], (B, S, HKV, D), jnp.bfloat16)
-    attn = lambda q, k, v: flash_attention(q, k, v, causal=causal, impl=impl)
+    seg = jnp.zeros((B, S), jnp.int32) if segments else None
+    attn = lambda q, k, v, s: flash_attention(q, k, v, causal=causal, segment_ids=s, impl=impl)
     fwd = jax.jit(attn)
-    fwd_bwd = jax.jit(jax.grad(lambda q, k, v: attn(q, k, v).astype(jnp.float32).sum(),
+    fwd_bwd = jax.jit(jax.grad(lambda q, k, v, s: attn(q, k, v, s).astype(jnp.float32).sum(),
                                argnums=(0, 1, 2)))
-    t_fwd = median_call_seconds(fwd, (q, k, v), iters)
-    t_all = median_call_seconds(fwd_bwd, (q, k, v), iters)
+    t_fwd = median_call_seconds(fwd, (q, k, v, seg), iters)
+    t_all = median_call_seconds(fwd_bwd, (q, k, v, seg), iters)
     f_fwd, f_bwd = attention_flops(B, S, HQ, D, causal=causal)
     t_bwd = max(t_all - t_fwd, 1e-9)
-    return {"impl": impl, "batch": B, "seq": S, "causal": causal, "fwd_ms": t_fwd * 1e3,
+    return {"impl": impl, "batch": B, "seq": S, "causal": causal, "segments": segments,
+            "fwd_ms": t_fwd * 1e3,
             "bwd_ms": t_bwd * 1e3, "fwd_tflops": f_fwd / t_fwd / 1e12,
             "bwd_tflops": f_bwd / t_bwd / 1e12, "fwd_bwd_tflops": (f_fwd + f_bwd) / t_all / 1e12}
 

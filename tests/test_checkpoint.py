@@ -183,6 +183,16 @@ def test_model_change_names_fields_but_allows_execution_knobs():
     with pytest.raises(ConfigError, match=r"model.vocab_size: 512 -> 1024"):
         check_same_model(saved, apply_overrides(cfg, {"model.vocab_size": 1024}).model,
                          source="x")
+    # The amax history length is state only under fp8_delayed (a checkpoint saved with the
+    # old default of 16 resumes a bf16 run); MX scale rounding is numerics, not state.
+    old16 = apply_overrides(cfg, {"model.fp8_amax_history": 16})
+    check_same_model(old16.to_dict(), apply_overrides(cfg, {
+        "model.fp8_amax_history": 1024, "model.mxfp8_scale_rounding": "floor"}).model,
+        source="x")
+    delayed = {"model.matmul_precision": "fp8_delayed"}
+    with pytest.raises(ConfigError, match=r"model.fp8_amax_history: 16 -> 1024"):
+        check_same_model(apply_overrides(old16, delayed).to_dict(), apply_overrides(
+            cfg, {**delayed, "model.fp8_amax_history": 1024}).model, source="x")
 
 
 def _batch(cfg, *, poisoned: bool):

@@ -1,5 +1,6 @@
 """FP8 recipes in the model: which matmuls go FP8, delayed-scaling state in the train state,
-checkpoint round trip of that state."""
+checkpoint round trip of that state, the amax recorded over microbatches (grad accumulation
+and pipeline) and non-finite amaxes skipping the step."""
 
 import pathlib
 
@@ -44,6 +45,22 @@ def test_config_accepts_the_recipes():
         assert _cfg(p).model.matmul_precision == p
     with pytest.raises(ConfigError, match="matmul_precision"):
         _cfg("fp8")
+    model = load_config(ROOT / "configs" / "tiny.py").model
+    assert model.fp8_amax_history == 1024  # Transformer Engine's DelayedScaling default
+    assert model.mxfp8_scale_rounding == "up"
+    assert _cfg("mxfp8", **{"model.mxfp8_scale_rounding": "floor"}).model.mxfp8_scale_rounding \
+        == "floor"
+    with pytest.raises(ConfigError, match="mxfp8_scale_rounding.*Did you mean 'up'"):
+        _cfg("mxfp8", **{"model.mxfp8_scale_rounding": "upp"})
+
+
+def test_linear_passes_the_mxfp8_scale_rounding():
+    # 1.9 everywhere: OCP floor scales clip it to 1.75 in e4m3, rounded-up ones keep 1.875.
+    x, w = jnp.full((2, 16, 64), 1.9), jnp.eye(64)
+    for rounding, want in (("up", 1.875), ("floor", 1.75)):
+        y = ops.linear(x, w, "bsd,df->bsf", precision="mxfp8", dtype=jnp.float32,
+                       mxfp8_scale_rounding=rounding)
+        np.testing.assert_array_equal(y, want)
 
 
 @pytest.mark.parametrize("precision", ["fp8_tensorwise", "mxfp8"])
@@ -121,3 +138,80 @@ def test_delayed_histories_live_in_state_update_by_step_and_checkpoint(tmp_path)
     ckpt.close()
     np.testing.assert_array_equal(np.asarray(restored["params"]["layers"]["fp8_w_down"][...]),
                                   np.asarray(layers["fp8_w_down"][...]))
+
+
+def test_model_config_mxfp8_scale_rounding_reaches_the_model():
+    toks = jnp.asarray(_batch(_cfg("mxfp8"))["inputs"])
+    logits = {}
+    for rounding in ("up", "floor"):
+        cfg = _cfg("mxfp8", **{"model.mxfp8_scale_rounding": rounding})
+        with model_context(build_mesh(cfg.mesh, jax.devices()[:1])):
+            logits[rounding] = np.asarray(Llama(cfg.model, rngs=nnx.Rngs(0))(toks)[0])
+    assert not np.array_equal(logits["up"], logits["floor"])
+
+
+def _one_step_histories(cfg, batch, devices=1):
+    """The fp8_wq histories [layers, 3, history] after one train step from zeros, with its
+    metrics."""
+    mesh = build_mesh(cfg.mesh, devices=jax.devices()[:devices])
+    tx = make_optimizer(cfg)
+    graphdef, state, _ = create_train_state(cfg, mesh, tx)
+    with model_context(mesh):
+        state, m = jax.jit(make_train_step(cfg, graphdef, tx, lr_schedule(cfg)))(state, batch)
+    return np.asarray(state["params"]["layers"]["fp8_wq"][...]), m
+
+
+def test_grad_accum_records_the_max_amax_over_microbatches():
+    """With train.grad_accum=2 each microbatch records its own amaxes; the step keeps their
+    maximum (TE's amax of the step), not their mean."""
+    from titanax.train.step import make_loss_fn
+
+    cfg = _cfg("fp8_delayed", **{"train.grad_accum": 2})
+    batch = _batch(cfg)
+    hist, m = _one_step_histories(cfg, batch)
+    assert int(m["skipped"]) == 0 and int(m["fp8_nonfinite_amax"]) == 0
+    # Each microbatch alone (rows i, i + 2, ...: how the step splits the batch).
+    mesh = build_mesh(cfg.mesh, devices=jax.devices()[:1])
+    graphdef, state, _ = create_train_state(cfg, mesh, make_optimizer(cfg))
+    grad = jax.jit(jax.grad(make_loss_fn(cfg, graphdef)))
+    with model_context(mesh):
+        per_mb = [np.asarray(grad(state["params"], {k: v[i::2] for k, v in batch.items()})
+                             ["layers"]["fp8_wq"][...])[..., 0] for i in range(2)]
+    assert np.all(per_mb[0][:, 0] != per_mb[1][:, 0])  # x amaxes differ between microbatches
+    np.testing.assert_array_equal(hist[..., 0], np.maximum(*per_mb))
+    assert not np.any(hist[..., 1:])  # the rest of the history: the zeros it started with
+
+
+def test_pipeline_records_the_same_histories_as_one_device():
+    """gpipe over 2 stages in 2 microbatches: every tick's new histories are combined by their
+    maximum over the busy ticks (parallel/pipeline.py _fork_histories), as the unpipelined
+    model records them; autodiff's sum would give 3x (3 ticks) and compound every step."""
+    cfg = _cfg("fp8_delayed")
+    batch = _batch(cfg)
+    plain, _ = _one_step_histories(cfg, batch)
+    staged = _cfg("fp8_delayed", **{"mesh.pipeline": 2, "pipeline.microbatches": 2})
+    piped, m = _one_step_histories(staged, batch, devices=2)
+    assert int(m["skipped"]) == 0
+    np.testing.assert_allclose(piped, plain, rtol=1e-6)
+    assert np.all(plain[..., 0] > 0)
+
+
+def test_nonfinite_amax_is_counted_and_the_step_skipped():
+    """An inf weight entry: the delayed scale saturates it in the FP8 cast, so loss and
+    gradients stay finite, but its amax is inf. The step counts it and is skipped (weights and
+    histories kept), rather than writing inf into the history (a unit scale for 1024 steps)."""
+    cfg = _cfg("fp8_delayed")
+    mesh = build_mesh(cfg.mesh, devices=jax.devices()[:1])
+    tx = make_optimizer(cfg)
+    graphdef, state, _ = create_train_state(cfg, mesh, tx)
+    wq = state["params"]["layers"]["wq"]
+    wq.set_value(wq[...].at[1, 0, 0, 0].set(jnp.inf))  # layer 1 only
+    step = jax.jit(make_train_step(cfg, graphdef, tx, lr_schedule(cfg)))
+    with model_context(mesh):
+        new, m = step(state, _batch(cfg))
+    assert np.isfinite(float(m["loss"])) and np.isfinite(float(m["grad_norm"]))
+    assert int(m["fp8_nonfinite_amax"]) == 1 and int(m["skipped"]) == 1
+    assert int(new["step"]) == 1
+    assert not np.any(np.asarray(new["params"]["layers"]["fp8_wq"][...]))  # still all zero
+    np.testing.assert_array_equal(np.asarray(new["params"]["layers"]["wv"][...]),
+                                  np.asarray(state["params"]["layers"]["wv"][...]))

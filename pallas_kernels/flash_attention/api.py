@@ -13,7 +13,8 @@ that run them separately (under jax.shard_map, as titanax.parallel.per_shard doe
 impl: "mosaic_sm90" (Hopper: TMA + wgmma, warp-specialized, FA3-style), "mosaic_sm100"
 (Blackwell: TMA + tcgen05 with scores and accumulator in TMEM, warp-specialized), "triton" (Pallas grid kernel; also
 the interpret-mode path on CPU), "cudnn" (jax.nn.dot_product_attention), "xla" (reference.py),
-"auto" (by platform, compute capability, dtype and head_dim; each fallback is logged once).
+"auto" (resolve_impl: on GPU cuDNN unless measured.py records ours faster there, or segment
+ids / a shard_map body rule cuDNN out; the choice and its reason are logged once).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from . import kernel_bwd, kernel_fwd
+from .. import measured
 from .config import FlashConfig, default_config
 from .reference import attention_reference, mask_SxT
 from ..target import compute_capability, match_varying, target_platform
@@ -66,8 +68,22 @@ def mosaic_unsupported(impl: str, dtype, head_dim: int) -> str | None:
     return None
 
 
-def resolve_impl(impl: str, dtype, head_dim: int, *, interpret: bool = False) -> str:
-    """The backend 'auto' means here, by platform, compute capability, dtype and head_dim."""
+def _in_manual_axes() -> bool:
+    """Tracing inside jax.shard_map over some mesh axis (a pipeline stage, per-shard code)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh is not None and not mesh.empty and bool(mesh.manual_axes)
+
+
+def resolve_impl(impl: str, dtype, head_dim: int, *, interpret: bool = False,
+                 segment_ids: bool = False, manual: bool | None = None) -> str:
+    """The backend 'auto' means here, by platform, compute capability, dtype, head_dim, whether
+    there are segment ids, and whether we trace inside jax.shard_map (`manual`; None: look).
+
+    On GPU 'auto' takes cuDNN's fused attention (the vendor path) unless a benchmark recorded in
+    docs/ shows our kernel faster on that GPU (measured.py) or cuDNN cannot take the call:
+    packed documents (segment ids: jax.nn.dot_product_attention would need a dense [S, T]
+    mask) and shard_map bodies (its partitioning rule fails to compile there). The choice and
+    its reason are logged once."""
     if impl not in IMPLS:
         raise ValueError(f"unknown flash attention impl {impl!r}; use one of {IMPLS}")
     if impl != "auto":
@@ -80,26 +96,32 @@ def resolve_impl(impl: str, dtype, head_dim: int, *, interpret: bool = False) ->
                   "using 'xla' (pass interpret=True or impl='triton' to run the kernels)")
         return "xla"
     cc = compute_capability() or (0, 0)
-    major = cc[0]
-    if major == 9:
-        why = mosaic_unsupported("mosaic_sm90", dtype, head_dim)
-        if why is None:
-            return "mosaic_sm90"
-        _log_once(f"flash_attention auto: {why}; using 'triton'")
+    ours = _our_kernel(cc, dtype, head_dim)
+    won = ours is not None and measured.ours_won("attention", cc, ours)
+    manual = _in_manual_axes() if manual is None else manual
+    if ours is not None and (won or segment_ids or manual):
+        why = (f"{measured.WHERE} records it beating cuDNN on compute capability {cc[0]}.{cc[1]}"
+               if won else "packed documents (segment ids) need a dense mask in cuDNN"
+               if segment_ids else "cuDNN attention does not compile inside jax.shard_map")
+        _log_once(f"flash_attention auto: using {ours!r}: {why}")
+        return ours
+    if ours is None and (segment_ids or manual):
+        _log_once(f"flash_attention auto: no titanax kernel for compute capability "
+                  f"{cc[0]}.{cc[1]}, {jnp.dtype(dtype).name}, head_dim {head_dim}; using "
+                  "'triton' (cuDNN cannot take segment ids or shard_map bodies here)")
         return "triton"
-    if major == 10:
-        why = mosaic_unsupported("mosaic_sm100", dtype, head_dim)
-        if why is None:
-            return "mosaic_sm100"
-        _log_once(f"flash_attention auto: {why}; using 'cudnn'")
-        return "cudnn"
-    if major > 10:
-        _log_once(f"flash_attention auto: compute capability {major}.{cc[1]} has no titanax "
-                  "kernel yet; using 'cudnn'")
-        return "cudnn"
-    _log_once(f"flash_attention auto: compute capability {major}.{cc[1]} (< 9.0) has no Mosaic "
-              "kernel; using 'triton'")
-    return "triton"
+    _log_once(f"flash_attention auto: using 'cudnn' on compute capability {cc[0]}.{cc[1]}: no "
+              f"benchmark in {measured.WHERE} shows a titanax kernel faster there (ours stay "
+              "one impl= away: mosaic_sm90, mosaic_sm100, triton)")
+    return "cudnn"
+
+
+def _our_kernel(cc, dtype, head_dim: int) -> str | None:
+    """Our Mosaic kernel for this GPU generation when it takes these inputs, else None."""
+    impl = {9: "mosaic_sm90", 10: "mosaic_sm100"}.get(cc[0])
+    if impl is None or mosaic_unsupported(impl, dtype, head_dim):
+        return None
+    return impl
 
 
 def flash_attention(q, k, v, *, causal: bool = True, softmax_scale: float | None = None,
@@ -159,7 +181,8 @@ def _prepare(q, k, v, segment_ids, softmax_scale, impl, config, interpret, palla
                              f"{segment_ids.shape}, T={T}")
         segment_ids = segment_ids.astype(jnp.int32)
     scale = float(D ** -0.5 if softmax_scale is None else softmax_scale)
-    impl = resolve_impl(impl, q.dtype, D, interpret=interpret)
+    impl = resolve_impl(impl, q.dtype, D, interpret=interpret,
+                        segment_ids=segment_ids is not None)
     if impl not in PALLAS_IMPLS:
         if pallas_only:
             raise ValueError(f"flash_attention_fwd/bwd run the Pallas impls {PALLAS_IMPLS}; "

@@ -1,7 +1,8 @@
 """Block sizes and pipeline knobs of the flash attention kernels, with per-GPU defaults.
 
 One frozen dataclass for every backend: the Triton-style grid kernels read block_q/block_kv
-(forward) and block_q_bwd/block_kv_bwd (backward), num_warps and num_stages; the Mosaic GPU
+(forward) and block_q_bwd/block_kv_bwd (backward), num_warps and num_stages (num_stages_bwd
+for the backward when set); the Mosaic GPU
 kernels read the same block sizes plus max_concurrent_steps (TMA pipeline depth). In the
 Mosaic backward, sm90 uses block_q_bwd query rows per warpgroup in its dq kernel and
 block_kv_bwd keys per warpgroup in its dkv kernel (and streams the other one's tiles); sm100
@@ -26,6 +27,7 @@ class FlashConfig:
     block_kv_bwd: int = 64
     num_warps: int | None = None  # Triton: None = 4 for head_dim <= 64 else 8
     num_stages: int = 2  # Triton software pipelining depth
+    num_stages_bwd: int | None = None  # the backward's; None = num_stages
     max_concurrent_steps: int = 2  # Mosaic: K/V (or Q/dO) tiles in flight per CTA
 
     def __post_init__(self):
@@ -36,8 +38,10 @@ class FlashConfig:
                 raise ValueError(f"FlashConfig.{name}={v!r}: must be a power of two >= 16")
         if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"FlashConfig.num_warps={self.num_warps}: use 1, 2, 4, 8 or 16")
-        if self.num_stages < 1:
-            raise ValueError(f"FlashConfig.num_stages={self.num_stages}: must be >= 1")
+        for name in ("num_stages", "num_stages_bwd"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"FlashConfig.{name}={v}: must be >= 1")
         if self.max_concurrent_steps < 2:
             raise ValueError(f"FlashConfig.max_concurrent_steps={self.max_concurrent_steps}: "
                              "the TMA pipeline needs at least 2 slots")
@@ -69,12 +73,16 @@ _DEFAULTS = {
                                 max_concurrent_steps=2),
     ("sm100", 256): FlashConfig(block_q=128, block_kv=64, block_q_bwd=64, block_kv_bwd=64,
                                 max_concurrent_steps=2),
+    # Triton: 8 warps at every head_dim; with 4 at 64 the forward needs 255 registers per
+    # thread and spills on sm_100 (ptxas, docs/attention.md).
     ("triton", 64): FlashConfig(block_q=128, block_kv=64, block_q_bwd=64, block_kv_bwd=64,
-                                num_warps=4, num_stages=3),
+                                num_warps=8, num_stages=3),
     ("triton", 128): FlashConfig(block_q=128, block_kv=64, block_q_bwd=64, block_kv_bwd=64,
                                  num_warps=8, num_stages=2),
+    # head_dim 256: the dkv kernel's resident dK and dV plus two pipelined stages of Q and dO
+    # spill (255 registers); its backward runs unpipelined (169 registers).
     ("triton", 256): FlashConfig(block_q=64, block_kv=32, block_q_bwd=32, block_kv_bwd=32,
-                                 num_warps=8, num_stages=2),
+                                 num_warps=8, num_stages=2, num_stages_bwd=1),
 }
 # Interpret mode on CPU pays ~9 ms per grid step and nothing per tile element: few big tiles.
 _INTERPRET = FlashConfig(block_q=128, block_kv=128, block_q_bwd=128, block_kv_bwd=128)

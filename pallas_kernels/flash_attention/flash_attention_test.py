@@ -19,9 +19,6 @@ from pallas_kernels.flash_attention.api import resolve_impl
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
 SMALL = FlashConfig(block_q=32, block_kv=32, block_q_bwd=32, block_kv_bwd=32)
-MOSAIC = FlashConfig(block_q=64, block_kv=64, block_q_bwd=64, block_kv_bwd=64)
-# Blackwell: 128 query rows per CTA (TMEM lanes), 64-key tiles so the cases have several.
-SM100 = FlashConfig(block_q=128, block_kv=64, block_q_bwd=64, block_kv_bwd=64)
 
 
 def _inputs(B, S, Hq, Hkv, D, dtype, seed=0, T=None):
@@ -83,20 +80,22 @@ def test_triton_batch_and_kv_heads():
            segments=True)
 
 
+# The Mosaic kernels run at the configs we ship (config=None: default_config(impl, head_dim)),
+# head dims 64, 128 and 256 (whose backward is the grid kernels').
 @pytest.mark.parametrize("causal, G, D, S, segments", [
-    (True, 1, 64, 150, False),   # 2 CTAs, 3 kv tiles, diagonal + drained tiles, key tail
-    (False, 4, 64, 100, True),   # GQA, segments, tails
-    (True, 8, 128, 64, True),
+    (True, 1, 64, 300, False),   # 3 CTAs, 3 kv tiles, diagonal + drained tiles, key tail
+    (False, 4, 64, 200, True),   # GQA, segments, tails
     # Backward: 3 CTAs in dq and dkv, tiles drained by one warpgroup in each, G heads summed
     # in dkv's accumulators across skipped causal tiles, segments and a key tail together.
-    (True, 4, 64, 300, True),
+    (True, 4, 128, 300, True),
+    (True, 2, 256, 150, True),
 ])
 def test_mosaic_sm90_interpreted_matches_reference(causal, G, D, S, segments):
-    _check("mosaic_sm90", MOSAIC, B=1, S=S, Hq=G if G > 1 else 2, Hkv=1 if G > 1 else 2, D=D,
+    _check("mosaic_sm90", None, B=1, S=S, Hq=G if G > 1 else 2, Hkv=1 if G > 1 else 2, D=D,
            dtype=jnp.bfloat16, causal=causal, segments=segments)
 
 
-@pytest.mark.parametrize("impl, cfg", [("mosaic_sm90", MOSAIC), ("mosaic_sm100", SM100)])
+@pytest.mark.parametrize("impl, cfg", [("mosaic_sm90", None), ("mosaic_sm100", None)])
 def test_mosaic_more_keys_than_queries(impl, cfg):
     # Causal with T > S: key blocks past every query get no tiles in the dkv kernels, and
     # their dK, dV must come out zero (not uninitialized accumulators).
@@ -151,13 +150,42 @@ def test_config_validation_and_dispatch():
 
 
 @pytest.mark.parametrize("causal, G, D, S, segments", [
-    (True, 1, 64, 200, False),   # 2 CTAs, 4 kv tiles: diagonal, skipped tiles, key tail
-    (False, 4, 64, 100, True),   # GQA, segments, tails
-    (True, 8, 128, 64, False),   # one kv tile, head_dim 128
-    (True, 4, 64, 200, True),    # packed-document training: causal and segment ids together
+    (True, 1, 64, 300, False),   # 3 CTAs, 3 kv tiles: diagonal, skipped tiles, key tail
+    (False, 4, 64, 200, True),   # GQA, segments, tails
+    (True, 8, 128, 300, True),   # packed-document training at the 70B head_dim and grouping
+    (True, 2, 256, 200, True),   # head_dim 256: 64-key tiles, grid-kernel backward
 ])
 def test_mosaic_sm100_interpreted_matches_reference(causal, G, D, S, segments):
     # Three warpgroups block on mbarriers inside XLA host callbacks: conftest.py widens XLA's
     # CPU thread pool (PJRT_NPROC) so that two waiting ones cannot starve the third.
-    _check("mosaic_sm100", SM100, B=1, S=S, Hq=G if G > 1 else 2, Hkv=1 if G > 1 else 2, D=D,
+    _check("mosaic_sm100", None, B=1, S=S, Hq=G if G > 1 else 2, Hkv=1 if G > 1 else 2, D=D,
            dtype=jnp.bfloat16, causal=causal, segments=segments)
+
+
+@pytest.mark.parametrize("cc, ours", [((9, 0), "mosaic_sm90"), ((10, 0), "mosaic_sm100")])
+def test_auto_takes_cudnn_until_a_recorded_benchmark_says_otherwise(monkeypatch, caplog, cc,
+                                                                    ours):
+    from pallas_kernels import measured
+    from pallas_kernels.flash_attention import api
+    monkeypatch.setattr(api, "target_platform", lambda: "gpu")
+    monkeypatch.setattr(api, "compute_capability", lambda: cc)
+    api._log_once.cache_clear()
+    with caplog.at_level("WARNING"):
+        assert resolve_impl("auto", jnp.bfloat16, 128) == "cudnn"
+        assert resolve_impl("auto", jnp.bfloat16, 128) == "cudnn"
+    said = [r.message for r in caplog.records if "flash_attention auto" in r.message]
+    assert len(said) == 1 and "'cudnn'" in said[0] and "no benchmark" in said[0], said
+    # cuDNN cannot take packed documents nor run inside shard_map: ours, with the reason.
+    assert resolve_impl("auto", jnp.bfloat16, 128, segment_ids=True) == ours
+    assert resolve_impl("auto", jnp.bfloat16, 128, manual=True) == ours
+    assert any("segment ids" in r.message for r in caplog.records)
+    # No kernel of ours for these inputs: triton where cuDNN cannot go, cuDNN elsewhere.
+    assert resolve_impl("auto", jnp.float32, 128, segment_ids=True) == "triton"
+    assert resolve_impl("auto", jnp.float32, 128) == "cudnn"
+    # A win recorded for this GPU generation makes ours the default there, and only there.
+    monkeypatch.setitem(measured.WINS, ("attention", cc[0]), ours)
+    assert resolve_impl("auto", jnp.bfloat16, 128) == ours
+    monkeypatch.setattr(api, "compute_capability", lambda: (cc[0] + 2, 0))
+    assert resolve_impl("auto", jnp.bfloat16, 128) == "cudnn"
+    # An explicit impl is never second-guessed.
+    assert resolve_impl(ours, jnp.bfloat16, 128) == ours

@@ -109,7 +109,8 @@ def flash_bwd(q, k, v, o, lse, do, q_seg, kv_seg, *, scale, causal, kv_len, conf
     # delta_i = sum_d dO_id O_id: one fused XLA reduction, read once per kernel program.
     delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
     num_warps = config.num_warps or (4 if D <= 64 else 8)
-    params = pltriton.CompilerParams(num_warps=num_warps, num_stages=config.num_stages)
+    stages = config.num_stages if config.num_stages_bwd is None else config.num_stages_bwd
+    params = pltriton.CompilerParams(num_warps=num_warps, num_stages=stages)
     static = dict(scale=scale, causal=causal, block_q=bq, block_kv=bk, kv_len=kv_len,
                   has_segments=has_segments)
 

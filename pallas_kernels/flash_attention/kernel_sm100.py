@@ -29,8 +29,6 @@ a B200 without a GPU (aot_test.py).
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -39,7 +37,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ..target import out_struct
 
-from .kernel_sm90 import LOG2E, MASK, _interpret_ctx  # shared by the Mosaic kernels
+from .kernel_sm90 import LOG2E, MASK, _interpret_ctx, _q_block, grid_bwd  # shared by the Mosaic kernels
 
 BLOCK_Q = 128  # TMEM lanes: one query row per lane
 _SOFTMAX, _MMA, _LOAD = 0, 1, 2
@@ -48,6 +46,27 @@ _SOFTMAX, _MMA, _LOAD = 0, 1, 2
 def pad_multiples(cfg):
     """The forward's and the dq kernel's 128 query rows per CTA, the dkv kernel's 128 keys."""
     return max(BLOCK_Q, cfg.block_q_bwd), max(cfg.block_kv, BLOCK_Q, cfg.block_kv_bwd)
+
+
+O_SLICE = 64  # O columns per epilogue store: one 128-byte swizzle tile of the bf16 output
+RESCALE_SLICE = 32  # O columns per rescale load (TMEM only: no SMEM tile to respect)
+S_SLICE = 32  # score columns per TMEM load and P store in the softmax
+
+
+def _column_slices(d: int, width: int = O_SLICE):
+    """O's columns in `width`-wide pieces: a warpgroup holding all of O in registers (D
+    floats per thread: 256 at head_dim 256) spills."""
+    return [pl.ds(c, min(width, d - c)) for c in range(0, d, width)]
+
+
+def _rescale_o(o_tmem, alpha):
+    """O *= alpha (one factor per row) in TMEM, a column slice at a time. Each slice's load
+    completes (wait_load_tmem) before the store overwrites what it read."""
+    for cols in _column_slices(o_tmem.shape[1], RESCALE_SLICE):
+        o = plgpu.async_load_tmem(o_tmem.at[:, cols])
+        plgpu.wait_load_tmem()
+        plgpu.async_store_tmem(o_tmem.at[:, cols], o * lax.broadcast_in_dim(alpha, o.shape, [0]))
+    plgpu.commit_tmem()
 
 
 def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpret):
@@ -71,7 +90,7 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
                qseg_loaded, kseg_loaded):
         wg = lax.axis_index("wg")
         batch, q_head = lax.axis_index("batch"), lax.axis_index("heads")
-        q_base = lax.axis_index("q_seq") * BLOCK_Q
+        q_base = _q_block("q_seq", Sp // BLOCK_Q, causal) * BLOCK_Q  # longest first
         if causal:  # key tiles at or left of this block's last query
             kv_steps = jnp.minimum(pl.cdiv(q_base + BLOCK_Q, jnp.int32(block_kv)), n_kv)
             full_steps = jnp.minimum(lax.div(q_base, jnp.int32(block_kv)), kv_full)
@@ -158,39 +177,51 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
                 m_i, l_i = carry
                 buf, slot = lax.rem(j, 2), lax.rem(j, jnp.int32(steps))
                 plgpu.barrier_wait(s_ready.at[buf])
-                s = plgpu.async_load_tmem(s_tmem.at[:, pl.ds(buf * block_kv, block_kv)])
-                s = s * qk_scale
-                if masked:
-                    shape = (BLOCK_Q, block_kv)
-                    q_ids = q_base + plgpu.broadcasted_iota(jnp.int32, shape, 0,
-                                                            layout=plgpu.Layout.TCGEN05)
-                    k_ids = j * block_kv + plgpu.broadcasted_iota(jnp.int32, shape, 1,
-                                                                  layout=plgpu.Layout.TCGEN05)
-                    mask = k_ids < kv_len
-                    if causal:
-                        mask &= k_ids <= q_ids
-                    if has_seg:  # read before P_j is released: the slot stays loaded till PV_j
-                        plgpu.barrier_wait(kseg_loaded.at[slot])
-                        k_seg = plgpu.load(kseg_smem.at[slot],
-                                           layout=plgpu.Layout.TCGEN05.reduce(0))
-                        mask &= (lax.broadcast_in_dim(q_seg, shape, [0])
-                                 == lax.broadcast_in_dim(k_seg, shape, [1]))
-                    s = jnp.where(mask, s, MASK)
+                if masked and has_seg:  # read before P_j is released: the slot stays loaded
+                    plgpu.barrier_wait(kseg_loaded.at[slot])
+                # S in S_SLICE-column pieces: the key segment ids are a column vector, one
+                # value per key in every thread, which next to a whole row of S spills.
+                parts = []
+                for c in range(0, block_kv, S_SLICE):
+                    shape = (BLOCK_Q, S_SLICE)
+                    s = plgpu.async_load_tmem(
+                        s_tmem.at[:, pl.ds(buf * block_kv + c, S_SLICE)])
+                    s = s * qk_scale
+                    if masked:
+                        q_ids = q_base + plgpu.broadcasted_iota(jnp.int32, shape, 0,
+                                                                layout=plgpu.Layout.TCGEN05)
+                        k_ids = j * block_kv + c + plgpu.broadcasted_iota(
+                            jnp.int32, shape, 1, layout=plgpu.Layout.TCGEN05)
+                        mask = k_ids < kv_len
+                        if causal:
+                            mask &= k_ids <= q_ids
+                        if has_seg:
+                            k_seg = plgpu.load(kseg_smem.at[slot, pl.ds(c, S_SLICE)],
+                                               layout=plgpu.Layout.TCGEN05.reduce(0))
+                            mask &= (lax.broadcast_in_dim(q_seg, shape, [0])
+                                     == lax.broadcast_in_dim(k_seg, shape, [1]))
+                        s = jnp.where(mask, s, MASK)
+                    parts.append(s)
                 plgpu.wait_load_tmem()
                 plgpu.barrier_arrive(s_read.at[buf])
-                m_new = jnp.maximum(m_i, s.max(axis=1))
+                m_new = m_i
+                for s in parts:
+                    m_new = jnp.maximum(m_new, s.max(axis=1))
                 alpha = jnp.exp2(m_i - m_new)
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                l_i = l_i * alpha + p.sum(axis=1)
+                parts = [jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0])) for s in parts]
+                l_i = l_i * alpha
+                for p in parts:
+                    l_i = l_i + p.sum(axis=1)
+                # bf16 P across the O rescale: half the registers of float32 P.
+                parts = [p.astype(dtype) for p in parts]
 
                 @pl.when(j >= 1)
                 def _():  # PV_{j-1} is done: O is complete up to j-1, and P may be rewritten
                     plgpu.barrier_wait(pv_done)
-                    o = plgpu.async_load_tmem(o_tmem)
-                    plgpu.async_store_tmem(o_tmem, o * lax.broadcast_in_dim(alpha, o.shape, [0]))
-                    plgpu.commit_tmem()
+                    _rescale_o(o_tmem, alpha)
 
-                p_smem[...] = p.astype(dtype)
+                for c, p in zip(range(0, block_kv, S_SLICE), parts):
+                    p_smem.at[:, pl.ds(c, S_SLICE)][...] = p
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(p_ready)
                 return m_new, l_i
@@ -204,9 +235,12 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
             def _():
                 plgpu.barrier_wait(pv_done)  # the last PV
 
-            o = plgpu.async_load_tmem(o_tmem)
             l_safe = jnp.where(l_i == 0.0, 1.0, l_i)  # padded query rows of an empty tile
-            q_smem[...] = (o / lax.broadcast_in_dim(l_safe, o.shape, [0])).astype(dtype)
+            for cols in _column_slices(D):  # O / l a slice at a time: D/4 floats per thread
+                o = plgpu.async_load_tmem(o_tmem.at[:, cols])
+                plgpu.wait_load_tmem()
+                q_smem.at[:, cols][...] = (o / lax.broadcast_in_dim(l_safe, o.shape, [0])
+                                           ).astype(dtype)
             lse_smem[...] = m_i + jnp.log2(l_safe)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_smem, out_gmem.at[batch, pl.ds(q_base, BLOCK_Q), q_head])
@@ -216,7 +250,8 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
     swizzle = plgpu.find_swizzle(D * jnp.dtype(dtype).itemsize * 8)
     tx = (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
           plgpu.SwizzleTransform(swizzle))
-    p_swizzle = plgpu.find_swizzle(block_kv * jnp.dtype(dtype).itemsize * 8)
+    # P's swizzle spans S_SLICE columns: the softmax stores it a slice at a time.
+    p_swizzle = plgpu.find_swizzle(min(block_kv, S_SLICE) * jnp.dtype(dtype).itemsize * 8)
     p_tx = (plgpu.TilingTransform((8, p_swizzle // jnp.dtype(dtype).itemsize)),
             plgpu.SwizzleTransform(p_swizzle))
     scratch = dict(
@@ -266,15 +301,9 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
 def flash_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, *, scale, causal, kv_len, config, interpret):
     """Backward of this forward: the tcgen05 dq and dkv kernels of kernel_sm100_bwd.py on the
     saved log-sum-exp; at head_dim 256 (over TMEM's 512 columns there) the grid kernels."""
-    from . import kernel_bwd, kernel_sm100_bwd
-    from .config import default_config
+    from . import kernel_sm100_bwd
     kw = dict(scale=scale, causal=causal, kv_len=kv_len, interpret=interpret)
     if q.shape[-1] <= kernel_sm100_bwd.MAX_HEAD_DIM:
         return kernel_sm100_bwd.flash_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, config=config,
                                           **kw)
-    # The grid kernels with their own head_dim-256 tiles (Mosaic's 64-row ones overflow SMEM).
-    tri = default_config("triton", q.shape[-1])
-    grid_cfg = dataclasses.replace(config, block_q_bwd=tri.block_q_bwd,
-                                   block_kv_bwd=tri.block_kv_bwd, num_warps=tri.num_warps)
-    return kernel_bwd.flash_bwd(q, k, v, o, lse2 / LOG2E, do, q_seg, kv_seg, config=grid_cfg,
-                                **kw)
+    return grid_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, config=config, **kw)

@@ -35,12 +35,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .kernel_sm90 import LOG2E, MASK, _interpret_ctx
+from .kernel_sm90 import LOG2E, MASK, _interpret_ctx, _q_block
+from .kernel_sm100 import _column_slices
 from ..target import out_struct
 
 BLOCK = 128  # resident rows per CTA: one per TMEM lane
 _COMPUTE, _MMA, _LOAD = 0, 1, 2
 MAX_HEAD_DIM = 128
+TMEM_COLS = 512
+# Streamed-tile columns the compute warpgroup holds in registers at a time: in dkv lse2 and
+# delta add two column vectors per slice (16 spill-free by ptxas, 32 spills 36 bytes).
+SLICE = {"dq": 32, "dkv": 16}
 
 
 def _transforms(cols: int, dtype):
@@ -63,13 +68,20 @@ def _kernel(kind, q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_
     i32 = jnp.int32
     row, col = plgpu.Layout.TCGEN05.reduce(1), plgpu.Layout.TCGEN05.reduce(0)
     vec_axis = 0 if is_dq else 1  # lse2/delta run along the queries: rows in dq, columns in dkv
+    n_acc = 1 if is_dq else 2
+    width = min(n, SLICE[kind])
+    # X and Y double-buffered in TMEM where the 512 columns allow (head_dim <= 128 at n = 64):
+    # the MMAs of tile t+1 then run while the compute warpgroup works through tile t.
+    nbuf = 2 if 4 * n + n_acc * D <= TMEM_COLS else 1
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, out_refs,
                res_smem, str_smem, ds_smem, p_smem, x_tmem, y_tmem, acc_tmem,
                res_loaded, loaded, free, s_ready, s_read, ds_ready, ds_free):
         wg = lax.axis_index("wg")
         batch, head = lax.axis_index("batch"), lax.axis_index("heads")
-        base = lax.axis_index("blk") * BLOCK
+        # dq: causal query blocks longest first; dkv: key block 0 already sees the most queries.
+        blk = _q_block("blk", Sp // BLOCK, causal) if is_dq else lax.axis_index("blk")
+        base = blk * BLOCK
         res_rows = pl.ds(base, BLOCK)
         # The streamed tiles this CTA visits, t = 0 .. total-1, and where masking is needed.
         if is_dq:
@@ -148,17 +160,18 @@ def _kernel(kind, q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_
 
             @pl.loop(0, total)
             def _(t):
-                slot = lax.rem(t, i32(steps))
+                slot, buf = lax.rem(t, i32(steps)), lax.rem(t, i32(nbuf))
                 plgpu.barrier_wait(loaded.at[slot])
 
-                @pl.when(t >= 1)
-                def _():  # the compute warpgroup has read X_{t-1} and Y_{t-1}
-                    plgpu.barrier_wait(s_read)
-                plgpu.tcgen05_mma(x_tmem, res0, str0.at[slot].transpose((1, 0)),
+                @pl.when(t >= nbuf)
+                def _():  # the compute warpgroup has read X and Y of step t - nbuf
+                    plgpu.barrier_wait(s_read.at[buf])
+                cols = pl.ds(buf * n, n)
+                plgpu.tcgen05_mma(x_tmem.at[:, cols], res0, str0.at[slot].transpose((1, 0)),
                                   accumulate=False)
-                plgpu.tcgen05_mma(y_tmem, res1, str1.at[slot].transpose((1, 0)),
+                plgpu.tcgen05_mma(y_tmem.at[:, cols], res1, str1.at[slot].transpose((1, 0)),
                                   accumulate=False)
-                plgpu.tcgen05_commit_arrive(s_ready)
+                plgpu.tcgen05_commit_arrive(s_ready.at[buf])
 
                 @pl.when(t >= 1)
                 def _():
@@ -167,55 +180,63 @@ def _kernel(kind, q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_
             @pl.when(total > 0)
             def _():
                 accumulate(total - 1)
-                plgpu.barrier_wait(s_read)  # observe the last read
+
+            @pl.loop(jnp.maximum(total - nbuf, 0), total)
+            def _(t):  # observe the last reads: no barrier phase is left pending at exit
+                plgpu.barrier_wait(s_read.at[lax.rem(t, i32(nbuf))])
 
         @pl.when(wg == _COMPUTE)
         def _compute():
             plgpu.set_max_registers(232, action="increase")
             plgpu.barrier_wait(res_loaded)
-            shape = (BLOCK, n)
             if is_dq:
                 res_lse = plgpu.load(res_smem[2], layout=row)
                 res_delta = plgpu.load(res_smem[3], layout=row)
             res_seg = plgpu.load(res_smem[-1], layout=row) if has_seg else None
 
             def step(t, tile, masked):
-                slot = lax.rem(t, i32(steps))
+                slot, buf = lax.rem(t, i32(steps)), lax.rem(t, i32(nbuf))
                 if not is_dq or has_seg:  # this step's vectors ride the ring
                     plgpu.barrier_wait(loaded.at[slot])
-                if is_dq:
-                    lse, dlt = res_lse, res_delta
-                else:
-                    lse = plgpu.load(str_smem[2].at[slot], layout=col)
-                    dlt = plgpu.load(str_smem[3].at[slot], layout=col)
-                plgpu.barrier_wait(s_ready)
-                x = plgpu.async_load_tmem(x_tmem)
-                y = plgpu.async_load_tmem(y_tmem)
-                plgpu.wait_load_tmem()
-                plgpu.barrier_arrive(s_read)
-                x = x * qk_scale
-                if masked:
-                    own = base + plgpu.broadcasted_iota(i32, shape, 0, layout=plgpu.Layout.TCGEN05)
-                    other = tile * n + plgpu.broadcasted_iota(i32, shape, 1,
-                                                              layout=plgpu.Layout.TCGEN05)
-                    q_ids, k_ids = (own, other) if is_dq else (other, own)
-                    mask = k_ids < kv_len
-                    if causal:
-                        mask &= k_ids <= q_ids
-                    if has_seg:
-                        str_seg = plgpu.load(str_smem[-1].at[slot], layout=col)
-                        mask &= (lax.broadcast_in_dim(res_seg, shape, [0])
-                                 == lax.broadcast_in_dim(str_seg, shape, [1]))
-                    x = jnp.where(mask, x, MASK)
-                p = jnp.exp2(x - lax.broadcast_in_dim(lse, shape, [vec_axis]))
-                ds = p * (y - lax.broadcast_in_dim(dlt, shape, [vec_axis]))
-
-                @pl.when(t >= 1)
-                def _():  # the accumulator MMAs of step t-1 are done with the P/dS tiles
-                    plgpu.barrier_wait(ds_free)
-                ds_smem[...] = ds.astype(dtype)
-                if not is_dq:
-                    p_smem[...] = p.astype(dtype)
+                plgpu.barrier_wait(s_ready.at[buf])
+                # `width` columns at a time: in dkv lse2 and delta are per streamed row, n
+                # values per thread each (column vectors of the TCGEN05 layout), so whole tiles
+                # of X, Y, P, lse2 and delta live at once spill (ptxas, docs/attention.md).
+                for c in range(0, n, width):
+                    w = min(width, n - c)
+                    shape, cols = (BLOCK, w), pl.ds(c, w)
+                    x = plgpu.async_load_tmem(x_tmem.at[:, pl.ds(buf * n + c, w)])
+                    plgpu.wait_load_tmem()
+                    x = x * qk_scale
+                    if masked:
+                        own = base + plgpu.broadcasted_iota(i32, shape, 0,
+                                                            layout=plgpu.Layout.TCGEN05)
+                        other = tile * n + c + plgpu.broadcasted_iota(
+                            i32, shape, 1, layout=plgpu.Layout.TCGEN05)
+                        q_ids, k_ids = (own, other) if is_dq else (other, own)
+                        mask = k_ids < kv_len
+                        if causal:
+                            mask &= k_ids <= q_ids
+                        if has_seg:
+                            str_seg = plgpu.load(str_smem[-1].at[slot, cols], layout=col)
+                            mask &= (lax.broadcast_in_dim(res_seg, shape, [0])
+                                     == lax.broadcast_in_dim(str_seg, shape, [1]))
+                        x = jnp.where(mask, x, MASK)
+                    lse = res_lse if is_dq else plgpu.load(str_smem[2].at[slot, cols], layout=col)
+                    p = jnp.exp2(x - lax.broadcast_in_dim(lse, shape, [vec_axis]))
+                    y = plgpu.async_load_tmem(y_tmem.at[:, pl.ds(buf * n + c, w)])
+                    plgpu.wait_load_tmem()
+                    dlt = res_delta if is_dq else plgpu.load(str_smem[3].at[slot, cols],
+                                                             layout=col)
+                    ds = p * (y - lax.broadcast_in_dim(dlt, shape, [vec_axis]))
+                    if c == 0:
+                        @pl.when(t >= 1)
+                        def _():  # the accumulator MMAs of step t-1 are done with P/dS
+                            plgpu.barrier_wait(ds_free)
+                    ds_smem.at[:, cols][...] = ds.astype(dtype)
+                    if not is_dq:
+                        p_smem.at[:, cols][...] = p.astype(dtype)
+                plgpu.barrier_arrive(s_read.at[buf])
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(ds_ready)
 
@@ -240,23 +261,29 @@ def _kernel(kind, q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_
                 for a in acc_tmem:
                     plgpu.async_store_tmem(a, zeros)
                 plgpu.commit_tmem()
-            accs = [plgpu.async_load_tmem(a) for a in acc_tmem]
-            plgpu.wait_load_tmem()
-            accs[0] = accs[0] * scale  # dQ and dK carry the softmax scale of S
             if is_dq:
                 dst_views = [out_refs[0].at[batch, res_rows, head]]
             else:
                 dst_views = [out_refs[0].at[batch, res_rows, head],
                              out_refs[1].at[batch, res_rows, head]]
-            for a, smem, dst in zip(accs, res_smem, dst_views):
-                smem[...] = a.astype(dtype)
+            # One accumulator and one column slice at a time: both [128, D] float32
+            # accumulators at once are 2 D registers per thread (spills at head_dim 128).
+            for i, (acc, smem) in enumerate(zip(acc_tmem, res_smem)):
+                for cols in _column_slices(D):
+                    a = plgpu.async_load_tmem(acc.at[:, cols])
+                    plgpu.wait_load_tmem()
+                    if i == 0:
+                        a = a * scale  # dQ and dK carry the softmax scale of S
+                    smem.at[:, cols][...] = a.astype(dtype)
             plgpu.commit_smem()
             for smem, dst in zip(res_smem, dst_views):
                 plgpu.copy_smem_to_gmem(smem, dst, commit_group=False)
             plgpu.commit_smem_to_gmem_group()
             plgpu.wait_smem_to_gmem(0)
 
-    tile_tx, p_tx = _transforms(D, dtype), _transforms(n, dtype)
+    # P/dS tiles swizzled `width` columns wide: the compute warpgroup stores them a slice at a
+    # time, and a store must cover whole swizzle tiles.
+    tile_tx, p_tx = _transforms(D, dtype), _transforms(width, dtype)
     tiles = lambda *shape: plgpu.SMEM(shape, dtype, transforms=tile_tx)
     seg = has_seg
     if is_dq:
@@ -275,13 +302,14 @@ def _kernel(kind, q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_
         res_smem=res, str_smem=ring,
         ds_smem=plgpu.SMEM((BLOCK, n), dtype, transforms=p_tx),
         p_smem=None if is_dq else plgpu.SMEM((BLOCK, n), dtype, transforms=p_tx),
-        x_tmem=plgpu.TMEM((BLOCK, n), jnp.float32),
-        y_tmem=plgpu.TMEM((BLOCK, n), jnp.float32),
+        x_tmem=plgpu.TMEM((BLOCK, nbuf * n), jnp.float32),
+        y_tmem=plgpu.TMEM((BLOCK, nbuf * n), jnp.float32),
         acc_tmem=[plgpu.TMEM((BLOCK, D), jnp.float32) for _ in range(1 if is_dq else 2)],
         res_loaded=plgpu.Barrier(num_arrivals=len(res)),
         loaded=plgpu.Barrier(num_arrivals=len(ring), num_barriers=steps),
         free=plgpu.Barrier(num_barriers=steps, **tc),
-        s_ready=plgpu.Barrier(**tc), s_read=plgpu.Barrier(**tc),
+        s_ready=plgpu.Barrier(num_barriers=nbuf, **tc),
+        s_read=plgpu.Barrier(num_barriers=nbuf, **tc),
         ds_ready=plgpu.Barrier(**tc), ds_free=plgpu.Barrier(**tc),
     )
     scratch = {k_: v_ for k_, v_ in scratch.items() if v_ is not None}

@@ -22,6 +22,7 @@ interpreted form; the compiled form is checked by the deviceless H100 compile.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 
@@ -37,6 +38,10 @@ from ..target import out_struct
 MASK = -1e30
 LOG2E = math.log2(math.e)
 COMPUTE_WGS = 2
+# setmaxnreg budgets: 2 x 240 + 24 spends the 168-per-thread launch pool of 384 threads; the
+# TMA producer fits 24; at head_dim 256 with segment ids the softmax warpgroups need 240
+# (ptxas: 12 B of spills at 232).
+REGS_COMPUTE, REGS_PRODUCER = 240, 24
 
 
 def pad_multiples(cfg):
@@ -65,16 +70,32 @@ def _wgmma_into(acc, issue, interpret: bool):
     return acc + pl.run_scoped(scoped, plgpu.ACC(acc.shape, jnp.float32))
 
 
+def _q_block(name: str, n_blocks: int, causal: bool):
+    """This CTA's query block. Causal: the last (longest: it sees the most keys) launch first,
+    so the short diagonal-only blocks fill the tail of the grid instead of leaving SMs idle
+    behind one long block (FlashAttention-3's scheduling)."""
+    i = lax.axis_index(name)
+    return n_blocks - 1 - i if causal else i
+
+
 def _tile_mask(q_base, k_base, shape, *, causal, kv_len, q_seg=None, k_seg=None, q_dim=0):
-    """Visibility of a [rows, cols] WGMMA tile; q_dim says which axis indexes queries."""
-    q_ids = plgpu.broadcasted_iota(jnp.int32, shape, q_dim, layout=plgpu.Layout.WGMMA) + q_base
-    k_ids = plgpu.broadcasted_iota(jnp.int32, shape, 1 - q_dim, layout=plgpu.Layout.WGMMA) + k_base
-    mask = k_ids < kv_len
+    """Visibility of a [rows, cols] WGMMA tile; q_dim says which axis indexes queries. Built
+    from one id vector per axis, broadcast only in the comparisons: two full-tile int32 iotas
+    cost 2 x (tile / 128) registers per thread, enough to make the dkv kernel spill."""
+    def ids(axis, base):
+        vec = plgpu.broadcasted_iota(jnp.int32, (shape[axis],), 0,
+                                     layout=plgpu.Layout.WGMMA.reduce(1 - axis))
+        return vec + base
+    k_dim = 1 - q_dim
+    k_ids = ids(k_dim, k_base)
+    mask = lax.broadcast_in_dim(k_ids < kv_len, shape, [k_dim])
     if causal:
-        mask &= k_ids <= q_ids
+        q_ids = ids(q_dim, q_base)
+        mask &= (lax.broadcast_in_dim(k_ids, shape, [k_dim])
+                 <= lax.broadcast_in_dim(q_ids, shape, [q_dim]))
     if q_seg is not None:
         mask &= (lax.broadcast_in_dim(q_seg, shape, [q_dim])
-                 == lax.broadcast_in_dim(k_seg, shape, [1 - q_dim]))
+                 == lax.broadcast_in_dim(k_seg, shape, [k_dim]))
     return mask
 
 
@@ -96,6 +117,7 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
         batch = lax.axis_index("batch")
         q_head = lax.axis_index("heads")
         wg = lax.axis_index("wg")
+        q_blk = _q_block("q_seq", Sp // (COMPUTE_WGS * block_q), causal)
         (qo_smem2, k_smem, v_smem, lse_smem2, qseg_smem2, kseg_smem, p_smem2), bars = scoped
         (k_bars, v_bars, q_bars, kseg_bars, qseg_bars), consumed, sched = bars
         k_consumed, v_consumed = consumed
@@ -105,16 +127,16 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
             plgpu.barrier_wait(sched)
 
         if causal:
-            cta_q_end = (lax.axis_index("q_seq") + 1) * (COMPUTE_WGS * block_q)
+            cta_q_end = (q_blk + 1) * (COMPUTE_WGS * block_q)
             max_steps = jnp.minimum(pl.cdiv(cta_q_end, jnp.array(block_kv, jnp.int32)), n_kv)
         else:
             max_steps = n_kv
 
         @pl.when(wg < COMPUTE_WGS)
         def _compute_wg():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(REGS_COMPUTE, action="increase")
             qo_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
-            q_base = lax.axis_index("q_seq") * (COMPUTE_WGS * block_q) + wg * block_q
+            q_base = q_blk * (COMPUTE_WGS * block_q) + wg * block_q
             if causal:
                 kv_steps = jnp.minimum(pl.cdiv(q_base + block_q, jnp.array(block_kv, jnp.int32)),
                                        n_kv)
@@ -146,16 +168,16 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
             def kv_loop(kv_step, carry, masked: bool = False):
                 acc, m_i, l_i = carry
                 slot = lax.rem(kv_step, jnp.array(steps, kv_step.dtype))
-                if masked and has_seg:  # read before K's slot is released to the producer
-                    plgpu.barrier_wait(kseg_bars.at[slot])
-                    k_seg = plgpu.load(kseg_smem.at[slot],
-                                       layout=plgpu.Layout.WGMMA.reduce(0))
-
                 def compute_qk(acc_ref):
                     plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
                     sched_barrier()
                     return acc_ref[...]
                 qk = pl.run_scoped(compute_qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+                if masked and has_seg:  # read before K's slot is released to the producer,
+                    # and after QK^T: not live across the wgmma (spills at head_dim 256)
+                    plgpu.barrier_wait(kseg_bars.at[slot])
+                    k_seg = plgpu.load(kseg_smem.at[slot],
+                                       layout=plgpu.Layout.WGMMA.reduce(0))
                 plgpu.barrier_arrive(k_consumed.at[slot])
                 qk = qk * qk_scale  # log2 domain: exp2 below is one FMA + ex2
                 if masked:
@@ -232,7 +254,7 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
 
         @pl.when(wg == COMPUTE_WGS)
         def _producer_wg():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(REGS_PRODUCER, action="decrease")
             kv_head = lax.div(q_head, jnp.array(G, q_head.dtype))
 
             def load(step, slot):
@@ -304,10 +326,32 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
     return out, lse
 
 
+# Head dims whose Mosaic wgmma backward fits the registers: at 256 a warpgroup's dQ, or its dK
+# and dV, accumulators are 128 or 256 float32 per thread, and ptxas spills 0.5-3 KB
+# (docs/attention.md, machine code).
+MAX_BWD_HEAD_DIM = 128
+
+
 def flash_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, *, scale, causal, kv_len, config, interpret):
     """Backward of this forward: the Mosaic (wgmma) dq and dkv kernels of kernel_sm90_bwd.py,
-    on the log-sum-exp in log2 units that flash_fwd saves."""
+    on the log-sum-exp in log2 units that flash_fwd saves; above MAX_BWD_HEAD_DIM the grid
+    kernels (grid_bwd)."""
+    kw = dict(scale=scale, causal=causal, kv_len=kv_len, interpret=interpret)
+    if q.shape[-1] > MAX_BWD_HEAD_DIM:
+        return grid_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, config=config, **kw)
     from . import kernel_sm90_bwd
-    return kernel_sm90_bwd.flash_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, scale=scale,
-                                     causal=causal, kv_len=kv_len, config=config,
-                                     interpret=interpret)
+    return kernel_sm90_bwd.flash_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, config=config, **kw)
+
+
+def grid_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, *, scale, causal, kv_len, config, interpret):
+    """A Mosaic forward's backward on the grid kernels (kernel_bwd.py) with their own tiles for
+    this head_dim (the Mosaic config's 64-row ones overflow SMEM at 256), from the forward's
+    log2-unit log-sum-exp."""
+    from . import kernel_bwd
+    from .config import default_config
+    tri = default_config("triton", q.shape[-1])
+    grid_cfg = dataclasses.replace(config, block_q_bwd=tri.block_q_bwd,
+                                   block_kv_bwd=tri.block_kv_bwd, num_warps=tri.num_warps,
+                                   num_stages_bwd=tri.num_stages_bwd)
+    return kernel_bwd.flash_bwd(q, k, v, o, lse2 / LOG2E, do, q_seg, kv_seg, config=grid_cfg,
+                                scale=scale, causal=causal, kv_len=kv_len, interpret=interpret)

@@ -39,11 +39,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .kernel_sm90 import LOG2E, MASK, _interpret_ctx, _tile_mask, _wgmma_into
+from .kernel_sm90 import LOG2E, MASK, _interpret_ctx, _q_block, _tile_mask, _wgmma_into
 from ..target import out_struct
 
 TX = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-REGS_COMPUTE, REGS_PRODUCER = 232, 40
+# setmaxnreg budgets. The CTA launches at 168 registers per thread (65536 over 384 threads);
+# 2 x 240 + 24 spends exactly that pool. The producer's TMA issue fits 24 without spilling;
+# the dkv consumer needs 240 on its masked (diagonal) tiles at head_dim 128 (ptxas: 16 B of
+# spills at 232).
+REGS_COMPUTE, REGS_PRODUCER = 240, 24
 
 
 def bwd_wgs(head_dim: int) -> int:
@@ -66,6 +70,14 @@ def _two_wgmmas(a1, b1, a2, b2, shape):
         plgpu.wgmma(acc2, a2, b2)
         return acc1[...], acc2[...]
     return pl.run_scoped(issue, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
+
+
+def _one_wgmma(a, b, shape):
+    """a @ b in fp32 (waited for)."""
+    def issue(acc):
+        plgpu.wgmma(acc, a, b)
+        return acc[...]
+    return pl.run_scoped(issue, plgpu.ACC(shape, jnp.float32))
 
 
 def _a_operand(x16, smem, interpret: bool):
@@ -129,7 +141,7 @@ def _dq(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, confi
         q_smem2, do_smem2, lse_smem2, delta_smem2, qseg_smem2, k_smem, v_smem, kseg_smem, \
             ds_smem2 = smem
         own_bars, k_bars, v_bars, kseg_bars, consumed = bars
-        cta_q = lax.axis_index("q_seq") * (wgs * bq)
+        cta_q = _q_block("q_seq", Sp // (wgs * bq), causal) * (wgs * bq)
         if causal:
             max_steps = jnp.minimum(pl.cdiv(cta_q + wgs * bq, jnp.array(bkv, jnp.int32)), n_kv)
         else:
@@ -306,10 +318,11 @@ def _dkv(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, conf
                 slot = _slot(g * per_head + i - q_start, steps)
                 for bar in (q_bar, do_bar, lse_bar, delta_bar):
                     plgpu.barrier_wait(bar.at[slot])
-                lse = plgpu.load(lse_smem.at[slot], layout=col)
-                dlt = plgpu.load(delta_smem.at[slot], layout=col)
-                st, dpt = _two_wgmmas(k_smem, q_smem.at[slot].transpose((1, 0)), v_smem, do_smem.at[slot].transpose((1, 0)),
-                                      (bkv, bq))
+                # S^T -> P^T -> dV first, then dP^T -> dS^T -> dK: with the dK and dV
+                # accumulators resident (2 x 64 floats per thread at head_dim 128), S^T, dP^T,
+                # P^T, dS^T and the lse/delta vectors live at once spill (ptxas,
+                # docs/attention.md).
+                st = _one_wgmma(k_smem, q_smem.at[slot].transpose((1, 0)), (bkv, bq))
                 st = st * qk_scale
                 if has_seg:
                     plgpu.barrier_wait(qseg_bar.at[slot])
@@ -318,14 +331,17 @@ def _dkv(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, conf
                     mask = _tile_mask(i * bq, kv_base, (bkv, bq), causal=causal, kv_len=kv_len,
                                       q_seg=q_seg, k_seg=k_seg, q_dim=1)
                     st = jnp.where(mask, st, MASK)
+                lse = plgpu.load(lse_smem.at[slot], layout=col)
                 pt = jnp.exp2(st - lax.broadcast_in_dim(lse, st.shape, [1]))
-                dst = pt * (dpt - lax.broadcast_in_dim(dlt, st.shape, [1]))
                 a_p = _a_operand(pt.astype(dtype), p_smem2.at[wg] if interpret else None,
                                  interpret)
-                a_ds = _a_operand(dst.astype(dtype), ds_smem2.at[wg] if interpret else None,
-                                  interpret)
                 dv = _wgmma_into(dv, lambda acc: plgpu.wgmma(acc, a_p, do_smem.at[slot]),
                                  interpret)
+                dpt = _one_wgmma(v_smem, do_smem.at[slot].transpose((1, 0)), (bkv, bq))
+                dlt = plgpu.load(delta_smem.at[slot], layout=col)
+                dst = pt * (dpt - lax.broadcast_in_dim(dlt, st.shape, [1]))
+                a_ds = _a_operand(dst.astype(dtype), ds_smem2.at[wg] if interpret else None,
+                                  interpret)
                 dk = _wgmma_into(dk, lambda acc: plgpu.wgmma(acc, a_ds, q_smem.at[slot]),
                                  interpret)
                 plgpu.barrier_arrive(consumed.at[slot])

@@ -19,6 +19,9 @@ FP8_EMAX = {jnp.dtype(E4M3): 8, jnp.dtype(E5M2): 15}
 assert all(float(ml_dtypes.finfo(d).max) == v for d, v in FP8_MAX.items())
 
 RECIPES = ("fp8_tensorwise", "fp8_delayed", "mxfp8")
+# MX scale exponent: 'up' = ceil(log2(amax / fmax)) (NVIDIA / TE, never clips the block max),
+# 'floor' = floor(log2 amax) - emax (OCP MX v1.0; may saturate the block max). quant.py.
+MX_SCALE_ROUNDINGS = ("up", "floor")
 
 
 def check_fp8(dtype) -> jnp.dtype:
@@ -66,12 +69,29 @@ class GridConfig:
 class Sm90Config:
     """Tiles of the Hopper wgmma kernel. wgmma has M=64 per warpgroup instruction, N up to 256
     in multiples of 8; FP8 operands must be K-major with a 128-byte swizzle, i.e. K tiles of
-    128 one-byte elements."""
+    128 one-byte elements.
 
-    tile_m: int = 128
+    promote_every: FP8 wgmma adds into its accumulator with ~14 mantissa bits, not float32's
+    24 (DeepSeek-V3 §3.3.2; Transformer Engine and cuBLAS call the fix "split accumulator",
+    CUTLASS "fast accumulation off"). Every `promote_every` K tiles the kernel waits for the
+    wgmma, adds its accumulator into a float32 register total and restarts it from zero, so
+    the reduced precision only ever covers promote_every * tile_k elements of K. Default 1:
+    every 128 elements (4 wgmma K=32 instructions), DeepSeek-V3's interval and CUTLASS's
+    default mma_promotion_interval; at K=32768 it cuts the emulated accumulation error by two
+    orders of magnitude (test_numerics.py). 0 turns it off: one accumulator over all of K,
+    each wgmma kept in flight while the next stage lands.
+
+    The total costs a second float32 tile of registers (tile_m * tile_n / 128 per thread), so
+    the default tile is 64 x 128: ptxas (deviceless H100 compile) reports 141 registers and no
+    spills with promote_every=1 (154 with 2, 90 with 0); 128 x 128 with promotion needs 256
+    accumulator registers and spills (it compiled to 154 registers without promotion).
+    """
+
+    tile_m: int = 64
     tile_n: int = 128
     tile_k: int = 128
     max_concurrent_steps: int = 4  # TMA stages in flight (SMEM: steps * (tm + tn) * tk bytes)
+    promote_every: int = 1  # K tiles per float32 promotion of the wgmma accumulator; 0: never
 
     def __post_init__(self):
         _check_multiple("tile_m", self.tile_m, 64)
@@ -81,6 +101,19 @@ class Sm90Config:
         _check_multiple("tile_k", self.tile_k, 128)
         if self.max_concurrent_steps < 2:
             raise ValueError("max_concurrent_steps must be >= 2 to overlap TMA and wgmma")
+        if isinstance(self.promote_every, bool) or not isinstance(self.promote_every, int) \
+                or self.promote_every < 0:
+            raise ValueError(f"promote_every={self.promote_every!r} must be an int >= 0 (K tiles "
+                             "between promotions of the wgmma accumulator; 0 turns it off)")
+        # One warpgroup holds the tile: tm * tn / 128 float32 registers per thread for the
+        # wgmma accumulator, as many again for the promoted total. Measured with ptxas: 192
+        # (64 x 192) compiles to 204 registers, 256 (128 x 128, 64 x 256) spills at 255.
+        acc_regs = self.tile_m * self.tile_n // 128 * (2 if self.promote_every else 1)
+        if self.promote_every and acc_regs > 192:
+            raise ValueError(f"tile {self.tile_m} x {self.tile_n} with promote_every="
+                             f"{self.promote_every} needs {acc_regs} accumulator registers per "
+                             "thread (wgmma accumulator + float32 total) and spills; use "
+                             "tile_m * tile_n <= 12288 (e.g. 64 x 128) or promote_every=0")
         smem = self.max_concurrent_steps * (self.tile_m + self.tile_n) * self.tile_k
         if smem + self.tile_m * self.tile_n * 4 > 227 * 1024:
             raise ValueError(f"tiles need {smem} bytes of SMEM for operands plus the epilogue "

@@ -1,10 +1,14 @@
 """fp8_linear: y = x @ w with FP8 GEMMs in the forward and both backward products.
 
   forward  y  = Q4(x) @ Q4(w)           e4m3 x e4m3
-  backward dx = Q5(dy) @ Q4(w)^T        e5m2 x e4m3
-           dw = Q4(x)^T @ Q5(dy)        e4m3 x e5m2
+  backward dx = Qg(dy) @ Q4(w)^T        Qg x e4m3
+           dw = Q4(x)^T @ Qg(dy)        e4m3 x Qg
 
-Q4/Q5 quantize to e4m3/e5m2 by the recipe:
+Q4 quantizes to e4m3; Qg, the gradient's quantizer, is e5m2 for the tensorwise recipes (one
+scale must span the whole gradient's range: e5m2 has 32x e4m3's) and e4m3 for mxfp8, as
+NVIDIA's MXFP8 recipe (Transformer Engine's MXFP8BlockScaling) does: with a scale per 32
+elements the range comes from the scales, and e4m3's extra mantissa bit halves the rounding
+error of the gradients. Recipes:
   'fp8_tensorwise' current scaling, one scale per tensor from its own amax;
   'fp8_delayed'    scales from amax histories of earlier steps (meta = {'x', 'w', 'g'}, each
                    [history]); the new histories come back as meta's "gradient", which the
@@ -12,7 +16,8 @@ Q4/Q5 quantize to e4m3/e5m2 by the recipe:
                    forward-only path leaves them alone.
   'mxfp8'          1x32 blocks with e8m0 scales along each product's contraction axis, so x,
                    w and dy are quantized once per orientation they are contracted in (the
-                   backward re-quantizes x and w from their high-precision residuals).
+                   backward re-quantizes x and w from their high-precision residuals). Scale
+                   exponents round up by default (quantize_mxfp8's `rounding`).
 The tensorwise recipes keep the FP8 copies of x and w as residuals (half the bytes of bf16).
 """
 
@@ -24,16 +29,16 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.fp8.api import fp8_matmul
-from pallas_kernels.fp8.config import E4M3, E5M2, RECIPES
+from pallas_kernels.fp8.config import E4M3, E5M2, MX_SCALE_ROUNDINGS, RECIPES
 from pallas_kernels.fp8.quant import quantize_delayed, quantize_mxfp8, quantize_tensorwise
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _fp8_linear(x, w, meta, recipe, out_dtype, impl):
-    return _fwd(x, w, meta, recipe, out_dtype, impl)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _fp8_linear(x, w, meta, recipe, out_dtype, impl, mx_rounding):
+    return _fwd(x, w, meta, recipe, out_dtype, impl, mx_rounding)[0]
 
 
-def _fwd(x, w, meta, recipe, out_dtype, impl):
+def _fwd(x, w, meta, recipe, out_dtype, impl, mx_rounding):
     mm = functools.partial(fp8_matmul, impl=impl)
     if recipe == "fp8_tensorwise":
         qx, sx = quantize_tensorwise(x, E4M3)
@@ -44,25 +49,28 @@ def _fwd(x, w, meta, recipe, out_dtype, impl):
         qw, sw, hw = quantize_delayed(w, meta["w"], E4M3)
         res = (qx, sx, qw, sw, (hx, hw, meta["g"]))
     else:  # mxfp8: blocks along K (x's axis 1, w's axis 0)
-        qx, sx = quantize_mxfp8(x, axis=1, dtype=E4M3)
-        qw, sw = quantize_mxfp8(w, axis=0, dtype=E4M3)
+        qx, sx = quantize_mxfp8(x, axis=1, dtype=E4M3, rounding=mx_rounding)
+        qw, sw = quantize_mxfp8(w, axis=0, dtype=E4M3, rounding=mx_rounding)
         res = (x, None, w, None, None)
     y = mm(qx, sx, qw, sw, out_dtype)
     # Shapes and dtypes of the primals ride along as zero-size arrays (residuals must be arrays).
     return y, (res, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
 
 
-def _bwd(recipe, out_dtype, impl, saved, g):
+def _bwd(recipe, out_dtype, impl, mx_rounding, saved, g):
     (r_x, sx, r_w, sw, hist), x_like, w_like = saved
     mm = functools.partial(fp8_matmul, impl=impl)
     new_meta = None
     if recipe == "mxfp8":
+        # Every operand e4m3, the gradient too (TE's MXFP8BlockScaling): per-32 scales give
+        # the range that tensorwise recipes need e5m2 for.
+        mx = functools.partial(quantize_mxfp8, dtype=E4M3, rounding=mx_rounding)
         x, w = r_x, r_w
-        qg_n, sg_n = quantize_mxfp8(g, axis=1, dtype=E5M2)  # dx contracts over N
-        qw_n, sw_n = quantize_mxfp8(w, axis=1, dtype=E4M3)
+        qg_n, sg_n = mx(g, axis=1)  # dx contracts over N
+        qw_n, sw_n = mx(w, axis=1)
         dx = mm(qg_n, sg_n, qw_n.T, sw_n.T, x_like.dtype)
-        qx_t, sx_t = quantize_mxfp8(x, axis=0, dtype=E4M3)  # dw contracts over tokens
-        qg_t, sg_t = quantize_mxfp8(g, axis=0, dtype=E5M2)
+        qx_t, sx_t = mx(x, axis=0)  # dw contracts over tokens
+        qg_t, sg_t = mx(g, axis=0)
         dw = mm(qx_t.T, sx_t.T, qg_t, sg_t, w_like.dtype)
     else:
         qx, qw = r_x, r_w
@@ -77,24 +85,29 @@ def _bwd(recipe, out_dtype, impl, saved, g):
     return dx, dw, new_meta
 
 
-_fp8_linear.defvjp(lambda x, w, meta, recipe, out_dtype, impl: _fwd(x, w, meta, recipe, out_dtype, impl), _bwd)
+_fp8_linear.defvjp(_fwd, _bwd)
 
 
 def fp8_linear(x, w, meta=None, *, recipe: str = "fp8_tensorwise", out_dtype=None,
-               impl: str = "auto"):
+               impl: str = "auto", mxfp8_scale_rounding: str = "up"):
     """x [T, K] @ w [K, N] -> [T, N] in out_dtype (default x.dtype) with FP8 GEMMs.
 
     meta: for 'fp8_delayed', {'x', 'w', 'g'} float32 amax histories (new_fp8_meta()); None
     otherwise. Gradients: dx in x.dtype, dw in w.dtype; with 'fp8_delayed' the gradient for
-    meta is the updated histories (see the module docstring)."""
+    meta is the updated histories (see the module docstring). mxfp8_scale_rounding: 'up'
+    (scale exponents ceil(log2(amax / 448)): no block max clipped) or 'floor' (the OCP rule);
+    quantize_mxfp8 explains both. Only 'mxfp8' reads it."""
     if recipe not in RECIPES:
         raise ValueError(f"unknown FP8 recipe {recipe!r}; use one of {list(RECIPES)}")
+    if mxfp8_scale_rounding not in MX_SCALE_ROUNDINGS:
+        raise ValueError(f"unknown mxfp8_scale_rounding {mxfp8_scale_rounding!r}; use one of "
+                         f"{list(MX_SCALE_ROUNDINGS)}")
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
         raise ValueError(f"fp8_linear takes x [T, K] and w [K, N], got {x.shape}, {w.shape}")
     if (recipe == "fp8_delayed") != (meta is not None):
         raise ValueError("meta (amax histories) is required for 'fp8_delayed' and only there")
     out_dtype = jnp.dtype(out_dtype or x.dtype)
-    return _fp8_linear(x, w, meta, recipe, out_dtype, impl)
+    return _fp8_linear(x, w, meta, recipe, out_dtype, impl, mxfp8_scale_rounding)
 
 
 def new_fp8_meta(history: int, stack: tuple[int, ...] = ()) -> dict:

@@ -2,11 +2,16 @@
 tensorwise scales applied to the float32 accumulator in the epilogue.
 
 One CTA (one warpgroup) per (tile_m, tile_n) output tile. A [M, K] and B^T [N, K] tiles stream
-through `max_concurrent_steps` SMEM stages by TMA (128-byte swizzle); each K step issues one
-wgmma and keeps it in flight while the next tiles land (delay_release=1). FP8 wgmma reads both
+through `max_concurrent_steps` SMEM stages by TMA (128-byte swizzle). FP8 wgmma reads both
 operands K-major, which is why B arrives as B^T: the caller quantizes W^T, so the transpose is
 fused into the cast instead of costing a pass. Any mix of e4m3/e5m2 is accepted (the backward
 multiplies e5m2 gradients by e4m3 weights or activations).
+
+Accumulation (Sm90Config.promote_every): FP8 wgmma keeps only ~14 mantissa bits in its
+accumulator, so by default each K tile's wgmma starts from a zero accumulator and its result
+is added into a float32 register total (promotion, as DeepSeek-V3 and TE's split accumulator
+do); the loads of later tiles stay in flight meanwhile. With promote_every=0 one accumulator
+runs over all of K and each wgmma stays in flight while the next tiles land (delay_release=1).
 """
 
 from __future__ import annotations
@@ -26,31 +31,70 @@ def supported(m: int, n: int, k: int, config: Sm90Config = Sm90Config()) -> bool
     return m % config.tile_m == 0 and n % config.tile_n == 0 and k % config.tile_k == 0
 
 
-def _kernel(a_gmem, bt_gmem, s_gmem, out_gmem, *, config: Sm90Config, k_iters: int):
+def _wgmma_group(acc, a_smem, bt_smem, interpret: bool):
+    """acc + a_smem @ bt_smem.T through a wgmma accumulating onto acc's registers
+    (pl.run_state, which waits for the wgmma). The Mosaic GPU interpreter has no rule for
+    run_state (jax 0.11.2): there a zero accumulator is used and added, the same sum."""
+    def issue(acc_ref):
+        plgpu.wgmma(acc_ref, a_smem, bt_smem.T)
+
+    if not interpret:
+        return pl.run_state(issue)(plgpu.ACC.init(acc))
+
+    def scoped(acc_ref):
+        issue(acc_ref)
+        return acc_ref[...]
+    return acc + pl.run_scoped(scoped, plgpu.ACC(acc.shape, jnp.float32))
+
+
+def _kernel(a_gmem, bt_gmem, s_gmem, out_gmem, *, config: Sm90Config, k_iters: int,
+            interpret: bool):
     tm, tn, tk = config.tile_m, config.tile_n, config.tile_k
+    every = config.promote_every
     mi, ni = jax.lax.axis_index("m"), jax.lax.axis_index("n")
     swizzle = plgpu.find_swizzle(tk * 8)  # 128 bytes of one-byte elements
     transforms = (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
+    # Without promotion a step's wgmma is still reading its SMEM stage when the step ends, so
+    # the stage is released a step late (delay_release=1); promoted steps wait for theirs.
+    delay = 0 if every else 1
+    pipeline = functools.partial(
+        plgpu.emit_pipeline, grid=(k_iters,), max_concurrent_steps=config.max_concurrent_steps,
+        in_specs=[plgpu.BlockSpec((tm, tk), lambda k: (mi, k), transforms=transforms,
+                                  delay_release=delay),
+                  plgpu.BlockSpec((tn, tk), lambda k: (ni, k), transforms=transforms,
+                                  delay_release=delay)])
+    zeros = lambda: plgpu.layout_cast(jnp.zeros((tm, tn), jnp.float32), plgpu.Layout.WGMMA)
 
-    def acc_scope(acc_ref):
-        def step(_, a_smem, bt_smem):
-            plgpu.wgmma(acc_ref, a_smem, bt_smem.T)
-            plgpu.wgmma_wait(1)  # the previous step's wgmma is done: its SMEM stage may refill
+    if every == 0:  # one wgmma accumulator over all of K
+        def acc_scope(acc_ref):
+            def step(_, a_smem, bt_smem):
+                plgpu.wgmma(acc_ref, a_smem, bt_smem.T)
+                plgpu.wgmma_wait(1)  # the previous step's wgmma is done: its stage may refill
 
-        plgpu.emit_pipeline(
-            step,
-            grid=(k_iters,),
-            in_specs=[
-                plgpu.BlockSpec((tm, tk), lambda k: (mi, k), transforms=transforms,
-                                delay_release=1),
-                plgpu.BlockSpec((tn, tk), lambda k: (ni, k), transforms=transforms,
-                                delay_release=1),
-            ],
-            max_concurrent_steps=config.max_concurrent_steps,
-        )(a_gmem, bt_gmem)
-        return acc_ref[...]
+            pipeline(step)(a_gmem, bt_gmem)
+            return acc_ref[...]
 
-    acc = pl.run_scoped(acc_scope, plgpu.ACC((tm, tn), jnp.float32))
+        acc = pl.run_scoped(acc_scope, plgpu.ACC((tm, tn), jnp.float32))
+    elif every == 1:
+        # Each K tile (4 wgmma K=32 instructions) into a fresh zero accumulator; reading it
+        # waits for the wgmma, then it joins the float32 total.
+        def step(_, a_smem, bt_smem, total):
+            def tile(acc_ref):
+                plgpu.wgmma(acc_ref, a_smem, bt_smem.T)
+                return acc_ref[...]
+            return total + pl.run_scoped(tile, plgpu.ACC((tm, tn), jnp.float32))
+
+        acc = pipeline(step, init_carry=zeros())(a_gmem, bt_gmem)
+    else:
+        # The partial sum carries over `every` tiles, then joins the total and restarts.
+        def step(idx, a_smem, bt_smem, carry):
+            total, part = carry
+            part = _wgmma_group(part, a_smem, bt_smem, interpret)
+            return jax.lax.cond((idx[0] + 1) % every == 0,
+                                lambda t, p: (t + p, zeros()), lambda t, p: (t, p), total, part)
+
+        total, part = pipeline(step, init_carry=(zeros(), zeros()))(a_gmem, bt_gmem)
+        acc = total + part  # the last group, when every does not divide the K tiles
     out_dtype = out_gmem.dtype
     out_swizzle = plgpu.find_swizzle(tn * jnp.dtype(out_dtype).itemsize * 8)
     out_transforms = (
@@ -79,7 +123,8 @@ def fp8_matmul_sm90(a, a_scale, bt, b_scale, out_dtype=jnp.bfloat16, *,
                          f"tile_n={config.tile_n}, tile_k={config.tile_k}")
     scale = (jnp.asarray(a_scale, jnp.float32) * jnp.asarray(b_scale, jnp.float32)).reshape(1)
     kernel = plgpu.kernel(
-        functools.partial(_kernel, config=config, k_iters=k // config.tile_k),
+        functools.partial(_kernel, config=config, k_iters=k // config.tile_k,
+                          interpret=interpret is not None),
         out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
         grid=(m // config.tile_m, n // config.tile_n),
         grid_names=("m", "n"),

@@ -17,7 +17,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.fp8.config import E4M3, E8M0, FP8_EMAX, FP8_MAX, MX_BLOCK, check_fp8
+from pallas_kernels.fp8.config import (E4M3, E8M0, FP8_EMAX, FP8_MAX, MX_BLOCK,
+                                       MX_SCALE_ROUNDINGS, check_fp8)
 
 
 def amax(x) -> jax.Array:
@@ -27,7 +28,11 @@ def amax(x) -> jax.Array:
 
 def scale_from_amax(amax_value, dtype=E4M3, margin: int = 0) -> jax.Array:
     """Dequantization scale mapping amax onto the format's max (times 2**margin headroom).
-    An all-zero or non-finite amax gives 1.0, so zeros stay zeros and nothing divides by 0/inf."""
+    An all-zero or non-finite amax gives 1.0, so zeros stay zeros and nothing divides by 0/inf.
+    That fallback only keeps the arithmetic safe: a non-finite amax means an inf/NaN operand,
+    which the saturating cast would otherwise hide. With delayed scaling the train step counts
+    the non-finite amaxes it records (metric 'fp8_nonfinite_amax') and skips that step,
+    histories included (titanax/train/step.py), so none enters a history."""
     fmax = FP8_MAX[check_fp8(dtype)]
     amax_value = jnp.asarray(amax_value, jnp.float32)
     scale = amax_value * jnp.float32(2.0 ** margin) / jnp.float32(fmax)
@@ -92,18 +97,29 @@ def e8m0_to_float32(s) -> jax.Array:
     return jnp.where(bits == 255, jnp.float32(jnp.nan), val)
 
 
-def quantize_mxfp8(x, axis: int = -1, dtype=E4M3) -> tuple[jax.Array, jax.Array]:
-    """MXFP8: blocks of 32 consecutive elements along `axis` share an e8m0 scale.
+def quantize_mxfp8(x, axis: int = -1, dtype=E4M3,
+                   rounding: str = "up") -> tuple[jax.Array, jax.Array]:
+    """MXFP8: blocks of 32 consecutive elements along `axis` share an e8m0 scale 2**X.
 
-    Returns (q with x's shape, scales with x's shape but ceil(n/32) along axis). Per the OCP
-    spec: shared exponent X = floor(log2(amax_block)) - emax_elem (8 for e4m3, 15 for e5m2),
-    clamped to e8m0's [-127, 127]; elements are x / 2**X cast with saturation (amax / 2**X lies
-    in [2**emax, 2**(emax+1)) and may exceed the format's max, which the spec leaves to
-    saturation). An all-zero block gets X = -127. A block holding NaN or inf gets the NaN scale
-    0xFF, as the spec requires. The last block along axis may be partial (zero-padded for its
-    amax; the padding is not returned).
+    Returns (q with x's shape, scales with x's shape but ceil(n/32) along axis). rounding:
+      'up'    (default; NVIDIA's MXFP8 recipe, Transformer Engine's MXFP8BlockScaling):
+              X = ceil(log2(amax / fmax)), the smallest scale that leaves the block's largest
+              element unclipped. Computed exactly: X0 = floor(log2 amax) - emax, plus one when
+              amax * 2**-X0 > fmax (with amax = m * 2**e, m in [0.5, 1): when
+              m > fmax / 2**(emax+1) = 0.875 for both formats), so nothing rounds.
+      'floor' the OCP Microscaling v1.0 rule X0 = floor(log2(amax)) - emax_elem (8 for e4m3,
+              15 for e5m2): amax / 2**X0 lies in [2**emax, 2**(emax+1)) and may exceed the
+              format's max (448 for e4m3 above 1.75 * 2**8), which the spec leaves to saturation:
+              the block maximum is clipped by up to 12.5%.
+    X is clamped to e8m0's [-127, 127]; elements are x / 2**X cast with saturation. An all-zero
+    block gets X = -127. A block holding NaN or inf gets the NaN scale 0xFF, as the spec
+    requires. The last block along axis may be partial (zero-padded for its amax; the padding
+    is not returned).
     """
     dtype = check_fp8(dtype)
+    if rounding not in MX_SCALE_ROUNDINGS:
+        raise ValueError(f"unknown MX scale rounding {rounding!r}; use one of "
+                         f"{list(MX_SCALE_ROUNDINGS)} ('up': the block max is never clipped)")
     axis = axis % x.ndim
     n = x.shape[axis]
     nb = -(-n // MX_BLOCK)
@@ -112,13 +128,18 @@ def quantize_mxfp8(x, axis: int = -1, dtype=E4M3) -> tuple[jax.Array, jax.Array]
     xb = jnp.pad(xf, [(0, 0)] * len(lead) + [(0, nb * MX_BLOCK - n)])
     xb = xb.reshape(*lead, nb, MX_BLOCK)
     block_amax = jnp.max(jnp.abs(xb), axis=-1)  # NaN propagates through max
-    _, e = jnp.frexp(block_amax)  # amax = m * 2**e, m in [0.5, 1): floor(log2 amax) = e - 1
-    x_exp = jnp.clip(e - 1 - FP8_EMAX[dtype], -127, 127)
+    mant, e = jnp.frexp(block_amax)  # amax = m * 2**e, m in [0.5, 1): floor(log2 amax) = e - 1
+    emax, fmax = FP8_EMAX[dtype], jnp.float32(FP8_MAX[dtype])
+    x_exp = e - 1 - emax
+    if rounding == "up":
+        # amax * 2**-X0 = m * 2**(emax + 1): compared through m, exact and overflow-free.
+        over = mant * jnp.float32(2.0 ** (emax + 1)) > fmax
+        x_exp = x_exp + over.astype(x_exp.dtype)
+    x_exp = jnp.clip(x_exp, -127, 127)
     x_exp = jnp.where(block_amax == 0, -127, x_exp)
     finite = jnp.isfinite(block_amax)
     # x * 2**-X is exact (a power of two; 2**-X stays a float32 normal for every clamped X).
     y = xb * jnp.ldexp(jnp.float32(1.0), -x_exp)[..., None]
-    fmax = jnp.float32(FP8_MAX[dtype])
     q = jnp.clip(y, -fmax, fmax).astype(dtype)
     q = q.reshape(*lead, nb * MX_BLOCK)[..., :n]
     scales = jnp.where(finite, _e8m0_from_exponent(x_exp),

@@ -5,12 +5,16 @@ float32 accumulator; products of two FP8 numbers are exact in float32, so only t
 order can differ from a kernel. Scales: tensorwise (float32 scalars) are applied once to the
 accumulator, as the kernels' epilogues do; MX (e8m0, one per 32 of K) multiply the operands
 block by block before the dot (exact: powers of two).
+
+emulate_wgmma_accumulation models what the reference does not: Hopper's FP8 wgmma adding into
+an accumulator of reduced precision, with and without the float32 promotion of matmul_sm90.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels.fp8.config import FP8_DTYPES, MX_BLOCK
 from pallas_kernels.fp8.quant import dequantize_mxfp8
@@ -64,3 +68,45 @@ def fp8_matmul_xla(a, a_scale, b, b_scale, out_dtype=jnp.bfloat16) -> jax.Array:
     out = jax.nn.scaled_matmul(a[None], b.T[None], a_scale[None], b_scale.T[None],
                                preferred_element_type=jnp.float32)
     return out[0].astype(out_dtype)
+
+
+# --- Hopper FP8 accumulation model ---------------------------------------------------------------
+WGMMA_K = 32  # K of one FP8 wgmma instruction (m64nNk32)
+# Fraction bits the FP8 wgmma accumulator keeps: "around 14 bits" (DeepSeek-V3, §3.3.2),
+# i.e. 13 stored bits plus the implicit leading one; float32 keeps 23.
+WGMMA_ACC_MANTISSA_BITS = 13
+
+
+def _truncate_mantissa(x, bits: int):
+    """x (float64) rounded toward zero to `bits` fraction bits: the accumulator drops the low
+    bits of each sum, it does not round them."""
+    m, e = np.frexp(x)  # x = m * 2**e, |m| in [0.5, 1): bits + 1 significant bits kept
+    scale = float(2 ** (bits + 1))
+    return np.ldexp(np.trunc(m * scale) / scale, e)
+
+
+def emulate_wgmma_accumulation(a, b, promote_every_elements: int = 0, *,
+                               mantissa_bits: int = WGMMA_ACC_MANTISSA_BITS) -> np.ndarray:
+    """a [M, K] @ b [K, N] as an FP8 wgmma chain computes it, in numpy float64 (a model).
+
+    Each instruction's 32 products are summed exactly, added into the accumulator, and the
+    sum truncated to `mantissa_bits` fraction bits. promote_every_elements > 0 (a multiple of
+    32): every that many elements of K the accumulator is added into a float32 total (round to
+    nearest) and restarts from zero, as matmul_sm90 does every promote_every * tile_k elements;
+    0: one accumulator over all of K (no promotion). Returns float32 [M, N]."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    (m, k), n = a.shape, b.shape[1]
+    if k % WGMMA_K or promote_every_elements < 0 or promote_every_elements % WGMMA_K:
+        raise ValueError(f"K={k} and promote_every_elements={promote_every_elements} must be "
+                         f"multiples of {WGMMA_K} (one wgmma instruction); 0 = no promotion")
+    total = np.zeros((m, n), np.float32)
+    acc = np.zeros((m, n), np.float64)
+    for k0 in range(0, k, WGMMA_K):
+        # FP8 products and their sum over 32 in float64: exact for e4m3 x e4m3, and within
+        # 2**-53 of the largest term for wider spans (e5m2), far below the bits modelled here.
+        part = a[:, k0:k0 + WGMMA_K] @ b[k0:k0 + WGMMA_K]
+        acc = _truncate_mantissa(acc + part, mantissa_bits)
+        if promote_every_elements and (k0 + WGMMA_K) % promote_every_elements == 0:
+            total = (total.astype(np.float64) + acc).astype(np.float32)
+            acc = np.zeros_like(acc)
+    return (total.astype(np.float64) + acc).astype(np.float32)

@@ -95,3 +95,36 @@ def test_bad_scales_are_rejected():
         fp8_matmul(a.astype(jnp.bfloat16), jnp.float32(1), b, jnp.float32(1))
     with pytest.raises(ValueError, match="unknown fp8_matmul impl"):
         fp8_matmul(a, jnp.float32(1), b, jnp.float32(1), impl="cublas")
+
+
+@pytest.mark.parametrize("cc, mode, ours", [((9, 0), "tensorwise", "sm90"),
+                                            ((10, 0), "mx", "sm100")])
+def test_auto_takes_xla_until_a_recorded_benchmark_says_otherwise(monkeypatch, caplog, cc,
+                                                                  mode, ours):
+    from pallas_kernels import measured
+    from pallas_kernels.fp8 import api
+    monkeypatch.setattr(api, "compute_capability", lambda: cc)
+    api._log_once.cache_clear()
+    with caplog.at_level("WARNING"):
+        assert api.resolve_impl("auto", mode, 1024, 1024, 1024) == "xla"
+        assert api.resolve_impl("auto", mode, 1024, 1024, 1024) == "xla"
+    said = [r.message for r in caplog.records if "fp8_matmul auto" in r.message]
+    assert len(said) == 1 and "no benchmark" in said[0], said
+    op = "mxfp8" if mode == "mx" else "fp8_tensorwise"
+    monkeypatch.setitem(measured.WINS, (op, cc[0]), ours)
+    assert api.resolve_impl("auto", mode, 1024, 1024, 1024) == ours
+    assert api.resolve_impl("auto", mode, 1000, 1024, 1024) == "xla"  # not whole tiles
+    assert api.resolve_impl(ours, mode, 1024, 1024, 1024) == ours
+
+
+def test_pallas_grid_is_refused_on_gpu(monkeypatch):
+    # Its Triton build spills and cannot load e8m0 scales: a GPU caller is told the paths.
+    from pallas_kernels.fp8 import api
+    monkeypatch.setattr(api, "target_platform", lambda: "gpu")
+    a = jnp.ones((32, 64), E4M3)
+    with pytest.raises(ValueError, match="not a GPU kernel.*impl='xla'"):
+        fp8_matmul(a, jnp.float32(1), a.T, jnp.float32(1), impl="pallas_grid")
+    # interpret=True (the CPU tests' path) stays allowed.
+    out = fp8_matmul(a, jnp.float32(1), a.T, jnp.float32(1), impl="pallas_grid", config=GRID,
+                     interpret=True)
+    assert out.shape == (32, 32)

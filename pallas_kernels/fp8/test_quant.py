@@ -37,7 +37,7 @@ def np_floor_log2(v):
     return np.where(exp_field > 0, exp_field - 127, sub)
 
 
-def np_mxfp8(x, axis, np_dtype, emax):
+def np_mxfp8(x, axis, np_dtype, emax, rounding="up"):
     x = np.moveaxis(np.asarray(x, np.float32), axis, -1)
     n = x.shape[-1]
     nb = -(-n // 32)
@@ -46,7 +46,12 @@ def np_mxfp8(x, axis, np_dtype, emax):
     xb = xb.reshape(*x.shape[:-1], nb, 32)
     amax = np.max(np.abs(xb), axis=-1)
     safe = np.where((amax > 0) & np.isfinite(amax), amax, 1.0).astype(np.float32)
-    e = np.clip(np_floor_log2(safe) - emax, -127, 127)
+    e = np_floor_log2(safe) - emax
+    if rounding == "up":  # amax / 2**e > fmax iff amax's significand > fmax / 2**emax (1.75)
+        sig_max = float(ml_dtypes.finfo(np_dtype).max) / 2.0 ** emax
+        bits = safe.view(np.uint32).astype(np.int64)
+        e = e + (((bits >> 23) & 0xFF > 0) & ((bits & 0x7FFFFF) > int((sig_max - 1) * 2 ** 23)))
+    e = np.clip(e, -127, 127)
     e = np.where(amax == 0, -127, e)
     fmax = float(ml_dtypes.finfo(np_dtype).max)
     with np.errstate(all="ignore"):
@@ -114,17 +119,18 @@ def test_delayed_scaling_history_and_overflow():
     assert float(s) == np.float32(2.0) / np.float32(448.0)
 
 
+@pytest.mark.parametrize("rounding", ["up", "floor"])
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("shape,axis", [((64, 96), 1), ((64, 96), 0), ((5, 70), -1),
                                         ((3, 33, 4), 1)])
-def test_mxfp8_bit_exact(fmt, shape, axis):
+def test_mxfp8_bit_exact(fmt, shape, axis, rounding):
     dt, np_dt, emax = FMT[fmt]
     x = _mixed(shape, 3)
     x[0, :] = 0.0  # all-zero blocks: X = -127
-    x.reshape(-1)[5] = 3.0e38  # near float32 max: X = 127 - emax
+    x.reshape(-1)[5] = 3.0e38  # near float32 max: X = 127 - emax (+1 rounded up)
     x.reshape(-1)[-1] = 1.1754944e-38  # smallest normal: X clamps to -127
-    q, s = quant.quantize_mxfp8(jnp.asarray(x), axis=axis, dtype=dt)
-    q_ref, s_ref = np_mxfp8(x, axis, np_dt, emax)
+    q, s = quant.quantize_mxfp8(jnp.asarray(x), axis=axis, dtype=dt, rounding=rounding)
+    q_ref, s_ref = np_mxfp8(x, axis, np_dt, emax, rounding)
     assert q.shape == x.shape and s.dtype == jnp.float8_e8m0fnu
     assert s.shape[axis % x.ndim] == -(-x.shape[axis] // 32)  # partial edge blocks kept
     np.testing.assert_array_equal(_bits(s), s_ref)
@@ -132,15 +138,61 @@ def test_mxfp8_bit_exact(fmt, shape, axis):
 
 
 def test_mxfp8_scale_choice_and_spec_saturation():
-    # One block: amax 1.0 -> X = 0 - 8 = -8 (e4m3), elements scaled by 2**8.
     x = jnp.zeros((32,)).at[0].set(1.0).at[1].set(-0.75).at[2].set(1.9)
-    q, s = quant.quantize_mxfp8(x, dtype=E4M3)
+    q, s = quant.quantize_mxfp8(x, dtype=E4M3, rounding="floor")
     assert _bits(s)[0] == 127 - 8 + 0  # amax 1.9 -> floor(log2) = 0 -> X = -8
     # 1.9 * 256 = 486.4 > 448: the spec's floor rule overflows the element; saturated to 448.
     np.testing.assert_array_equal(np.float32(q)[:3], [256.0, -192.0, 448.0])
     np.testing.assert_array_equal(quant.dequantize_mxfp8(q, s)[:2], [1.0, -0.75])
+    # Rounded up (the default): X = ceil(log2(1.9 / 448)) = -7; 1.9 * 128 = 243.2 -> 240.
+    q, s = quant.quantize_mxfp8(x, dtype=E4M3)
+    assert _bits(s)[0] == 127 - 7
+    np.testing.assert_array_equal(np.float32(q)[:3], [128.0, -96.0, 240.0])
+    with pytest.raises(ValueError, match="MX scale rounding"):
+        quant.quantize_mxfp8(x, rounding="nearest")
     bad = jnp.zeros((64,)).at[3].set(jnp.nan).at[40].set(jnp.inf)
     _, s = quant.quantize_mxfp8(bad, dtype=E4M3)
     np.testing.assert_array_equal(_bits(s), [255, 255])  # NaN scale, as the OCP spec says
     _, s = quant.quantize_mxfp8(jnp.zeros((40,)), dtype=E5M2)
     np.testing.assert_array_equal(_bits(s), [0, 0])  # all-zero blocks: 2**-127, no NaN
+
+
+def _edge_blocks(rng, fmax):
+    """[blocks, 32] float32: random normal blocks at magnitudes 2**-20..2**20, and blocks whose
+    max sits on the rounding edges: an exact power of two, exactly fmax * 2**k (fits, both
+    rules), the next float32 above it and a value between fmax and 2**(emax+1) (the floor rule
+    clips both), and 2**(emax+1) * 2**k minus one float32 ulp."""
+    rows = [rng.standard_normal(32) * 2.0 ** rng.integers(-20, 21) for _ in range(64)]
+    for k in (-10, -3, 0, 1, 7):
+        for top in (2.0 ** (k + 3), fmax * 2.0 ** k,
+                    np.nextafter(np.float32(fmax * 2.0 ** k), np.float32(np.inf)),
+                    fmax * 1.07 * 2.0 ** k,
+                    np.nextafter(np.float32(2 * fmax / 1.75 * 2.0 ** k), np.float32(0))):
+            row = rng.uniform(-1, 1, 32) * top
+            row[rng.integers(32)] = -top if k % 2 else top
+            rows.append(row)
+    return np.asarray(rows, np.float32)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_mxfp8_round_up_never_clips_a_block_max_and_both_rules_stay_accurate(fmt):
+    dt, np_dt, _ = FMT[fmt]
+    info = ml_dtypes.finfo(np_dt)
+    fmax, mbits, emin = float(info.max), int(info.nmant), int(info.minexp)
+    x = _edge_blocks(np.random.default_rng(7), fmax)
+    clipped = {}
+    for rounding in ("up", "floor"):
+        q, s = quant.quantize_mxfp8(jnp.asarray(x), axis=1, dtype=dt, rounding=rounding)
+        scale = np.asarray(quant.e8m0_to_float32(s), np.float64)  # [blocks, 1]
+        y = np.abs(x.astype(np.float64)) / scale  # what the cast sees, before saturation
+        clipped[rounding] = int(np.sum(y.max(axis=1) > fmax))
+        # Where nothing clips, the error is the format's rounding: half an ulp, i.e.
+        # 2**-(mbits+1) relative for normals and half the smallest subnormal below them.
+        err = np.abs(np.asarray(quant.dequantize_mxfp8(q, s, axis=1), np.float64) - x) / scale
+        bound = np.maximum(2.0 ** -(mbits + 1) * y, 2.0 ** (emin - mbits - 1))
+        ok = y <= fmax
+        assert np.all(err[ok] <= bound[ok]), rounding
+        # Clipped elements (floor only) lose at most the 12.5% between fmax and 2**(emax+1).
+        assert np.all(err[~ok] <= 0.125 * y[~ok] + 1e-12), rounding
+    assert clipped["up"] == 0
+    assert clipped["floor"] >= 10  # every edge block above fmax * 2**k, at each k

@@ -66,7 +66,7 @@ def test_sm100_compiles_for_b200_without_gpu():
         S = jax.ShapeDtypeStruct
         M, N, K = 256, 512, 1024
         def f(a, sa, b, sb):
-            return fp8_matmul(a, sa, b, sb, jnp.bfloat16)  # auto on sm_100 + MX -> sm100
+            return fp8_matmul(a, sa, b, sb, jnp.bfloat16, impl="sm100")
         c = aot.compile_for("b200", f, S((M, K), jnp.float8_e4m3fn),
                             S((M, K // 32), jnp.float8_e8m0fnu), S((K, N), jnp.float8_e5m2),
                             S((K // 32, N), jnp.float8_e8m0fnu))

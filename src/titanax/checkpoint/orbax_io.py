@@ -39,7 +39,8 @@ from titanax.config import CheckpointConfig, Config, ConfigError, ModelConfig
 
 # Fields that change how the same weights are computed, not what they are: a checkpoint may be
 # resumed with other values (say a GPU attention kernel after a CPU run).
-EXECUTION_ONLY_MODEL_FIELDS = ("attention_impl", "matmul_precision", "dtype", "remat")
+EXECUTION_ONLY_MODEL_FIELDS = ("attention_impl", "matmul_precision", "dtype", "remat",
+                               "mxfp8_scale_rounding", "grad_reduce_dtype")
 
 PARAM_LAYOUT = 2  # the parameter layout this code writes (see the module docstring)
 _LAYOUT_KEY = "titanax_param_layout"  # in each step's custom metadata
@@ -353,6 +354,9 @@ def check_same_model(saved_config: dict, model: ModelConfig, *, source) -> None:
         old, new = getattr(saved, name), getattr(model, name)
         if name == "matmul_precision":  # fp8_delayed keeps amax histories in the state
             return old != new and "fp8_delayed" in (old, new)
+        if name == "fp8_amax_history":  # their length, in the state only under fp8_delayed
+            return old != new and saved.matmul_precision == model.matmul_precision \
+                == "fp8_delayed"
         return old != new and name not in EXECUTION_ONLY_MODEL_FIELDS
 
     diffs = [f"model.{f.name}: {getattr(saved, f.name)!r} -> {getattr(model, f.name)!r}"

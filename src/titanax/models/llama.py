@@ -87,13 +87,14 @@ class Block(nnx.Module):
         inv_freq = rope_inv_freq(cfg.resolved_head_dim, cfg.rope_theta, cfg.rope_scaling,
                                  cfg.rope_factor, cfg.rope_low_freq_factor,
                                  cfg.rope_high_freq_factor, cfg.rope_original_max_seq_len)
+        # Every projection: the compute dtype or an FP8 recipe, this call site's histories.
+        lin = lambda x, w, spec, meta: ops.linear(
+            x, w, spec, precision=prec, dtype=dt, fp8_meta=meta,
+            grad_reduce=cfg.grad_reduce_dtype, mxfp8_scale_rounding=cfg.mxfp8_scale_rounding)
         h_BSD = self.attn_norm(x_BSD)
-        q_BSHK = ops.linear(h_BSD, self.wq[...], "bsd,dhk->bshk", precision=prec, dtype=dt,
-                    fp8_meta=self._meta("wq"), grad_reduce=cfg.grad_reduce_dtype)
-        k_BSHK = ops.linear(h_BSD, self.wk[...], "bsd,dhk->bshk", precision=prec, dtype=dt,
-                    fp8_meta=self._meta("wk"), grad_reduce=cfg.grad_reduce_dtype)
-        v_BSHK = ops.linear(h_BSD, self.wv[...], "bsd,dhk->bshk", precision=prec, dtype=dt,
-                    fp8_meta=self._meta("wv"), grad_reduce=cfg.grad_reduce_dtype)
+        q_BSHK = lin(h_BSD, self.wq[...], "bsd,dhk->bshk", self._meta("wq"))
+        k_BSHK = lin(h_BSD, self.wk[...], "bsd,dhk->bshk", self._meta("wk"))
+        v_BSHK = lin(h_BSD, self.wv[...], "bsd,dhk->bshk", self._meta("wv"))
         q_BSHK = shard_activation(apply_rope(q_BSHK, positions_BS, inv_freq),
                                   ("batch", "seq", "heads", "head_dim"))
         k_BSHK = shard_activation(apply_rope(k_BSHK, positions_BS, inv_freq),
@@ -110,18 +111,14 @@ class Block(nnx.Module):
             out_BSHK = ops.attention(q_BSHK, k_cache, v_cache, impl=cfg.attention_impl,
                                      causal=True, q_offset=cache_index,
                                      kv_valid_len=cache_index + q_BSHK.shape[1])
-        x_BSD = x_BSD + ops.linear(out_BSHK, self.wo[...], "bshk,dhk->bsd", precision=prec, dtype=dt,
-                    fp8_meta=self._meta("wo"), grad_reduce=cfg.grad_reduce_dtype)
+        x_BSD = x_BSD + lin(out_BSHK, self.wo[...], "bshk,dhk->bsd", self._meta("wo"))
         x_BSD = shard_activation(x_BSD, ("batch", "norm_seq", "embed"))
 
         h_BSD = self.mlp_norm(x_BSD)
-        gate_BSF = ops.linear(h_BSD, self.w_gate[...], "bsd,df->bsf", precision=prec, dtype=dt,
-                    fp8_meta=self._meta("w_gate"), grad_reduce=cfg.grad_reduce_dtype)
-        up_BSF = ops.linear(h_BSD, self.w_up[...], "bsd,df->bsf", precision=prec, dtype=dt,
-                    fp8_meta=self._meta("w_up"), grad_reduce=cfg.grad_reduce_dtype)
+        gate_BSF = lin(h_BSD, self.w_gate[...], "bsd,df->bsf", self._meta("w_gate"))
+        up_BSF = lin(h_BSD, self.w_up[...], "bsd,df->bsf", self._meta("w_up"))
         act_BSF = shard_activation(jax.nn.silu(gate_BSF) * up_BSF, ("batch", "seq", "mlp"))
-        x_BSD = x_BSD + ops.linear(act_BSF, self.w_down[...], "bsf,df->bsd", precision=prec, dtype=dt,
-                    fp8_meta=self._meta("w_down"), grad_reduce=cfg.grad_reduce_dtype)
+        x_BSD = x_BSD + lin(act_BSF, self.w_down[...], "bsf,df->bsd", self._meta("w_down"))
         return shard_activation(x_BSD, ("batch", "norm_seq", "embed")), new_kv
 
 

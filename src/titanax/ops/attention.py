@@ -4,8 +4,8 @@
 (grouped-query attention without repeating K/V in memory, softmax in float32); 'cudnn' is
 jax.nn.dot_product_attention (cuDNN's fused kernel on GPU, XLA elsewhere); 'triton',
 'mosaic_sm90', 'mosaic_sm100' and 'auto' go to pallas_kernels.flash_attention (Pallas flash
-kernels with their own backward; 'auto' picks by GPU generation, and on a CPU falls back to
-'xla'). On a CPU the Pallas kernels run in interpret mode, which is slow and meant for tests.
+kernels with their own backward; 'auto' takes cuDNN on GPU unless a recorded benchmark shows
+ours faster or the call needs ours (segment ids, shard_map bodies), and 'xla' on a CPU). On a CPU the Pallas kernels run in interpret mode, which is slow and meant for tests.
 Decoding with a KV cache (q_offset / kv_valid_len) always takes the XLA path: the flash
 kernels are for training and prefill, where queries and keys are the same sequence. The flash
 kernels run per device shard (parallel/per_shard.py): XLA cannot partition them. cuDNN's
@@ -104,16 +104,18 @@ def attention(q_BSHD, k_BTKD, v_BTKD, *, impl: str = "xla", causal: bool = True,
     if impl in FLASH_IMPLS and not decoding and kv_segment_ids is None and S == T:
         interpret = target_platform() == "cpu" and impl != "auto"
         kw = dict(causal=causal, softmax_scale=softmax_scale, interpret=interpret)
-        resolved = resolve_impl(impl, q_BSHD.dtype, q_BSHD.shape[-1], interpret=interpret)
-        if interpret or resolved not in PALLAS_IMPLS:
+        resolved = resolve_impl(impl, q_BSHD.dtype, q_BSHD.shape[-1], interpret=interpret,
+                                segment_ids=segment_ids is not None)
+        if interpret:
             # Interpreted kernels are plain HLO loops that XLA partitions itself (and Pallas'
-            # interpreter fails jax's varying-axes check inside shard_map); xla and cudnn
-            # have their own partitioning.
+            # interpreter fails jax's varying-axes check inside shard_map).
             return flash_attention(q_BSHD, k_BTKD, v_BTKD, segment_ids=segment_ids,
                                    impl=resolved, **kw)
-        fwd = functools.partial(flash_attention_fwd, impl=resolved, **kw)
-        bwd = functools.partial(flash_attention_bwd, impl=resolved, **kw)
-        return per_shard_attention(fwd, bwd, q_BSHD, k_BTKD, v_BTKD, segment_ids)
+        if resolved in PALLAS_IMPLS:
+            fwd = functools.partial(flash_attention_fwd, impl=resolved, **kw)
+            bwd = functools.partial(flash_attention_bwd, impl=resolved, **kw)
+            return per_shard_attention(fwd, bwd, q_BSHD, k_BTKD, v_BTKD, segment_ids)
+        impl = resolved  # 'auto' chose cuDNN or XLA: their own partitioning, below
     if impl in FLASH_IMPLS:
         impl = "xla"
     if q_BSHD.shape[2] % k_BTKD.shape[2]:

@@ -3,9 +3,11 @@
 `precision` comes from model.matmul_precision: 'default' multiplies in the compute dtype with
 float32 accumulation where the backend does so; 'highest' asks for full-precision passes;
 'fp8_tensorwise', 'fp8_delayed' and 'mxfp8' run the product as FP8 GEMMs through
-pallas_kernels.fp8.fp8_linear (e4m3 forward, e5m2 gradients), flattened to one 2-D matmul
-[tokens, in] x [in, out]. Call sites that must stay in the compute dtype whatever the recipe
-(the output layer) pass fp8=False.
+pallas_kernels.fp8.fp8_linear (e4m3 forward; gradients e5m2 for the tensorwise recipes, e4m3
+for mxfp8), flattened to one 2-D matmul [tokens, in] x [in, out]. Call sites that must stay in
+the compute dtype whatever the recipe (the output layer) pass fp8=False.
+`mxfp8_scale_rounding` (model.mxfp8_scale_rounding) picks mxfp8's scale exponents: 'up' never
+clips a block's max, 'floor' is the OCP rule (pallas_kernels/fp8/quant.py).
 
 Specs: 'AK,KB->AB' (w's contracted axes first: w is [in, out]) or 'AK,BK->AB' (contracted axes
 last: w is [out, in], the torch Linear layout), e.g. 'bsd,dhk->bshk' and 'bshk,dhk->bsd'. The
@@ -46,7 +48,8 @@ def _split_spec(spec: str) -> tuple[str, str, str, bool]:
 
 
 def linear(x, w, spec: str, *, precision: str = "default", dtype=jnp.bfloat16,
-           fp8: bool = True, fp8_meta=None, grad_reduce: str = "compute"):
+           fp8: bool = True, fp8_meta=None, grad_reduce: str = "compute",
+           mxfp8_scale_rounding: str = "up"):
     """einsum(spec, x, w) with both operands cast to the compute dtype, or FP8 GEMMs when
     precision names an FP8 recipe and fp8 is True. fp8_meta: the call site's amax histories
     ({'x', 'w', 'g'}), needed by 'fp8_delayed' only. grad_reduce: 'compute' (the weight
@@ -66,7 +69,8 @@ def linear(x, w, spec: str, *, precision: str = "default", dtype=jnp.bfloat16,
         w_KN = w.reshape(-1, k).T if w_last else w.reshape(k, -1)
         y = fp8_linear(x.astype(dtype).reshape(-1, k), w_KN,
                        fp8_meta if precision == "fp8_delayed" else None,
-                       recipe=precision, out_dtype=dtype)
+                       recipe=precision, out_dtype=dtype,
+                       mxfp8_scale_rounding=mxfp8_scale_rounding)
         return y.reshape(*lead, *tail)
     if precision in FP8_RECIPES:  # an excluded call site: plain compute-dtype matmul
         precision = "default"
@@ -138,6 +142,40 @@ def fp8_meta_dict(meta):
 
 def _is_meta(path) -> bool:
     return any(str(getattr(k, "key", getattr(k, "name", ""))).startswith("fp8_") for k in path)
+
+
+is_fp8_meta_path = _is_meta  # public: for code that combines gradients (parallel/pipeline.py)
+
+
+def accumulate_grads(total, grads):
+    """Microbatch gradients combined inside one step (train.grad_accum): summed, except the
+    amax histories, whose elementwise maximum is kept. Every microbatch returns the same
+    history shifted by one with its own amax in front, so the maximum records the largest
+    amax of the step, as one big batch would (a sum, or the mean after mean_grads, would
+    record their average and under-scale the next steps). NaN propagates through maximum."""
+    return jax.tree_util.tree_map_with_path(
+        lambda p, t, g: jnp.maximum(t, g) if _is_meta(p) else t + g, total, grads)
+
+
+def mean_grads(total, n: int):
+    """accumulate_grads' sums divided by n microbatches; the histories stay as they are."""
+    return jax.tree_util.tree_map_with_path(
+        lambda p, t: t if _is_meta(p) else t / n, total)
+
+
+def count_nonfinite_amax(new_meta) -> jax.Array:
+    """int32 count of non-finite amaxes recorded this step: the newest entry ([..., 0]) of
+    every history in new_meta (split_fp8_meta's second output; other leaves are ignored).
+    scale_from_amax would turn such an amax into a unit scale for the whole history window;
+    the train step skips the step instead (train/step.py)."""
+    def newest(v):  # train.offload_params keeps the layers' histories in host memory
+        if getattr(jax.typeof(v), "memory_space", None) == jax.memory.Space.Host:
+            v = jax.device_put(v, jax.memory.Space.Device)
+        return v[..., 0]
+
+    counts = [jnp.sum(~jnp.isfinite(newest(v)), dtype=jnp.int32)
+              for path, v in jax.tree_util.tree_flatten_with_path(new_meta)[0] if _is_meta(path)]
+    return sum(counts, jnp.zeros((), jnp.int32))
 
 
 def split_fp8_meta(grads):

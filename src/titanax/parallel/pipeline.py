@@ -133,6 +133,46 @@ def _from_last_stage(out_MbSD, s, stages: int, per: int):
     return mine
 
 
+@jax.custom_vjp
+def _fork_histories(meta, busy):
+    """(histories carried to the next tick, histories this tick's layers use): the identity.
+
+    fp8_delayed's amax histories (ops.Fp8Meta leaves of the layer state) get their updated
+    values as "gradients" (pallas_kernels/fp8/linear.py). Closed over by the tick loop, autodiff
+    would sum them over its ticks, idle ones included: histories scaled by the tick count on
+    every step, compounding. Threaded through the loop as a carry and forked here, the
+    backward instead keeps the elementwise maximum over the busy ticks: the step's largest
+    amax, as one unpipelined batch records it."""
+    return meta, meta
+
+
+def _fork_histories_fwd(meta, busy):
+    return (meta, meta), busy
+
+
+def _fork_histories_bwd(busy, cts):
+    later, here = cts  # later ticks' maximum so far, this tick's new histories
+    return jax.tree.map(lambda a, b: jnp.where(busy, jnp.maximum(a, b), a), later, here), None
+
+
+_fork_histories.defvjp(_fork_histories_fwd, _fork_histories_bwd)
+
+
+def _split_histories(tree):
+    """(the fp8_delayed history leaves of tree, merge(histories) -> tree with them put back)."""
+    from titanax.ops.linear import is_fp8_meta_path
+
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    is_meta = [is_fp8_meta_path(path) for path, _ in flat]
+    leaves = [leaf for _, leaf in flat]
+
+    def merge(histories):
+        it = iter(histories)
+        return treedef.unflatten([next(it) if m else leaf for m, leaf in zip(is_meta, leaves)])
+
+    return [leaf for m, leaf in zip(is_meta, leaves) if m], merge
+
+
 def run_pipelined(layer_fn, layer_state, x_BSD, extras, schedule: PipelineSchedule,
                   *, with_busy: bool = False):
     """layer_fn(x_bSD, one_layer_state, extras_b) -> x_bSD applied over all stacked layers, as
@@ -155,10 +195,12 @@ def run_pipelined(layer_fn, layer_state, x_BSD, extras, schedule: PipelineSchedu
         s = jax.lax.axis_index(AXIS)
         # This stage's rows [L/PP, ...] as [V, Lc, ...]: chunk v is its v-th trip's layers.
         chunks = jax.tree.map(lambda a: a.reshape(V, a.shape[0] // V, *a.shape[1:]), local_state)
+        # fp8_delayed amax histories travel through the tick loop (_fork_histories).
+        histories, with_histories = _split_histories(chunks)
 
-        def chunk_forward(v, x_bSD, extras_b):
+        def chunk_forward(v, x_bSD, extras_b, histories):
             chunk = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, v, keepdims=False),
-                                 chunks)
+                                 with_histories(histories))
 
             def one(x, layer):
                 x = checkpoint_name(x, _LAYER_INPUT)
@@ -179,7 +221,7 @@ def run_pipelined(layer_fn, layer_state, x_BSD, extras, schedule: PipelineSchedu
         recv_bSD = vary(jnp.zeros_like(x_MbSD[0]))
 
         def tick(carry, t):
-            parked_MbSD, out_MbSD, recv_bSD = carry
+            parked_MbSD, out_MbSD, recv_bSD, histories = carry
             back = t - stages  # the item the last stage finished at tick t-1, now at stage 0
             slot = jnp.remainder(back, M)
             park = (s == 0) & (back >= 0) & (back < M * (V - 1))  # it has trips left
@@ -191,15 +233,19 @@ def run_pipelined(layer_fn, layer_state, x_BSD, extras, schedule: PipelineSchedu
             v, m = item // M, item % M
             x_bSD = jnp.where(s == 0, parked_MbSD[m], recv_bSD)
             extras_b = jax.tree.map(lambda a: a[m], extras_M)
-            y_bSD = run_chunk(v, x_bSD, extras_b)
+            if histories:
+                histories, used = _fork_histories(histories, busy)
+            else:
+                used = histories
+            y_bSD = run_chunk(v, x_bSD, extras_b, used)
             done = busy & (s == stages - 1) & (v == V - 1)
             out_MbSD = jax.lax.dynamic_update_index_in_dim(
                 out_MbSD, jnp.where(done, y_bSD, out_MbSD[m]), m, 0)
             recv_bSD = jax.lax.ppermute(y_bSD, AXIS, ring)
-            return (parked_MbSD, out_MbSD, recv_bSD), busy
+            return (parked_MbSD, out_MbSD, recv_bSD, histories), busy
 
-        (_, out_MbSD, _), busy_T = jax.lax.scan(
-            tick, (parked_MbSD, out_MbSD, recv_bSD), jnp.arange(ticks))
+        (_, out_MbSD, _, _), busy_T = jax.lax.scan(
+            tick, (parked_MbSD, out_MbSD, recv_bSD, histories), jnp.arange(ticks))
         # Only the last stage holds the outputs. Scattered, each stage gets M/PP of the
         # microbatches, so what follows (the output layer and the loss) runs once per
         # microbatch, spread over the stages, not on every stage for all of them.

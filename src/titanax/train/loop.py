@@ -46,7 +46,7 @@ class RunResult:
 
 
 class TrainingDiverged(RuntimeError):
-    """train.max_bad_steps consecutive steps had a non-finite loss or gradient."""
+    """train.max_bad_steps consecutive steps had a non-finite loss, gradient or FP8 amax."""
 
 
 class _BadStepCounter:
@@ -58,6 +58,8 @@ class _BadStepCounter:
         self.limit = limit
         self.total = int(run_state.get("skipped_steps", 0))
         self.streak = int(run_state.get("bad_streak", 0))
+        # fp8_delayed: non-finite amaxes recorded (their steps are skipped too), whole run
+        self.nonfinite_amax = int(run_state.get("fp8_nonfinite_amax", 0))
         self._pending = None  # (step, metrics) not looked at yet
 
     def push(self, step: int, metrics) -> None:
@@ -69,6 +71,7 @@ class _BadStepCounter:
             return
         step, metrics = self._pending
         self._pending = None
+        self.nonfinite_amax += int(metrics.get("fp8_nonfinite_amax", 0))
         if int(metrics["skipped"]) == 0:
             self.streak = 0
             return
@@ -76,14 +79,15 @@ class _BadStepCounter:
         self.streak += 1
         if self.streak >= self.limit:
             raise TrainingDiverged(
-                f"{self.streak} consecutive steps (up to step {step}) had a non-finite loss or "
-                f"gradient norm (train.max_bad_steps={self.limit}); their updates were skipped, "
+                f"{self.streak} consecutive steps (up to step {step}) had a non-finite loss, "
+                f"gradient norm or fp8_delayed amax (train.max_bad_steps={self.limit}); their updates were skipped, "
                 f"so the weights are those before step {step - self.streak + 1}. The model "
                 "has diverged or the data is broken: lower optim.lr or raise optim.warmup_steps, "
                 "check the data, and resume from the last checkpoint.")
 
     def state(self) -> dict:
-        return {"skipped_steps": self.total, "bad_streak": self.streak}
+        return {"skipped_steps": self.total, "bad_streak": self.streak,
+                "fp8_nonfinite_amax": self.nonfinite_amax}
 
 
 def _match_layer_order(state, shardings, saved_cfg: Config, cfg: Config):
@@ -303,6 +307,8 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, log=print, devices=None) 
                 row = {"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
                        "lr": float(m["lr"]), "tokens_per_s": tps, "mfu": mfu,
                        "skipped_steps": bad_steps.total}
+                if cfg.model.matmul_precision == "fp8_delayed":  # run total, as skipped_steps
+                    row["fp8_nonfinite_amax"] = bad_steps.nonfinite_amax
                 losses[step] = row["loss"]
                 writer.write(step, row)
                 if bar is not None:

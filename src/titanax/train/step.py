@@ -10,6 +10,7 @@ from flax import nnx
 from pallas_kernels.target import target_platform
 from titanax import ops
 from titanax.config import Config
+from titanax.ops.linear import accumulate_grads, count_nonfinite_amax, mean_grads
 from titanax.parallel.pipeline import PipelineSchedule
 from titanax.train import offload
 
@@ -69,20 +70,26 @@ def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation, sch
 
             def add(carry, mb):
                 loss, grads = grad_fn(params, mb)
-                return jax.tree.map(jnp.add, carry, (loss, grads)), None
+                # fp8_delayed histories: the maximum over microbatches, not the sum (TE records
+                # the step's amax; accumulate_grads in ops/linear.py)
+                return (carry[0] + loss, accumulate_grads(carry[1], grads)), None
 
             zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
             (loss, grads), _ = jax.lax.scan(add, zeros, micro)
-            loss, grads = jax.tree.map(lambda x: x / accum, (loss, grads))
+            loss, grads = loss / accum, mean_grads(grads, accum)
         # fp8_delayed: the amax histories (ops.Fp8Meta, inside params) get their updated values
         # as "gradients"; they bypass the optimizer and the norm and are written back below.
         grads, fp8_meta = ops.split_fp8_meta(grads)
         # (offload_params: the layers' gradients are in host memory, read a layer at a time)
         grad_norm = offload.global_norm(grads) if offload_update else optax.tree.norm(grads)
+        # A non-finite amax (inf/NaN in an FP8 operand, e.g. an overflowing gradient that the
+        # saturating cast hid from the loss) would sit in its history for model.fp8_amax_history
+        # steps, each of them scaled by 1.0: the step is skipped instead, histories included.
+        nonfinite_amax = count_nonfinite_amax(fp8_meta)
         # One NaN/inf (an overflow, a broken batch) would poison the weights and Adam's moments
         # for good: such a step keeps the old ones. 'step' still advances (a batch was consumed;
         # the data position and the step count stay in lockstep) and the loop counts the skip.
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & (nonfinite_amax == 0)
         if offload_update:
             # Host-resident moments / layer weights: the same update, streamed one layer at a
             # time through the device (train/offload.py), the guard folded in.
@@ -96,7 +103,7 @@ def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation, sch
         new_state = {"step": state["step"] + 1, "params": new_params,
                      "opt_state": new_opt_state}
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]),
-                   "skipped": (~finite).astype(jnp.int32)}
+                   "skipped": (~finite).astype(jnp.int32), "fp8_nonfinite_amax": nonfinite_amax}
         return new_state, metrics
 
     return train_step

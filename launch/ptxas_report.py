@@ -1,0 +1,68 @@
+"""Machine-code (ptxas) report of every GPU kernel: registers, spills, stack, shared memory and
+TMEM per kernel at the shipped configs, deviceless (the CUDA plugin of .venv/cuda-plugin).
+Prints a table; exits 1 when a kernel spills or breaks an SM budget (titanax.perf.ptxas_report).
+
+    python -m launch.ptxas_report                              # h100 and b200, head dims 64-256
+    python -m launch.ptxas_report --gpu b200 --head-dims 128 --json runs/ptxas_b200.json
+    python -m launch.ptxas_report --write-docs                 # refresh the tables in docs/
+    python -m launch.ptxas_report --gpu h100 --on-device       # on an H100: the local GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+DOCS = {"attention": "docs/attention.md", "fp8_matmul": "docs/fp8.md"}
+
+
+def write_docs(rows: list[dict], repo: pathlib.Path) -> None:
+    from titanax.perf.ptxas_report import markdown_table, replace_between_markers
+
+    for op, doc in DOCS.items():
+        mine = [r for r in rows if r["op"] == op]
+        if mine:
+            path = repo / doc
+            path.write_text(replace_between_markers(path.read_text(), markdown_table(mine)))
+            print(f"wrote {len(mine)} rows to {doc}")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m launch.ptxas_report", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gpu", nargs="+", default=["h100", "b200"],
+                   help="GPU kinds (h100/h200: sm_90a, b200/gb200: sm_100a)")
+    p.add_argument("--head-dims", nargs="+", type=int, default=[64, 128, 256])
+    p.add_argument("--json", default=None, metavar="OUT", help="also write the rows as JSON")
+    p.add_argument("--write-docs", action="store_true",
+                   help="replace the marked tables in docs/attention.md and docs/fp8.md")
+    p.add_argument("--on-device", action="store_true",
+                   help="compile for the local GPU instead (one --gpu, of its kind)")
+    args = p.parse_args(argv)
+
+    from titanax.perf import aot
+    from titanax.perf.ptxas_report import check, collect_all, markdown_table
+
+    if args.on_device and len(args.gpu) != 1:
+        raise SystemExit("--on-device compiles for the local GPU: pass its one --gpu kind")
+    if not args.on_device and not aot.plugin_available():
+        raise SystemExit("the CUDA plugin is missing from .venv/cuda-plugin: "
+                         "bash scripts/dev.sh test installs it")
+    rows = collect_all(tuple(args.gpu), tuple(args.head_dims), args.on_device)
+    print(markdown_table(rows))
+    if args.json:
+        pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
+    if args.write_docs:
+        write_docs(rows, aot.REPO)
+    problems = check(rows)
+    if problems:
+        print(f"\n{len(problems)} kernel(s) over budget:\n" + "\n".join(problems))
+        raise SystemExit(1)
+
+
+# No TCMalloc re-exec (launch.common.use_tcmalloc): the compiles run in worker subprocesses,
+# and nothing here runs XLA steps.
+if __name__ == "__main__":
+    main()

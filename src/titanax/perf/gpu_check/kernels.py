@@ -1,0 +1,184 @@
+"""Section 3: our kernels against their jnp references on the device, values and gradients, at
+the shipped block configs (flash_attention's default_config, the fp8 dataclasses' defaults).
+
+Flash attention: each impl at head_dim 64/128/256, causal, GQA (8 query heads per kv head on
+the GPU, as Llama-3-70B), with and without packed-document segment ids; output and dq, dk, dv
+against reference.py run in float32 on the same bf16 inputs. Error per tensor = max|x - ref| /
+max|ref|, passing under 2e-2 (flash_attention_test.py's bf16 tolerance).
+FP8 matmul: each impl and scaling mode against reference.py (float32 upcast-and-dot) on the
+same quantized operands; bf16 output within rtol 8e-3 and atol 8e-3 * max|ref| (test_sm90.py,
+test_matmul.py). Only the float32 summation order and the final bf16 rounding may differ.
+
+Dry run: tiny shapes in the Pallas interpreters (Triton-style grid kernels with interpret=True,
+the Mosaic GPU kernels in plgpu's interpreter at head_dim 64 with segment ids, ~5 s a case).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.flash_attention import attention_reference, flash_attention
+from pallas_kernels.flash_attention.api import mosaic_unsupported
+from pallas_kernels.fp8 import fp8_matmul, quantize_mxfp8, quantize_tensorwise
+from pallas_kernels.fp8.config import E4M3, Sm90Config, Sm100Config
+from pallas_kernels.fp8.matmul_sm90 import supported as sm90_supported
+from pallas_kernels.fp8.matmul_sm100 import supported as sm100_supported
+from pallas_kernels.fp8.reference import fp8_matmul_reference
+from pallas_kernels.target import compute_capability
+
+ATTN_TOL = 2e-2  # bf16, flash_attention_test.py TOL
+FP8_TOL = 8e-3  # bf16 output, test_sm90.py / test_matmul.py
+ATTN_IMPLS = ("mosaic_sm90", "mosaic_sm100", "triton", "cudnn")
+HEAD_DIMS = (128, 64, 256)  # 70B's first: a budget that runs short drops the others
+# (B, S, Hq, Hkv): S off the block grid, so padding and key tails are checked too.
+ATTN_SHAPE = {False: (2, 1000, 16, 2), True: (1, 100, 2, 1)}
+FP8_SHAPES = {False: [(1024, 2048, 1536), (8192, 8192, 8192)], True: [(128, 256, 256)]}
+
+
+def _normal(seed: int, shape, dtype) -> jax.Array:
+    """numpy's generator: no compile per shape, as jax.random's would cost in the dry run."""
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, np.float32), dtype)
+
+
+def _errors(x, ref) -> dict:
+    x, ref = np.asarray(x, np.float32), np.asarray(ref, np.float32)
+    if not np.all(np.isfinite(x)):
+        return {"max_abs": float("inf"), "rel": float("inf")}
+    max_abs = float(np.max(np.abs(x - ref)))
+    return {"max_abs": max_abs, "rel": max_abs / max(float(np.max(np.abs(ref))), 1e-30)}
+
+
+def _packed(B, S):
+    """Three documents, boundaries off the block grid (as flash_attention_test.py packs them)."""
+    cuts = np.array([S // 5, S // 2 + 3])
+    ids = np.searchsorted(cuts, np.arange(S), side="right")
+    return jnp.asarray(np.broadcast_to(ids, (B, S)), jnp.int32)
+
+
+def _attn_na(impl: str, D: int, segments: bool, major: int, dry: bool) -> str | None:
+    """Why impl cannot run this case here (recorded as n/a), or None."""
+    why = mosaic_unsupported(impl, jnp.bfloat16, D) if impl.startswith("mosaic") else None
+    if why:
+        return why
+    need = {"mosaic_sm90": 9, "mosaic_sm100": 10}.get(impl)
+    if dry:
+        if need and (D != 64 or not segments):
+            return ("dry run: the Mosaic GPU interpreter (~5 s a case) runs the training case "
+                    "alone: head_dim 64 with segment ids")
+        return None
+    if need and major != need:
+        return f"{impl} needs compute capability {need}.x (wgmma / tcgen05), this GPU is {major}.x"
+    return None
+
+
+def _vjp_fn(attn):
+    def run(q, k, v, do):
+        out, vjp = jax.vjp(attn, q, k, v)
+        return (out, *vjp(do))
+    return jax.jit(run)
+
+
+def _attention_rows(ctx, major: int) -> None:
+    dry = ctx.dry_run
+    B, S, Hq, Hkv = ATTN_SHAPE[dry]
+    for D in HEAD_DIMS:
+        q, k, v, do = (_normal(D + i, shape, jnp.bfloat16) for i, shape in enumerate(
+            [(B, S, Hq, D), (B, S, Hkv, D), (B, S, Hkv, D), (B, S, Hq, D)]))
+        for segments in (False, True):
+            seg = _packed(B, S) if segments else None
+            ref_fn = _vjp_fn(lambda q, k, v: attention_reference(
+                q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+                causal=True, segment_ids=seg))
+            ref = None
+            for impl in ATTN_IMPLS:
+                label = {"kernel": "flash_attention", "impl": impl, "head_dim": D,
+                         "segments": segments, "causal": True,
+                         "shape": f"B{B} S{S} Hq{Hq}/Hkv{Hkv}"}
+                why = _attn_na(impl, D, segments, major, dry)
+                if why:
+                    ctx.add({**label, "status": "n/a", "reason": why})
+                    continue
+                if ref is None:
+                    ref = jax.block_until_ready(ref_fn(q, k, v, do.astype(jnp.float32)))
+
+                def check(impl=impl, seg=seg, ref=ref):
+                    fn = _vjp_fn(functools.partial(
+                        flash_attention, causal=True, segment_ids=seg, impl=impl,
+                        interpret=dry and impl != "cudnn"))  # config=None: the shipped one
+                    got = jax.block_until_ready(fn(q, k, v, do))
+                    errs = {n: _errors(x, r) for n, x, r in zip(("out", "dq", "dk", "dv"),
+                                                                 got, ref)}
+                    return {**{f"{n}_rel": e["rel"] for n, e in errs.items()},
+                            "max_abs": max(e["max_abs"] for e in errs.values()),
+                            "tol": ATTN_TOL, "errors": errs,
+                            "pass": all(e["rel"] < ATTN_TOL for e in errs.values())}
+                ctx.run_item(label, check, estimate_s=10.0, group="attention")
+
+
+def _fp8_cases(major: int, dry: bool):
+    """(impl, mode, n/a reason or None, kwargs) for every FP8 matmul case."""
+    interp = {"interpret": True} if dry else {}
+    sm90 = None if major == 9 else "sm90 needs compute capability 9.x (wgmma)"
+    sm100 = None if major == 10 else "sm100 needs compute capability 10.x (tcgen05)"
+    grid = None if dry else "pallas_grid is the CPU (interpret-mode) kernel, refused on GPU"
+    if dry:
+        sm90 = None
+        sm100 = "jax 0.11.2's Mosaic GPU interpreter does not run block-scaled tcgen05"
+    return [
+        ("sm90", "tensorwise", sm90,
+         {"interpret": plgpu.InterpretGPUParams()} if dry else {}),
+        ("sm100", "mx", sm100, {}),
+        ("pallas_grid", "tensorwise", grid, interp),
+        ("pallas_grid", "mx", grid, interp),
+        ("xla", "tensorwise", None, {}),
+        ("xla", "mx", None, {}),
+    ]
+
+
+def _fp8_rows(ctx, major: int) -> None:
+    for m, k, n in FP8_SHAPES[ctx.dry_run]:
+        x = _normal(m, (m, k), jnp.float32) * 3.0
+        w = _normal(n, (k, n), jnp.float32) * 0.02
+        # Jitted: eager quantizers would compile every one of their ops on its own.
+        tw = jax.jit(lambda x, w: (*quantize_tensorwise(x, E4M3), *quantize_tensorwise(w, E4M3)))
+        mx = jax.jit(lambda x, w: (*quantize_mxfp8(x, axis=1), *quantize_mxfp8(w, axis=0)))
+        ops = {"tensorwise": tw(x, w), "mx": mx(x, w)}
+        refs = {}
+        for impl, mode, why, kw_impl in _fp8_cases(major, ctx.dry_run):
+            label = {"kernel": "fp8_matmul", "impl": impl, "mode": mode,
+                     "shape": f"{m}x{k}->{n}"}
+            fits = {"sm90": lambda: sm90_supported(m, n, k, Sm90Config()),
+                    "sm100": lambda: sm100_supported(m, n, k, Sm100Config())}.get(impl)
+            if why is None and fits is not None and not fits():
+                why = "shape is not whole tiles of the shipped config"
+            if why:
+                ctx.add({**label, "status": "n/a", "reason": why})
+                continue
+            if mode not in refs:
+                refs[mode] = jax.block_until_ready(
+                    jax.jit(fp8_matmul_reference, static_argnums=4)(*ops[mode], jnp.float32))
+
+            def check(impl=impl, mode=mode, kw_impl=kw_impl):
+                fn = jax.jit(lambda *t: fp8_matmul(*t, jnp.bfloat16, impl=impl, **kw_impl))
+                got = np.asarray(jax.block_until_ready(fn(*ops[mode])), np.float32)
+                ref = np.asarray(refs[mode])
+                atol = FP8_TOL * float(np.max(np.abs(ref)))
+                ok = bool(np.all(np.isfinite(got))
+                          and np.all(np.abs(got - ref) <= atol + FP8_TOL * np.abs(ref)))
+                return {**_errors(got, ref), "tol": FP8_TOL, "pass": ok}
+            ctx.run_item(label, check, estimate_s=5.0, group="fp8")
+
+
+def kernels_section(ctx) -> None:
+    major = (compute_capability() or (0, 0))[0]
+    ctx.note(attention_tolerance=f"max|x-ref|/max|ref| < {ATTN_TOL} per tensor (bf16)",
+             fp8_tolerance=f"|x-ref| <= {FP8_TOL}*|ref| + {FP8_TOL}*max|ref| (bf16 out)",
+             configs="shipped: flash_attention default_config(impl, head_dim), "
+                     "Sm90Config(), Sm100Config(), GridConfig()")
+    _fp8_rows(ctx, major)  # the cheap cases first: attention's compiles may use up the budget
+    _attention_rows(ctx, major)

@@ -1,0 +1,200 @@
+"""The runner: each section (sections.py) in a process of its own, under its time budget.
+
+Why a process per section: a GPU kernel that faults (illegal address, a Mosaic or Triton
+abort) poisons the CUDA context or kills the process, and a hung compile cannot be interrupted
+from Python; a child process can be killed at its budget and the next section starts on a
+clean GPU. The parent never imports jax. Each child rewrites sections/NAME.json after every row
+(context.py); the parent turns it into the section's entry of gpu_check.json and gpu_check.md,
+rewritten after every section, so a run stopped at any point keeps what it had measured.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import importlib
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+
+from titanax.perf.gpu_check import report
+from titanax.perf.gpu_check.context import SectionContext, error_text
+from titanax.perf.gpu_check.sections import DEFAULT_TIME_LIMIT_S, SECTIONS, Section
+
+REPO = pathlib.Path(__file__).resolve().parents[4]
+GRACE_S = 10.0  # past its budget a section is killed; before it, it skips what will not fit
+
+
+# --- the child ------------------------------------------------------------------------------
+
+def run_worker(name: str, fn: str, out_dir: str, *, dry_run: bool, budget_s: float,
+               cache_dir: str | None) -> int:
+    """Runs one section in this process; its result file is the protocol with the parent."""
+    path = pathlib.Path(out_dir) / "sections" / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ctx = SectionContext(name, path, dry_run=dry_run, budget_s=budget_s)
+    try:
+        if cache_dir:
+            import jax
+
+            cache = pathlib.Path(cache_dir).resolve()
+            # A rerun after a timeout loads what the first run compiled; compile_s then
+            # measures the cache, which the entry count at the start tells.
+            ctx.note(compilation_cache=f"{cache} ({len(list(cache.glob('*')))} entries at "
+                                       "start)" if cache.is_dir() else f"{cache} (new)")
+            jax.config.update("jax_compilation_cache_dir", str(cache))
+        module, func = fn.split(":")
+        getattr(importlib.import_module(module), func)(ctx)
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - recorded; the next section runs
+        traceback.print_exc()
+        ctx.info["traceback"] = traceback.format_exc()[-2000:]
+        ctx.flush("error", error_text(e))
+        return 1
+    ctx.flush(ctx.final_status())
+    return 0
+
+
+# --- the parent -----------------------------------------------------------------------------
+
+def _child_env(sec: Section, dry_run: bool) -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    defaults = dict(sec.env)
+    if dry_run:
+        env["JAX_PLATFORMS"] = "cpu"  # the dry run stays off any GPU the machine has
+        # The Mosaic GPU interpreter blocks XLA CPU pool threads on mbarriers (conftest.py).
+        defaults["PJRT_NPROC"] = "16"
+    for k, v in defaults.items():
+        env.setdefault(k, v)
+    return env
+
+
+def _pump(stream, log, name: str, tail: collections.deque) -> None:
+    for line in stream:
+        log.write(line)
+        log.flush()
+        tail.append(line.rstrip())
+        print(f"[{name}] {line}", end="", flush=True)
+
+
+def _kill_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # the group this runner created for the child
+    except ProcessLookupError:
+        pass
+
+
+def _read_result(path: pathlib.Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {"rows": []}
+
+
+def _run_child(sec: Section, out: pathlib.Path, budget: float, *, dry_run: bool,
+               cache_dir: str | None) -> dict:
+    cmd = [sys.executable, "-m", "launch.gpu_check", "--worker", sec.name, "--worker-fn",
+           sec.fn, "--out", str(out), "--budget", f"{budget:.1f}"]
+    cmd += ["--dry-run"] if dry_run else []
+    cmd += ["--cache-dir", cache_dir] if cache_dir and sec.cache else []
+    result_path = out / "sections" / f"{sec.name}.json"
+    result_path.unlink(missing_ok=True)
+    log_path = out / "logs" / f"{sec.name}.log"
+    tail: collections.deque = collections.deque(maxlen=30)
+    t0 = time.monotonic()
+    with open(log_path, "w") as log:
+        # Its own process group: a section's own children (ptxas_report's compile worker) go
+        # down with it at the time limit instead of holding the GPU.
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=_child_env(sec, dry_run), stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+        pump = threading.Thread(target=_pump, args=(proc.stdout, log, sec.name, tail),
+                                daemon=True)
+        pump.start()
+        timed_out = False
+        try:
+            proc.wait(timeout=budget + GRACE_S)
+        except BaseException as e:  # the time limit, or Ctrl-C / SIGTERM of this runner
+            if not isinstance(e, subprocess.TimeoutExpired):
+                _kill_group(proc, signal.SIGKILL)  # never leave a child holding the GPU
+                raise
+            timed_out = True
+            _kill_group(proc, signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                _kill_group(proc, signal.SIGKILL)
+                proc.wait()
+        pump.join(timeout=5)
+    res = _read_result(result_path)
+    res.update(seconds=round(time.monotonic() - t0, 2), budget_s=round(budget, 1),
+               log=str(log_path), returncode=proc.returncode)
+    if timed_out:
+        res.update(status="timeout", error=f"killed at the section's time limit "
+                                           f"({budget + GRACE_S:.0f} s); rows so far are kept")
+    elif res.get("status") in (None, "running"):
+        res.update(status="error", error=f"worker exited with code {proc.returncode} before "
+                                         "finishing; last output: " + " / ".join(list(tail)[-5:]))
+    return res
+
+
+def run(names, out_dir, *, dry_run: bool, time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+        cache_dir: str | None = None, command: str = "", sections=SECTIONS) -> dict:
+    out = pathlib.Path(out_dir).resolve()
+    for sub in ("sections", "logs"):
+        (out / sub).mkdir(parents=True, exist_ok=True)
+    chosen = [s for s in sections if s.name in names]
+    rep = {"command": command, "dry_run": dry_run, "time_limit_s": time_limit_s,
+           "started": datetime.datetime.now().isoformat(timespec="seconds"), "out": str(out),
+           "cache_dir": cache_dir, "elapsed_s": 0.0,
+           "sections": {s.name: {"status": "pending", "what": s.what} for s in chosen}}
+    report.write(out, rep)
+    # A SIGTERM (a scheduler's or a tool's time limit) unwinds like Ctrl-C, so the running
+    # section's process group is killed on the way out (its own session does not get it).
+    main = threading.current_thread() is threading.main_thread()  # where handlers may be set
+    previous = signal.signal(signal.SIGTERM, _raise_exit) if main else None
+    try:
+        _run_sections(chosen, rep, out, dry_run=dry_run, time_limit_s=time_limit_s,
+                      cache_dir=cache_dir)
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+    return rep
+
+
+def _raise_exit(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def _run_sections(chosen, rep: dict, out: pathlib.Path, *, dry_run: bool, time_limit_s: float,
+                  cache_dir: str | None) -> None:
+    scale = time_limit_s / DEFAULT_TIME_LIMIT_S
+    t0 = time.monotonic()
+    for sec in chosen:
+        room = time_limit_s - (time.monotonic() - t0) - GRACE_S
+        budget = min((sec.dry_budget_s if dry_run else sec.budget_s) * scale, room)
+        if room < 5:
+            res = {"status": "skipped", "reason": f"the run's time limit ({time_limit_s:.0f} s) "
+                                                  "was spent", "rows": []}
+        else:
+            print(f"== {sec.name}: budget {budget:.0f} s", flush=True)
+            try:
+                res = _run_child(sec, out, budget, dry_run=dry_run, cache_dir=cache_dir)
+            except BaseException:  # Ctrl-C or SIGTERM: keep what the section had written
+                res = _read_result(out / "sections" / f"{sec.name}.json")
+                res.update(status="interrupted", error="the run was stopped (Ctrl-C/SIGTERM)")
+                rep["sections"][sec.name] = {"what": sec.what, **res}
+                report.write(out, rep)
+                raise
+        if res["status"] == "skipped" and not res.get("reason"):
+            res["reason"] = res.get("info", {}).get("reason", "")
+        rep["sections"][sec.name] = {"what": sec.what, **res}
+        rep["elapsed_s"] = round(time.monotonic() - t0, 1)
+        report.write(out, rep)
+        print(f"== {sec.name}: {res['status']} in {res.get('seconds', 0):.0f} s", flush=True)

@@ -1,0 +1,50 @@
+"""The sections of gpu_check, in order: what each runs (a function of a SectionContext, imported
+in the section's own process), its time budgets, and the environment it needs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+DEFAULT_TIME_LIMIT_S = 480.0  # budgets below add up to 455 s, the rest is process start-up
+
+
+@dataclasses.dataclass(frozen=True)
+class Section:
+    name: str
+    fn: str  # "module:function(ctx)", imported in the child
+    budget_s: float  # the GPU run, at DEFAULT_TIME_LIMIT_S (scaled with --time-limit)
+    dry_budget_s: float
+    what: str
+    cache: bool = True  # may use the persistent compilation cache (ptxas must compile)
+    env: tuple = ()  # (name, default) set in the child when the user has not
+
+
+_P = "titanax.perf.gpu_check."
+SECTIONS = (
+    Section("device", _P + "device:device_section", 15, 30,
+            "jax/jaxlib/plugin versions, device kind, compute capability, memory (allocator "
+            "limit and datasheet), CUDA/cuDNN/driver versions, datasheet peaks."),
+    Section("ptxas", _P + "device:ptxas_section", 45, 20,
+            "ptxas reports of our kernels compiled for this GPU (titanax.perf.ptxas_report "
+            "collect/check): registers, spills, shared memory per kernel and head_dim.",
+            # collect() compiles in a process of its own on the same GPU: neither may grab
+            # 75% of its memory up front.
+            cache=False, env=(("XLA_PYTHON_CLIENT_PREALLOCATE", "false"),)),
+    Section("kernels", _P + "kernels:kernels_section", 80, 100,
+            "Flash attention (value and dq/dk/dv) and FP8 matmul impls against their jnp "
+            "references at the shipped configs. Attention error = max|x-ref|/max|ref| per "
+            "tensor < 2e-2; FP8: |x-ref| <= 8e-3*(|ref| + max|ref|)."),
+    Section("attention", _P + "throughput:attention_section", 80, 60,
+            "Attention fwd/bwd TFLOP/s, our kernel vs cuDNN, Hq 64 / Hkv 8 / D 128, causal, "
+            "bf16, 16384 tokens per call. FLOPs: fwd = 4*B*S^2*Hq*D/2, bwd = 2.5*fwd."),
+    Section("fp8", _P + "throughput:fp8_section", 35, 60,
+            "FP8 and MXFP8 GEMMs vs XLA bf16 and XLA FP8 at M=8192 and the 70B (K, N): "
+            "(8192, 8192), (8192, 28672), (28672, 8192). FLOPs = 2*M*N*K."),
+    Section("train", _P + "train_step:train_section", 200, 120,
+            "Train step of Llama-3-70B cut to the layers that fit (seq 8192, full remat, "
+            "AdamW), bf16 and FP8 recipes: tokens/s, MFU = tokens/s * (6*N + 12*L*d*S) / "
+            "dense bf16 peak.",
+            # JAX takes 75% of HBM by default; the step's train state needs more.
+            env=(("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92"),)),
+)
+NAMES = tuple(s.name for s in SECTIONS)

@@ -1,0 +1,210 @@
+"""The compiling half of titanax.perf.ptxas_report, run as a subprocess per GPU kind:
+
+    python -m titanax.perf.ptxas_worker KIND OUT.json [--on-device] HEAD_DIM...
+
+Compiles every kernel case (flash attention fwd/dq/dkv per impl, head_dim and masking; the
+FP8 matmuls) as its own jit and writes one JSON record per kernel entry to OUT.json. The
+parent sets the environment: MOSAIC_GPU_DUMP_PTX/PTXAS/RESOURCES (Mosaic prints the PTX, the
+`ptxas -v` report and its Resources to stdout for every kernel it compiles) and XLA_FLAGS
+dumping each module's thunk sequence and PTX to $TITANAX_PTXAS_XLA_DUMP (where the Triton
+kernels end up). Needs the CUDA plugin (deviceless: JAX_PLATFORMS=cpu) or a GPU (--on-device).
+
+Mosaic's stdout dumps name no kernel, and XLA compiles a module's kernels in an order of its
+own (the sm90 backward's dkv kernel before dq), so each case is a jit holding at most one
+Mosaic kernel: the backward is compiled twice, keeping dq, then dk and dv (jit drops the
+kernel whose outputs are unused). Each case's stdout goes to its own file (file descriptor 1
+redirected: the dumps come from C++ as well as Python).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import glob
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+
+from titanax.perf import ptxas_report as rep
+
+# Small but real: GQA 8 q heads on 1 kv head. Sizes enter the kernels as loop bounds and grid
+# dimensions only, so registers and shared memory are those of the 70B shapes.
+B, SEQ, HQ, HKV = 1, 2048, 8, 1
+FP8_MNK = (1024, 1024, 1024)
+ATTENTION_IMPLS = {"sm_90a": ("mosaic_sm90", "triton"), "sm_100a": ("mosaic_sm100", "triton")}
+FP8_IMPLS = {"sm_90a": (("sm90", "tensorwise"),), "sm_100a": (("sm100", "mx"),)}
+
+
+@contextlib.contextmanager
+def _stdout_to(path: str):
+    """Points file descriptor 1 at `path`: Mosaic's C++ dumps write there, not to sys.stdout."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.close(fd)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        ctypes.CDLL(None).fflush(None)  # C stdio buffers too, before fd 1 moves back
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def attention_cases(arch: str, head_dims):
+    """(meta, fn, abstract args): one jit per kernel pass, so each holds one Mosaic kernel (the
+    dq/dkv split relies on jit dropping the unused kernel; XLA compiles them in any order)."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.flash_attention.api import flash_attention_bwd, flash_attention_fwd
+    from pallas_kernels.flash_attention.config import default_config
+
+    for impl in ATTENTION_IMPLS[arch]:
+        for d in head_dims:
+            cfg = default_config(impl, d)
+            q = jax.ShapeDtypeStruct((B, SEQ, HQ, d), jnp.bfloat16)
+            kv = jax.ShapeDtypeStruct((B, SEQ, HKV, d), jnp.bfloat16)
+            kw = dict(causal=True, impl=impl, config=cfg)
+            # Segment ids add masking code (and SMEM tiles) to every kernel: both variants.
+            for seg in (None, jax.ShapeDtypeStruct((B, SEQ), jnp.int32)):
+                meta = dict(op="attention", impl=impl, head_dim=d, config=repr(cfg),
+                            variant="causal" + ("+segments" if seg is not None else ""))
+                segs = () if seg is None else (seg,)
+
+                def fwd(q, k, v, *s, kw=kw):
+                    return flash_attention_fwd(q, k, v, *s, **kw)
+
+                lse = jax.eval_shape(fwd, q, kv, kv, *segs)[1]
+                yield dict(meta, **{"pass": "fwd"}), fwd, (q, kv, kv, *segs)
+                for name, pick in (("dq", lambda g: g[0]), ("dkv", lambda g: g[1:])):
+                    def bwd(q, k, v, o, lse, do, *s, kw=kw, pick=pick):
+                        return pick(flash_attention_bwd(q, k, v, s[0] if s else None, o, lse,
+                                                        do, **kw))
+                    yield dict(meta, **{"pass": name}), bwd, (q, kv, kv, q, lse, q, *segs)
+
+
+def fp8_cases(arch: str):
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.fp8.api import fp8_matmul
+    from pallas_kernels.fp8.config import E4M3, E8M0, MX_BLOCK, GridConfig, Sm90Config, \
+        Sm100Config
+
+    m, n, k = FP8_MNK
+    a, b = (jax.ShapeDtypeStruct(s, E4M3) for s in ((m, k), (k, n)))
+    scales = {"tensorwise": (jax.ShapeDtypeStruct((), jnp.float32),) * 2,
+              "mx": (jax.ShapeDtypeStruct((m, k // MX_BLOCK), E8M0),
+                     jax.ShapeDtypeStruct((k // MX_BLOCK, n), E8M0))}
+    configs = {"sm90": Sm90Config(), "sm100": Sm100Config(), "pallas_grid": GridConfig()}
+    # (pallas_grid is not a GPU kernel: fp8_matmul refuses it on GPU, docs/fp8.md.)
+    for impl, mode in FP8_IMPLS[arch]:
+        def fn(a, sa, b, sb, impl=impl):
+            return fp8_matmul(a, sa, b, sb, impl=impl, config=configs[impl])
+        meta = {"op": "fp8_matmul", "impl": impl, "pass": "matmul", "head_dim": None,
+                "variant": mode, "config": repr(configs[impl])}
+        yield meta, fn, (a, scales[mode][0], b, scales[mode][1])
+
+
+def compile_case(kind: str, name: str, fn, args, on_device: bool, log_path: str) -> None:
+    import jax
+
+    fn.__name__ = name  # the XLA dump files are named module_N.jit_<name>.*
+    with _stdout_to(log_path):
+        if on_device:
+            jax.jit(fn).lower(*args).compile()
+        else:
+            from titanax.perf import aot
+            aot.compile_for(kind, fn, *args)
+
+
+def mosaic_entries(log_text: str) -> list[dict]:
+    """The Mosaic kernel of one compile from its stdout dumps (at most one per case)."""
+    reports = rep.parse_ptxas(log_text)
+    resources = rep.parse_resources(log_text)
+    threads = rep.ptx_threads(log_text)
+    if not reports:
+        return []
+    if len(reports) != 1 or len(resources) != 1 or len(threads) != 1:
+        raise RuntimeError(f"expected one Mosaic kernel per compile, got {len(reports)} ptxas "
+                           f"reports, {len(resources)} Resources, {len(threads)} PTX entries")
+    (report,), (res,), (nthreads,) = reports, resources, threads
+    return [dict(report, backend="mosaic", threads=nthreads, smem_bytes=res["smem_bytes"],
+                 tmem_cols=res["tmem_cols"])]
+
+
+def triton_entries(dump_dir: str, name: str) -> list[dict]:
+    """The module's Pallas Triton kernels: their names from the optimized HLO's Triton custom
+    calls (the thunk sequence also lists XLA's own fusions), launch threads and shared memory
+    from the thunk sequence, and `ptxas -v` run on the module's PTX as XLA dumped it."""
+    def dumped(suffix):
+        return glob.glob(os.path.join(dump_dir, f"module_*.jit_{name}.{suffix}"))
+
+    kernels, thunks, reports = set(), {}, {}
+    for path in dumped("sm_*_gpu_after_optimizations.txt"):
+        kernels |= rep.triton_kernel_names(pathlib.Path(path).read_text())
+    for path in dumped("thunk_sequence.txt"):
+        thunks.update(rep.parse_thunks(pathlib.Path(path).read_text()))
+    if not kernels:
+        return []
+    for ptx in dumped("*ptx"):
+        arch = re.search(r"^\.target\s+(sm_\w+)", pathlib.Path(ptx).read_text(), re.M).group(1)
+        out = subprocess.run([rep.ptxas_path(), "-v", f"-arch={arch}", ptx, "-o", os.devnull],
+                             capture_output=True, text=True, check=True)
+        reports.update({r["kernel"]: r for r in rep.parse_ptxas(out.stdout + out.stderr)})
+    missing = sorted(kernels - set(reports) | kernels - set(thunks))
+    if missing:
+        raise RuntimeError(f"no PTX or thunk dumped for Triton kernels {missing} (XLA_FLAGS "
+                           "need --xla_dump_to and --xla_dump_emitter_re=ptx)")
+    return [dict(reports[k], backend="triton", threads=thunks[k][0],
+                 smem_bytes=thunks[k][1] + reports[k]["static_smem"], tmem_cols=None)
+            for k in sorted(kernels)]
+
+
+def _check_local_gpu(arch: str) -> None:
+    import jax
+    cc = getattr(jax.devices()[0], "compute_capability", None)
+    local = {"9": "sm_90a", "10": "sm_100a"}.get(str(cc).split(".")[0])
+    if local != arch:
+        raise SystemExit(f"--on-device for {arch}, but the local device is "
+                         f"{jax.devices()[0].device_kind} (compute capability {cc})")
+
+
+def main(argv: list[str]) -> None:
+    kind, out_path, *rest = argv
+    on_device = "--on-device" in rest
+    head_dims = [int(x) for x in rest if x != "--on-device"]
+    arch = rep.ARCH[kind]
+    if on_device:
+        _check_local_gpu(arch)
+    dump_dir = os.environ["TITANAX_PTXAS_XLA_DUMP"]
+    cases = list(attention_cases(arch, head_dims)) + list(fp8_cases(arch))
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="ptxas-log-") as tmp:
+        for i, (meta, fn, args) in enumerate(cases):
+            name = f"ptxas_case{i}"
+            log_path = os.path.join(tmp, f"{name}.log")
+            base = dict(meta, gpu=kind, arch=arch)
+            try:
+                compile_case(kind, name, fn, args, on_device, log_path)
+                log = pathlib.Path(log_path).read_text(errors="replace")
+                entries = mosaic_entries(log) + triton_entries(dump_dir, name)
+                if not entries:
+                    raise RuntimeError("no kernel found in the compiled module")
+            except Exception as e:  # one broken case must not hide the others' reports
+                msg = " ".join(f"{type(e).__name__}: {e}".split())  # one line, for tables
+                rows.append(dict(base, error=msg[:400]))
+                continue
+            rows += [dict(base, **e) for e in entries]
+    with open(out_path, "w") as f:
+        json.dump(rows, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
