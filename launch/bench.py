@@ -8,6 +8,7 @@ import sys
 
 BENCHMARKS = {
     "attention": "launch.bench_attention",
+    "checkpoint": "launch.bench_checkpoint",
     "fp8": "launch.bench_fp8",
     "train": "launch.bench_train",
 }

@@ -94,6 +94,17 @@ def setup_jax(host_devices: int, args: argparse.Namespace | None = None) -> None
         distributed.initialize(spec, heartbeat_timeout_s=args.heartbeat_timeout)
 
 
-def fail(msg: str) -> None:
+# Exit codes of every launcher: bad input the user can fix in the command or config is 2 (as
+# argparse uses); a run that cannot go on (damaged checkpoints, divergence) is 1.
+EXIT_CONFIG, EXIT_FAILED = 2, 1
+
+
+def fail(msg: str, code: int = EXIT_CONFIG) -> None:
+    """Ends the command with `error: msg` on stderr, no traceback."""
     print(f"error: {msg}", file=sys.stderr)
-    raise SystemExit(2)
+    raise SystemExit(code)
+
+
+def stop(msg: str) -> None:
+    """fail() for a run that cannot go on (exit 1), not a configuration error."""
+    fail(msg, EXIT_FAILED)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from launch.common import fail
+from launch.common import fail, stop
 
 
 def main(argv=None) -> None:
@@ -23,13 +23,16 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
 
     from titanax.checkpoint.hf_export import export_hf, parse_size
+    from titanax.checkpoint.params_only import UnreadableCheckpoint
 
     try:
         max_bytes = parse_size(args.max_shard_size)
         r = export_hf(args.workdir, args.out, step=args.step, dtype=args.dtype,
                       max_shard_bytes=max_bytes)
-    except (FileNotFoundError, FileExistsError, ValueError) as e:
+    except (FileNotFoundError, FileExistsError, ValueError) as e:  # ConfigError is a ValueError
         fail(str(e))
+    except UnreadableCheckpoint as e:  # a damaged run, not a bad flag
+        stop(str(e))
     tok = f", tokenizer from {r.tokenizer}" if r.tokenizer else ", no tokenizer found for the run"
     print(f"exported step {r.step}: {r.tensors} tensors, {r.bytes / 1e9:.3f} GB {args.dtype} in "
           f"{r.shards} shard(s) to {r.out}{tok}")

@@ -1,12 +1,13 @@
 """python -m launch.generate --workdir DIR --prompt TEXT [--max-new-tokens N] [--temperature T]
-Samples from the run's latest checkpoint with a KV cache (T=0: greedy)."""
+Samples from the run's latest checkpoint with a KV cache (T=0: greedy). Restores the parameters
+only (no optimizer state), sharded over this machine's devices; writes nothing."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from launch.common import fail
+from launch.common import fail, stop
 
 
 def main(argv=None) -> None:
@@ -21,13 +22,20 @@ def main(argv=None) -> None:
     if args.max_new_tokens <= 0:
         fail("--max-new-tokens must be > 0")
 
+    import jax
+
+    from titanax.checkpoint.params_only import UnreadableCheckpoint
+    from titanax.config import ConfigError
     from titanax.data.tokenizer import Tokenizer
     from titanax.generate import find_tokenizer, generate, load_for_inference
 
     try:
-        cfg, graphdef, params, step = load_for_inference(args.workdir, args.step)
-    except FileNotFoundError as e:
+        cfg, graphdef, params, step = load_for_inference(args.workdir, args.step,
+                                                         devices=jax.local_devices())
+    except (FileNotFoundError, ConfigError) as e:
         fail(str(e))
+    except UnreadableCheckpoint as e:
+        stop(str(e))
     tok_path = find_tokenizer(cfg, args.workdir)
     if tok_path is None:
         fail(f"no tokenizer.json for the run in {args.workdir} (synthetic data has none); "

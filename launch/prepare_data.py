@@ -40,8 +40,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     n_tokens = sum(s["n_tokens"] for s in meta["shards"])
     n_docs = sum(s["n_docs"] for s in meta["shards"])
+    # max_id (in meta.json) lets training check model.vocab_size without reading the tokens
+    max_ids = [s["max_id"] for s in meta["shards"] if "max_id" in s]
     print(f"{args.out}: {len(meta['shards'])} shards, {n_docs} documents, {n_tokens:,} tokens "
-          f"(vocab {meta['vocab_size']}, eos {meta['eos_id']})")
+          f"(vocab {meta['vocab_size']}, eos {meta['eos_id']}"
+          f"{f', largest id {max(max_ids)}' if max_ids else ''})")
     return 0
 
 

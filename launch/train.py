@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-import sys
 
 from launch.common import (add_config_flags, add_distributed_flags, add_host_devices_flag, fail,
-                           setup_jax)
+                           setup_jax, stop)
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: a checkpoint is saved, run again to resume
 DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parent.parent / "configs" / "tiny.py"
@@ -34,17 +33,20 @@ def main(argv=None) -> None:
     except ConfigError as e:
         fail(str(e))
     workdir = args.workdir or f"runs/{pathlib.Path(args.config).stem}"
+    from titanax import xla_flags
+
+    xla_flags.apply_for_run(args.host_devices)  # GPU only; XLA reads them when it starts
     setup_jax(args.host_devices, args)
 
+    from titanax.checkpoint.orbax_io import NoGoodCheckpoint
     from titanax.train.loop import TrainingDiverged, train
 
     try:
         result = train(cfg, workdir)
     except ConfigError as e:
         fail(str(e))
-    except TrainingDiverged as e:  # the message names the steps and what to change
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(1) from None
+    except (TrainingDiverged, NoGoodCheckpoint) as e:  # each names the steps and what to do
+        stop(str(e))
     if result.preempted:
         raise SystemExit(EXIT_PREEMPTED)
 

@@ -33,6 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ..target import out_struct
+from ..wgmma import wgmma_into as _wgmma_into
 
 # Finite and small enough that (score * log2(e)) cannot overflow to -inf in float32.
 MASK = -1e30
@@ -55,19 +56,6 @@ def _interpret_ctx(interpret: bool):
     # The Mosaic GPU interpreter (CPU) models SMEM, mbarriers, TMA and wgmma.
     return plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()) if interpret \
         else contextlib.nullcontext()
-
-
-def _wgmma_into(acc, issue, interpret: bool):
-    """acc + (the wgmma chain `issue(acc_ref)` issues). On the GPU the wgmma accumulates into
-    acc's registers (pl.run_state); the Mosaic GPU interpreter has no rule for run_state yet, so
-    there a zero accumulator is used and added: the same arithmetic up to fp32 rounding order."""
-    if not interpret:
-        return pl.run_state(issue)(plgpu.ACC.init(acc))
-
-    def scoped(acc_ref):
-        issue(acc_ref)
-        return acc_ref[...]
-    return acc + pl.run_scoped(scoped, plgpu.ACC(acc.shape, jnp.float32))
 
 
 def _q_block(name: str, n_blocks: int, causal: bool):

@@ -39,7 +39,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .kernel_sm90 import LOG2E, MASK, _interpret_ctx, _q_block, _tile_mask, _wgmma_into
+from .kernel_sm90 import LOG2E, MASK, _interpret_ctx, _q_block, _tile_mask
+from ..wgmma import wgmma_into as _wgmma_into
 from ..target import out_struct
 
 TX = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))

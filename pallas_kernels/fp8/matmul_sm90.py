@@ -24,6 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.fp8.config import Sm90Config, check_kmajor_operands
+from pallas_kernels.wgmma import wgmma_into
 
 
 def supported(m: int, n: int, k: int, config: Sm90Config = Sm90Config()) -> bool:
@@ -32,19 +33,8 @@ def supported(m: int, n: int, k: int, config: Sm90Config = Sm90Config()) -> bool
 
 
 def _wgmma_group(acc, a_smem, bt_smem, interpret: bool):
-    """acc + a_smem @ bt_smem.T through a wgmma accumulating onto acc's registers
-    (pl.run_state, which waits for the wgmma). The Mosaic GPU interpreter has no rule for
-    run_state (jax 0.11.2): there a zero accumulator is used and added, the same sum."""
-    def issue(acc_ref):
-        plgpu.wgmma(acc_ref, a_smem, bt_smem.T)
-
-    if not interpret:
-        return pl.run_state(issue)(plgpu.ACC.init(acc))
-
-    def scoped(acc_ref):
-        issue(acc_ref)
-        return acc_ref[...]
-    return acc + pl.run_scoped(scoped, plgpu.ACC(acc.shape, jnp.float32))
+    """acc + a_smem @ bt_smem.T (waited for)."""
+    return wgmma_into(acc, lambda acc_ref: plgpu.wgmma(acc_ref, a_smem, bt_smem.T), interpret)
 
 
 def _kernel(a_gmem, bt_gmem, s_gmem, out_gmem, *, config: Sm90Config, k_iters: int,

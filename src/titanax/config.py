@@ -235,9 +235,32 @@ class TrainConfig:
     # one layer at a time (the weights also in the forward and backward passes).
     offload_optimizer: bool = False
     offload_params: bool = False
+    # Persistent XLA compilation cache: a resumed or requeued run loads its compiled programs
+    # instead of compiling them again (minutes at 70B). "{workdir}" is the run folder: there
+    # the cache sits with the checkpoints on the file system all nodes share (process 0
+    # writes, every process reads) and goes away with the run; a user-level folder
+    # (~/.cache/titanax/xla) is shared by all runs, if not by all nodes. "": no cache.
+    compilation_cache: str = "{workdir}/xla_cache"
+    # "START:END": a jax.profiler trace of the steps after START up to END (END - START
+    # steps) in WORKDIR/profile, for TensorBoard's or Perfetto's trace viewer. "": none.
+    profile_steps: str = ""
+
+    @property
+    def profile_window(self) -> tuple[int, int] | None:
+        """profile_steps as (START, END), or None."""
+        if not self.profile_steps:
+            return None
+        start, end = self.profile_steps.split(":")
+        return int(start), int(end)
 
     def __post_init__(self):
         _check_types("train", self)
+        if self.profile_steps:
+            m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", self.profile_steps)
+            if not m or int(m[1]) >= int(m[2]):
+                _fail("train.profile_steps", f"{self.profile_steps!r} is not START:END with "
+                      "START < END (e.g. '10:15': the steps after 10 up to 15), or ''")
+            object.__setattr__(self, "profile_steps", f"{int(m[1])}:{int(m[2])}")
         _check_positive("train", self, "steps", "batch_size", "seq_len", "log_every",
                         "eval_batches", "grad_accum", "max_bad_steps")
         if self.eval_every < 0:
@@ -528,6 +551,8 @@ def _load_py(path: pathlib.Path) -> Config:
 
 
 def _load_gin(path: pathlib.Path) -> Config:
+    import tokenize
+
     import gin
 
     gin.clear_config()
@@ -536,6 +561,11 @@ def _load_gin(path: pathlib.Path) -> Config:
         configurables[name] = gin.external_configurable(cls, name=name, module="titanax")
     try:
         gin.parse_config_file(str(path), skip_unknown=False)
+    except SyntaxError as e:  # gin's parser: a malformed statement or value
+        raise ConfigError(f"{path}:{e.lineno}: {e.msg}") from None
+    except tokenize.TokenError as e:  # Python's tokenizer under gin: unclosed bracket or quote
+        line = e.args[1][0] if len(e.args) > 1 else "?"
+        raise ConfigError(f"{path}:{line}: {e.args[0]}") from None
     except (ValueError, KeyError) as e:  # gin's messages name the binding; add the closest key
         msg = str(e)
         hint = ""

@@ -9,43 +9,52 @@ import pathlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from titanax.checkpoint.orbax_io import Checkpointer
-from titanax.config import CheckpointConfig, Config, MeshConfig, PipelineConfig
+from titanax.checkpoint.params_only import (abstract_params, open_checkpoints, read_run_config,
+                                            restore_params, sampling_mesh)
+from titanax.config import Config, MeshConfig, PipelineConfig
 from titanax.models.llama import init_cache
-from titanax.parallel.mesh import single_device_mesh
-from titanax.parallel.pipeline import stored_layer_order, to_logical_order
-from titanax.parallel.rules import model_context
-from titanax.train.optim import make_optimizer
-from titanax.train.state import abstract_train_state
+from titanax.parallel.pipeline import stored_layer_order
 
 
-def load_for_inference(workdir, step: int | None = None):
-    """(config, graphdef, params, step) from a run folder's latest (or given) checkpoint."""
-    workdir = pathlib.Path(workdir)
-    ckpt = Checkpointer(workdir / "checkpoints", CheckpointConfig(async_save=False))
-    step = ckpt.latest_step() if step is None else step
-    if step is None:
-        raise FileNotFoundError(f"no checkpoint under {ckpt.directory}; train first with "
-                                f"`python -m launch.train --workdir {workdir}`")
-    run_cfg = Config.from_dict(ckpt.read_config(step))
-    # Sampling runs on one device whatever layout trained the model; the arrays' shapes do not
-    # depend on the layout, only (circular pipelines) the stored order of the layers.
-    # Host offload is a training memory option: sampling keeps everything on the device.
-    cfg = dataclasses.replace(run_cfg, mesh=MeshConfig(), pipeline=PipelineConfig(),
-                              train=dataclasses.replace(run_cfg.train, offload_optimizer=False,
-                                                        offload_params=False))
-    mesh = single_device_mesh()
-    graphdef, abstract, _ = abstract_train_state(cfg, mesh, make_optimizer(cfg))
-    with model_context(mesh):
-        state, _, _ = ckpt.restore(step, abstract)
-    ckpt.close()
-    params = state["params"]
-    if stored_layer_order(run_cfg) is not None:
-        params["layers"] = to_logical_order(params["layers"], run_cfg.mesh.pipeline,
-                                            run_cfg.pipeline.resolved_virtual_stages)
+def load_for_inference(workdir, step: int | None = None, devices=None):
+    """(config, graphdef, params, step) from a run folder's latest (or given) checkpoint: the
+    parameters only (checkpoint/params_only.py), sharded over `devices` by the training rules
+    (default: the first device; launch.generate passes all local ones). Raises
+    FileNotFoundError when the run has no such checkpoint, UnreadableCheckpoint when it does not
+    read back; creates nothing."""
+    ckpt, step = open_checkpoints(pathlib.Path(workdir) / "checkpoints", step)
+    try:
+        run_cfg = read_run_config(ckpt, step)
+        # The arrays' shapes do not depend on the layout that trained the model, only (circular
+        # pipelines) the stored order of the layers. Host offload is a training memory option:
+        # sampling keeps everything on the devices.
+        cfg = dataclasses.replace(run_cfg, mesh=MeshConfig(), pipeline=PipelineConfig(),
+                                  train=dataclasses.replace(run_cfg.train, offload_optimizer=False,
+                                                            offload_params=False))
+        mesh = sampling_mesh(cfg, jax.devices()[:1] if devices is None else devices)
+        graphdef, abstract = abstract_params(cfg, mesh)
+        params = restore_params(ckpt, step, abstract)
+    finally:
+        ckpt.close()
+    order = stored_layer_order(run_cfg)
+    if order is not None:
+        params["layers"] = _logical_layers(params["layers"], order)
     return cfg, graphdef, params, step
+
+
+def _logical_layers(layers, stored_order):
+    """The layer stack of a circular-pipeline run (stored stage-major) in logical order, one
+    leaf at a time, each original freed as its copy is made: never two copies of the stack."""
+    inv = np.argsort(stored_order)
+
+    def move(a):
+        out = jax.jit(lambda x: jnp.take(x, inv, axis=0), out_shardings=a.sharding)(a)
+        a.delete()
+        return out
+    return jax.tree.map(move, layers)
 
 
 def find_tokenizer(cfg: Config, workdir) -> pathlib.Path | None:

@@ -91,7 +91,6 @@ def _plan_shards(table, itemsize: int, max_bytes: int) -> list[list]:
 
 def _check_params(reader: CheckpointReader, cfg: Config) -> None:
     stored = reader.params()
-    position = stored_position(cfg)  # circular-pipeline runs store layers stage-major
     for t in hf.tensor_table(cfg.model):
         want = t.shape if t.layer is None else (cfg.model.n_layers, *t.shape)
         got = stored.get(t.param, (None,))[0]
@@ -145,8 +144,8 @@ def export_hf(workdir: str | pathlib.Path, out: str | pathlib.Path, *, step: int
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    bar = None
     try:
-        bar = None
         if progress:
             from tqdm import tqdm
 
@@ -188,5 +187,7 @@ def export_hf(workdir: str | pathlib.Path, out: str | pathlib.Path, *, step: int
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if bar is not None:  # ends its line: an error message then starts on its own
+            bar.close()
         raise
     return ExportResult(out, reader.step, len(table), len(shards), total, tok_path)

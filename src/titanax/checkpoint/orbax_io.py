@@ -1,7 +1,9 @@
 """Orbax checkpoints under WORKDIR/checkpoints/<step>/: the train state (sharded arrays, written
 by every host as orbax expects), the data iterator position, the config used and the loop's
 counters. Saves are asynchronous; each committed step gets a manifest (checkpoint/integrity.py)
-so that a damaged newest step is found, reported and skipped for the previous good one.
+so that a damaged newest step is found, reported and skipped for the previous good one. Every
+process checksums its share of a step in the background and verifies its share before a
+resume; verdicts are agreed through the coordination service's key-value store.
 
 Items of a step (names are stable: generate.py, export and HF import read and write them):
   state   {'step', 'params', 'opt_state'}, restored onto whatever mesh the abstract state
@@ -21,6 +23,7 @@ layout, so every checkpoint a user has keeps working.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import pathlib
 import re
 import threading
@@ -36,6 +39,7 @@ from orbax.checkpoint import checkpoint_managers as policies
 
 from titanax.checkpoint import integrity
 from titanax.config import CheckpointConfig, Config, ConfigError, ModelConfig
+from titanax.train.preemption import STOPPING
 
 # Fields that change how the same weights are computed, not what they are: a checkpoint may be
 # resumed with other values (say a GPU attention kernel after a CPU run).
@@ -130,6 +134,10 @@ def _to_current_layout(state, abstract_state, legacy: dict):
     return jax.tree_util.tree_map_with_path(convert, state, abstract_state)
 
 
+class NoGoodCheckpoint(RuntimeError):
+    """Every checkpoint of a run is damaged: the run stops rather than start from scratch."""
+
+
 @dataclasses.dataclass
 class Restored:
     step: int
@@ -190,21 +198,24 @@ class Checkpointer:
             items["run"] = ocp.args.JsonSave(run_state)
         self.manager.save(step, args=ocp.args.Composite(**items), force=True,
                           custom_metadata={_LAYOUT_KEY: PARAM_LAYOUT})
-        if jax.process_index() == 0:
-            # Checksumming a large checkpoint takes a while: never on the step path.
-            sealer = threading.Thread(target=self._seal_when_committed, args=(step,),
-                                      name=f"titanax-manifest-{step}", daemon=True)
-            sealer.start()
-            self._sealers.append(sealer)
+        # Checksumming a large checkpoint takes a while: never on the step path, and split
+        # over the processes (each its share: integrity.owner).
+        sealer = threading.Thread(target=self._seal_when_committed,
+                                  args=(step, jax.process_index(), jax.process_count()),
+                                  name=f"titanax-manifest-{step}", daemon=True)
+        sealer.start()
+        self._sealers.append(sealer)
 
-    def _seal_when_committed(self, step: int) -> None:
-        """Writes the step's manifest once orbax is done with the save (committed: the folder
-        renamed into place, metadata written); nothing if the save failed (no folder). The next
-        save joins this thread before it starts, so no other save can begin meanwhile."""
+    def _seal_when_committed(self, step: int, index: int, count: int) -> None:
+        """Writes this process's part of the step's manifest once orbax is done with the save
+        (committed on every process: the folder renamed into place, metadata written); nothing
+        if the save failed (no folder). The next save joins this thread before it starts, so no
+        other save can begin meanwhile. After a stop signal (STOPPING) it records sizes only
+        and returns at once: an exit never waits for a committed step to be read back."""
         while self.manager.is_saving_in_progress():
             time.sleep(0.05)
         if self.step_dir(step).is_dir():
-            integrity.write_manifest(self.step_dir(step))
+            integrity.seal(self.step_dir(step), index, count, stop=STOPPING)
 
     def restore(self, step: int, abstract_state):
         """(state placed as abstract_state's shardings say, data iterator state or None, config)."""
@@ -272,9 +283,9 @@ class Checkpointer:
         bad: list[tuple[int, str]] = []
         candidates = [step] if step is not None else list(reversed(self.all_steps()))
         for step in candidates:
-            # One full read of the step: process 0 does it for everyone.
-            damage = _agreed(integrity.find_damage(self.step_dir(step))
-                             if jax.process_index() == 0 else None)
+            # One full read of the step, split: every process reads its share.
+            damage = _agreed(integrity.find_damage(self.step_dir(step), jax.process_index(),
+                                                   jax.process_count()))
             if damage is None:
                 try:
                     config = self.read_config(step)
@@ -298,7 +309,7 @@ class Checkpointer:
             return restored
         if bad:
             listing = "\n".join(f"  step {s}: {why}" for s, why in bad)
-            raise RuntimeError(
+            raise NoGoodCheckpoint(
                 f"no checkpoint under {self.directory} restores:\n{listing}\nNothing was moved "
                 "or deleted. If they are beyond repair, move them away to start from scratch, "
                 "or use --set checkpoint.restore=PATH to start from another run.")
@@ -321,7 +332,8 @@ class Checkpointer:
         self.manager.reload()
 
     def wait(self) -> None:
-        """Blocks until the last save is committed and its manifest written."""
+        """Blocks until the last save is committed and this process's part of its manifest
+        written (sizes only after a stop signal)."""
         self.manager.wait_until_finished()
         self._join_sealers()
 
@@ -335,13 +347,38 @@ class Checkpointer:
         self.manager.close()
 
 
+_AGREEMENTS = itertools.count()  # every process agrees in the same order: same keys
+# Peers may verify a large share first; a dead peer is reported sooner, by the heartbeats.
+_AGREE_TIMEOUT_MS = 3600_000
+
+
 def _agreed(damage: str | None) -> str | None:
-    """Every process takes the same path: a step one process finds damaged is damaged."""
-    if jax.process_count() == 1:
+    """Every process takes the same path: a step one process finds damaged is damaged, and
+    process 0 (which logs) says what that process found. Through the coordination service's
+    key-value store, not a device collective: nothing is put on the accelerators."""
+    count = jax.process_count()
+    if count == 1:
         return damage
-    flags = multihost_utils.process_allgather(np.asarray(damage is not None, np.int32))
-    if damage is None and np.any(flags):
-        return "another process found it damaged"
+    from jax._src.distributed import global_state  # the client jax.distributed started
+
+    client = global_state.client
+    if client is None:
+        raise RuntimeError("jax.process_count() > 1 but jax.distributed is not initialized; "
+                           "start multi-process runs through titanax.distributed.initialize")
+    key = f"titanax/checkpoint_verdict/{next(_AGREEMENTS)}"
+    client.key_value_set(f"{key}/{jax.process_index()}", damage or "")  # "": intact
+    verdicts = []
+    for i in range(count):
+        try:
+            verdicts.append(client.blocking_key_value_get(f"{key}/{i}", _AGREE_TIMEOUT_MS))
+        except Exception as e:  # noqa: BLE001 - jaxlib raises its own error types
+            raise RuntimeError(
+                f"process {i} did not report its checkpoint check within "
+                f"{_AGREE_TIMEOUT_MS // 1000} s ({type(e).__name__}: {e}); see its log") from e
+    if damage is None:
+        for i, verdict in enumerate(verdicts):
+            if verdict:
+                return f"{verdict} (found by process {i})"
     return damage
 
 

@@ -21,37 +21,28 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
-from titanax.checkpoint.orbax_io import Checkpointer
-from titanax.config import CheckpointConfig
+from titanax.checkpoint.params_only import UnreadableCheckpoint, open_checkpoints, unreadable
 
 
 class CheckpointReader:
     """Parameters of one step of a run's checkpoints, read on demand."""
 
     def __init__(self, checkpoint_dir: str | pathlib.Path, step: int | None = None):
-        # read_only: never cleans or quarantines anything in a run that may still be training.
-        ckpt = Checkpointer(checkpoint_dir, CheckpointConfig(async_save=False), read_only=True)
-        steps = ckpt.all_steps()
-        if not steps:
-            ckpt.close()
-            raise FileNotFoundError(f"no checkpoint under {ckpt.directory}; train first, or point "
-                                    "--workdir at a run folder")
-        if step is None:
-            step = steps[-1]
-        elif step not in steps:
-            ckpt.close()
-            raise FileNotFoundError(f"no checkpoint for step {step} under {ckpt.directory}; "
-                                    f"steps present: {steps}")
+        # Read-only: never creates, cleans or quarantines anything in a run that may still be
+        # training; FileNotFoundError (naming the steps present) when there is no such step.
+        ckpt, step = open_checkpoints(checkpoint_dir, step)
         self.step = step
-        self.config_dict = ckpt.read_config(step)
+        self.state_dir = ckpt.step_dir(step) / "state"
         try:
+            self.config_dict = ckpt.read_config(step)
             # {('layers', name): perm} of parameters stored in the old layout
             self._legacy = {("layers", name): perm
                             for name, perm in ckpt.legacy_params(step).items()}
+            meta = ocp.StandardCheckpointHandler().metadata(self.state_dir)
+        except Exception as e:  # noqa: BLE001 - whatever orbax raised, the step is unusable
+            raise unreadable(ckpt, step, "its metadata", e) from e
         finally:
             ckpt.close()
-        self.state_dir = pathlib.Path(checkpoint_dir).absolute() / str(step) / "state"
-        meta = ocp.StandardCheckpointHandler().metadata(self.state_dir)
         self._use_zarr3 = bool(meta.use_zarr3)
         self._use_ocdbt = ocp.type_handlers.is_ocdbt_checkpoint(self.state_dir)
         # One context for every array: the OCDBT B-tree cache is shared, not duplicated.
@@ -83,8 +74,20 @@ class CheckpointReader:
             info = ocp.type_handlers.ParamInfo(name=m.name, parent_dir=pathlib.Path(m.directory),
                                                use_zarr3=self._use_zarr3, ts_context=self._context)
             spec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=self._use_ocdbt)
-            self._open[path] = ts.open(spec, context=self._context, open=True, read=True).result()
+            self._open[path] = self._result(ts.open(spec, context=self._context, open=True,
+                                                    read=True), path)
         return self._open[path]
+
+    def _result(self, future, path):
+        """future.result(), with tensorstore's failure (a damaged or missing file) as
+        UnreadableCheckpoint naming the step and parameter."""
+        try:
+            return future.result()
+        except Exception as e:  # noqa: BLE001
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            raise UnreadableCheckpoint(f"checkpoint {self.state_dir.parent}: reading parameter "
+                                       f"{'.'.join(path)} failed ({type(e).__name__}: {first})"
+                                       ) from e
 
     def read(self, path: tuple[str, ...], index=()) -> np.ndarray:
         """The parameter, or `index` of it (e.g. slice(2, 4) for layers 2 and 3), as numpy, in
@@ -93,7 +96,7 @@ class CheckpointReader:
         perm = self._legacy.get(path)
         if perm is not None:  # stored in the old layout: index it there, then transpose
             index, perm = _legacy_index(index, perm)
-        out = np.asarray(store[index].read().result() if index != () else store.read().result())
+        out = np.asarray(self._result((store[index] if index != () else store).read(), path))
         return out if perm is None else out.transpose(perm)
 
     def layer_chunk(self, path: tuple[str, ...]) -> int:

@@ -2,9 +2,9 @@
 
 A folder holds
   meta.json            format/version, vocab_size, eos_id, bos_id, tokenizer_sha256, source,
-                       shards [{file, n_tokens, n_docs}], done_inputs (inputs whose documents
-                       are all in listed shards), partial_input ({path, records} or null: how
-                       far into one input the listed shards reach)
+                       shards [{file, n_tokens, n_docs, max_id}], done_inputs (inputs whose
+                       documents are all in listed shards), partial_input ({path, records} or
+                       null: how far into one input the listed shards reach)
   shard_00000.npy ...  uint32 1-D, documents concatenated, each followed by eos
   tokenizer.json       a copy of the tokenizer that wrote them
 
@@ -12,6 +12,8 @@ A shard only exists under its final name once completely written (temp name, the
 and it only counts once meta.json lists it; meta.json itself is replaced atomically. So a run
 killed at any point resumes from the last listed shard and never trusts a partial file.
 Shards are read memory-mapped with allow_pickle=False: a shard can never run code.
+Start-up reads no tokens: each shard's largest id (max_id, checked against model.vocab_size)
+is written with it; a folder from before max_id is read once and meta.json updated.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import json
 import os
 import pathlib
 import shutil
+import sys
 
 import numpy as np
 
@@ -99,7 +102,7 @@ def open_shards(folder: str | pathlib.Path, vocab_size: int | None = None
                 ) -> tuple[dict, list[np.ndarray]]:
     """Validates every listed shard and returns (meta, memory-mapped 1-D token arrays).
 
-    vocab_size: model.vocab_size; every token id must be below it (checked on all tokens).
+    vocab_size: model.vocab_size; every token id must be below it (each shard's max_id).
     """
     folder = pathlib.Path(folder)
     meta = read_meta(folder)
@@ -110,11 +113,51 @@ def open_shards(folder: str | pathlib.Path, vocab_size: int | None = None
         raise DataError(f"model.vocab_size: {folder} was tokenized with a "
                         f"{meta['vocab_size']}-token vocabulary but model.vocab_size="
                         f"{vocab_size}; set model.vocab_size >= {meta['vocab_size']}")
-    arrays = [_open_shard(folder, entry, vocab_size) for entry in meta["shards"]]
+    arrays = [_open_shard(folder, entry) for entry in meta["shards"]]
+    if vocab_size is not None:
+        _scan_unrecorded(folder, meta, arrays)
+        for entry in meta["shards"]:
+            if entry["max_id"] >= vocab_size:
+                raise DataError(f"{folder / entry['file']}: max id {entry['max_id']} is "
+                                f"outside [0, model.vocab_size={vocab_size}); set "
+                                f"model.vocab_size > {entry['max_id']} or re-tokenize with a "
+                                "tokenizer that fits the model")
     return meta, arrays
 
 
-def _open_shard(folder: pathlib.Path, entry: dict, vocab_size: int | None) -> np.ndarray:
+def _scan_unrecorded(folder: pathlib.Path, meta: dict, arrays: list[np.ndarray]) -> None:
+    """Shards listed without max_id (written before titanax recorded it) are read once, and
+    their max_id written into meta.json so that later start-ups read no tokens."""
+    todo = [i for i, entry in enumerate(meta["shards"]) if "max_id" not in entry]
+    if not todo:
+        return
+    n_tokens = sum(arrays[i].size for i in todo)
+    print(f"titanax: {folder / META} does not record the largest token id of {len(todo)} "
+          f"shard(s); reading their {n_tokens:,} tokens once to check them against "
+          "model.vocab_size", file=sys.stderr, flush=True)
+    for i in todo:
+        arr, path = arrays[i], folder / meta["shards"][i]["file"]
+        lo = int(arr.min())
+        if lo < 0:
+            raise DataError(f"{path}: token id {lo} is negative; {_FIX}")
+        meta["shards"][i]["max_id"] = int(arr.max())
+    try:  # from disk again: keep whatever else changed in it meanwhile
+        on_disk = read_meta(folder)
+        known = {(e["file"], e.get("n_tokens")): e["max_id"] for e in meta["shards"]}
+        for entry in on_disk.get("shards", []):
+            key = (entry["file"], entry.get("n_tokens"))
+            if "max_id" not in entry and key in known:
+                entry["max_id"] = known[key]
+        write_json_atomic(folder / META, on_disk)
+    except OSError as e:
+        print(f"titanax: could not record them in {folder / META} ({e.strerror or e}); every "
+              "start-up will read them again (make the folder writable, or copy it)",
+              file=sys.stderr, flush=True)
+        return
+    print(f"titanax: recorded max_id in {folder / META}", file=sys.stderr, flush=True)
+
+
+def _open_shard(folder: pathlib.Path, entry: dict) -> np.ndarray:
     path = folder / entry["file"]
     if not path.is_file():
         raise DataError(f"{path}: listed in {META} but missing; restore it or {_FIX}")
@@ -133,13 +176,6 @@ def _open_shard(folder: pathlib.Path, entry: dict, vocab_size: int | None) -> np
     if "n_tokens" in entry and entry["n_tokens"] != arr.size:
         raise DataError(f"{path}: holds {arr.size} tokens but {META} says {entry['n_tokens']} "
                         f"(truncated or replaced?); {_FIX}")
-    if vocab_size is not None:
-        hi, lo = int(arr.max()), int(arr.min())
-        if hi >= vocab_size or lo < 0:
-            bad = hi if hi >= vocab_size else lo
-            raise DataError(f"{path}: token id {bad} (max id {hi}) is outside "
-                            f"[0, model.vocab_size={vocab_size}); set model.vocab_size > {hi} "
-                            "or re-tokenize with a tokenizer that fits the model")
     return arr
 
 
@@ -296,9 +332,11 @@ class _ShardWriter:
         """Writes the buffered documents as the next shard, then records it in meta.json."""
         if self.n_tokens:
             name = shard_name(len(self.meta["shards"]))
-            save_npy_atomic(self.out / name, np.concatenate(self.pieces))
+            tokens = np.concatenate(self.pieces)
+            save_npy_atomic(self.out / name, tokens)
+            # max_id: training checks the ids against model.vocab_size without reading them
             self.meta["shards"].append({"file": name, "n_tokens": self.n_tokens,
-                                        "n_docs": self.n_docs})
+                                        "n_docs": self.n_docs, "max_id": int(tokens.max())})
         elif not self.ended and self.partial == self.meta["partial_input"]:
             return  # nothing new to record
         self.meta["done_inputs"] = sorted(set(self.meta["done_inputs"]) | set(self.ended))

@@ -6,7 +6,8 @@ Targets, best first:
 - 'gpu': compile-only CUDA devices of the GPU kind (titanax.perf.aot: the CUDA PJRT plugin
   with a GpuTargetConfigProto per kind), laid out as the cluster's hosts, so build_mesh cuts
   the same NVLink domains as on the real machines and XLA's GPU compiler decides fusion,
-  rematerialisation and buffer assignment for that chip's memory;
+  rematerialisation and buffer assignment for that chip's memory, under the XLA flags a GPU
+  run of launch.train gets (titanax.xla_flags: collective overlap moves the memory peak);
 - 'cpu': simulated CPU devices (jax_num_cpu_devices) when the plugin is not installed; the
   sharding and the program are the same, the memory figures are XLA:CPU's (attention falls
   back to XLA's, which materialises S x S scores), so the planner then trusts its model.
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import time
 
+from titanax import xla_flags
 from titanax.config import Config
 from titanax.perf import aot
 from titanax.plan.cluster import Cluster
@@ -92,20 +94,26 @@ def compile_train_step(cfg: Config, cluster: Cluster, target: str, buffers: int 
 
 
 def collective_dtypes(hlo_text: str) -> dict[str, dict[str, int]]:
-    """{collective: {element type: count}} in compiled HLO text, e.g. which dtype FSDP
-    reduce-scatters gradients in (model.grad_reduce_dtype)."""
+    """{collective: {element type: instructions carrying it}} in compiled HLO text, e.g. which
+    dtype FSDP reduce-scatters gradients in (model.grad_reduce_dtype). A combined collective
+    (the GPU flags' combiners) is one instruction over a tuple of arrays, maybe of several
+    types, with /*index=5*/ comments in its shape."""
     out: dict[str, dict[str, int]] = {}
-    pattern = (r"= \(*(\w+)\[[\d,]*\][^=]*? (all-gather|all-reduce|reduce-scatter|"
+    pattern = (r"= (\(*\w+\[[^\n]*?) (all-gather|all-reduce|reduce-scatter|"
                r"collective-permute|all-to-all)(?:-start)?\(")
-    for dtype, op in re.findall(pattern, hlo_text):
-        out.setdefault(op, {}).setdefault(dtype, 0)
-        out[op][dtype] += 1
+    for shape, op in re.findall(pattern, hlo_text):
+        for dtype in dict.fromkeys(re.findall(r"(\w+)\[", shape)):
+            out.setdefault(op, {}).setdefault(dtype, 0)
+            out[op][dtype] += 1
     return out
 
 
 def _worker_env(cluster: Cluster) -> tuple[dict, str]:
     if aot.plugin_available():
-        return aot.cuda_plugin_env(), "gpu"
+        # The XLA flags launch.train runs with on GPU: they move the compiled memory peak.
+        env = aot.cuda_plugin_env()
+        env["XLA_FLAGS"] = xla_flags.with_gpu_flags(env.get("XLA_FLAGS", ""), env)
+        return env, "gpu"
     env = dict(os.environ)
     env["JAX_PLATFORMS"] = "cpu"
     env["JAX_NUM_CPU_DEVICES"] = str(cluster.n_gpus)

@@ -6,6 +6,9 @@ and steps with a non-finite loss or gradient are skipped and counted. The train 
 RNG: the step has no dropout or sampling, so it is a pure function of (state, batch), and the
 data order is fixed by train.seed plus the grain iterator position saved with every checkpoint.
 A resumed run therefore logs the same losses, step for step, as one never interrupted.
+
+The host runs ahead of the devices: it reads nothing back (metrics, the skipped-step flags, the
+stop flag) except at logging, evaluation and checkpoint steps, where it waits for them anyway.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import pathlib
+import sys
 import time
 
 import jax
@@ -50,9 +55,10 @@ class TrainingDiverged(RuntimeError):
 
 
 class _BadStepCounter:
-    """Counts skipped steps and stops the run after too many in a row. Reads each step's
-    'skipped' flag one step late, after the next step is dispatched, so the host never waits
-    for the device just to look at it."""
+    """Holds each step's metrics as device arrays until the loop next waits for the devices
+    (a logging, evaluation or checkpoint step), then reads them all in one transfer, counts
+    skipped steps and stops the run after too many in a row. Reading them every step would
+    make the host wait for each step before dispatching the next."""
 
     def __init__(self, limit: int, run_state: dict):
         self.limit = limit
@@ -60,17 +66,23 @@ class _BadStepCounter:
         self.streak = int(run_state.get("bad_streak", 0))
         # fp8_delayed: non-finite amaxes recorded (their steps are skipped too), whole run
         self.nonfinite_amax = int(run_state.get("fp8_nonfinite_amax", 0))
-        self._pending = None  # (step, metrics) not looked at yet
+        self._pending = []  # (step, metrics) not looked at yet, in step order
 
     def push(self, step: int, metrics) -> None:
-        self.flush()
-        self._pending = (step, metrics)
+        self._pending.append((step, metrics))
 
-    def flush(self) -> None:
-        if self._pending is None:
-            return
-        step, metrics = self._pending
-        self._pending = None
+    def flush(self) -> dict | None:
+        """Reads the pending steps' metrics; returns the last one's on the host (None when
+        none was pending). Raises TrainingDiverged at the step whose streak hits the limit."""
+        if not self._pending:
+            return None
+        pending, self._pending = self._pending, []
+        values = jax.device_get([m for _, m in pending])
+        for (step, _), metrics in zip(pending, values):
+            self._count(step, metrics)
+        return values[-1]
+
+    def _count(self, step: int, metrics: dict) -> None:
         self.nonfinite_amax += int(metrics.get("fp8_nonfinite_amax", 0))
         if int(metrics["skipped"]) == 0:
             self.streak = 0
@@ -189,9 +201,85 @@ def _describe_processes() -> str:
             "each; this log is process 0's")
 
 
+@contextlib.contextmanager
+def _compilation_cache(setting: str, workdir: pathlib.Path):
+    """train.compilation_cache for the length of the run: XLA's compiled programs are written
+    there and found again by a resumed run. Small compiles too (jax caches only those over 1 s
+    by default; on a CPU even the train step may compile faster). The process's own settings
+    come back afterwards: a library call leaves no cache switched on."""
+    if not setting:
+        yield None
+        return
+    # reset_cache: jax opens its cache once per process; moving it has no public API.
+    from jax._src import compilation_cache
+
+    path = os.path.abspath(os.path.expanduser(setting.replace("{workdir}", str(workdir))))
+    names = {"jax_compilation_cache_dir": path,
+             "jax_persistent_cache_min_compile_time_secs": 0.0,
+             "jax_persistent_cache_min_entry_size_bytes": -1}
+    before = {name: getattr(jax.config, name) for name in names}
+    for name, value in names.items():
+        jax.config.update(name, value)
+    compilation_cache.reset_cache()
+    try:
+        yield path
+    finally:
+        for name, value in before.items():
+            jax.config.update(name, value)
+        compilation_cache.reset_cache()
+
+
+class _Profile:
+    """train.profile_steps START:END: a jax.profiler trace of the steps after START up to END,
+    under WORKDIR/profile/process_<i> (one trace per process)."""
+
+    def __init__(self, window, workdir: pathlib.Path, start_step: int, log):
+        self.window, self.log, self.active = window, log, False
+        self.folder = workdir / "profile" / f"process_{jax.process_index()}"
+        if window and window[0] < start_step:
+            log(f"train.profile_steps={window[0]}:{window[1]}: this run starts at step "
+                f"{start_step}, past the window's start; no trace")
+            self.window = None
+
+    def before_step(self, done: int, last_metrics) -> None:
+        """Called with `done` steps dispatched, before the next."""
+        if self.window and done == self.window[0]:
+            jax.block_until_ready(last_metrics)  # the steps before the window stay out of it
+            jax.profiler.start_trace(str(self.folder))
+            self.active = True
+
+    def after_step(self, done: int, metrics) -> None:
+        if self.active and done == self.window[1]:
+            jax.block_until_ready(metrics)  # the trace must hold the last step's device work
+            self.stop()
+
+    def close(self) -> None:  # the run ended or stopped inside the window
+        self.stop()
+
+    def stop(self) -> None:
+        if self.active:
+            jax.profiler.stop_trace()
+            self.active = False
+            self.log(f"profile of steps {self.window[0] + 1}-{self.window[1]} written to "
+                     f"{self.folder}")
+
+
+def _use_bar(cfg: Config, is_main: bool) -> bool:
+    """A progress bar only where someone watches a terminal; a log file (sbatch, a pipe) gets
+    one line per logged step instead of a bar's carriage returns."""
+    return (is_main and cfg.train.progress_bar and sys.stdout.isatty()
+            and sys.stderr.isatty())
+
+
 def train(cfg: Config, workdir: str | pathlib.Path, *, log=print, devices=None) -> RunResult:
     """Runs (or resumes) training in workdir; devices defaults to all of jax.devices()."""
     workdir = pathlib.Path(workdir)
+    with _compilation_cache(cfg.train.compilation_cache, workdir):
+        return _train(cfg, workdir, log, devices)
+
+
+def _train(cfg: Config, workdir: pathlib.Path, log, devices) -> RunResult:
+    t_begin = time.perf_counter()
     is_main = jax.process_index() == 0
     if not is_main:  # one process speaks for the run; errors still raise everywhere
         log = lambda *_a, **_k: None  # noqa: E731
@@ -260,8 +348,10 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, log=print, devices=None) 
     eval_fn = jax.jit(make_eval_step(cfg, graphdef),
                       in_shardings=(shardings["params"], batch_sharding))
     val_batches = data.val_batches()
-    writer = M.MetricsWriter(workdir, enabled=is_main)
+    writer = M.MetricsWriter(workdir, enabled=is_main,
+                             purge_step=start_step + 1 if start_step else 0)
     bs = cfg.train.batch_size
+    steps, log_every = cfg.train.steps, cfg.train.log_every
 
     bad_steps = _BadStepCounter(cfg.train.max_bad_steps, run_state)
 
@@ -272,62 +362,81 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, log=print, devices=None) 
 
     losses, val_losses, rates = {}, {}, []
     preempted = False
+    profile = _Profile(cfg.train.profile_window, workdir, start_step, log)
     # closing(ckpt): also on an error, wait for the save in flight; it is a good checkpoint.
-    with model_context(mesh), PreemptionWatch() as watch, contextlib.closing(ckpt):
+    with (model_context(mesh), PreemptionWatch() as watch, contextlib.closing(ckpt),
+          contextlib.closing(profile)):
         if start_step == 0:
             val = _evaluate(eval_fn, state["params"], val_batches, batch_sharding, bs)
             val_losses[0] = val
             writer.write(0, {"val_loss": val})
             log(f"step 0: val_loss {val:.4f}")
         bar = None
-        if is_main and cfg.train.progress_bar:
+        if _use_bar(cfg, is_main):
             from tqdm import tqdm
 
-            bar = tqdm(total=cfg.train.steps, initial=start_step, desc="train", unit="step",
+            bar = tqdm(total=steps, initial=start_step, desc="train", unit="step",
                        dynamic_ncols=True)
+        say = bar.write if bar is not None else log
         t_last, step_last = time.perf_counter(), start_step
-        step = start_step
-        while step < cfg.train.steps:
+        step, m = start_step, None
+        while step < steps:
+            profile.before_step(step, m)
             batch = _global_batch(next(train_iter), batch_sharding, bs)
-            state, m = step_fn(state, batch)
+            if step == start_step:  # compiled here, once, to report its memory before it runs
+                t0 = time.perf_counter()
+                compiled = step_fn.lower(state, batch).compile()
+                now = time.perf_counter()
+                log(f"train step compiled in {now - t0:.1f} s, {now - t_begin:.1f} s after the "
+                    f"run started; {_describe_memory(compiled)}")
+            state, m = step_fn(state, batch)  # returns at once: the devices run behind
             step += 1
             bad_steps.push(step, m)
-            if bar is not None:
-                bar.update(1)
-            if step % cfg.train.log_every == 0 or step == cfg.train.steps:
-                m = jax.device_get(m)
-                bad_steps.flush()
+            profile.after_step(step, m)
+            log_now = step % log_every == 0 or step == steps
+            eval_now = bool(cfg.train.eval_every) and step % cfg.train.eval_every == 0
+            save_now = bool(cfg.checkpoint.every_steps) and step % cfg.checkpoint.every_steps == 0
+            if log_now:
+                m_host = bad_steps.flush()  # waits for this step
                 now = time.perf_counter()
                 tps = (step - step_last) * tokens_per_step / (now - t_last)
                 # The first interval includes compilation: keep it out of the average.
                 if step_last > start_step:
                     rates.append(tps)
-                t_last, step_last = now, step
                 mfu = tps * fpt / (peak * jax.device_count()) if peak else 0.0
-                row = {"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
-                       "lr": float(m["lr"]), "tokens_per_s": tps, "mfu": mfu,
-                       "skipped_steps": bad_steps.total}
+                in_use, peak_mem = M.device_memory()
+                row = {"loss": float(m_host["loss"]), "grad_norm": float(m_host["grad_norm"]),
+                       "lr": float(m_host["lr"]), "tokens_per_s": tps, "mfu": mfu,
+                       "step_time": (now - t_last) / (step - step_last),
+                       "skipped_steps": bad_steps.total, "mem_in_use": in_use,
+                       "mem_peak": peak_mem, "elapsed_s": now - t_begin}
+                t_last, step_last = now, step
                 if cfg.model.matmul_precision == "fp8_delayed":  # run total, as skipped_steps
                     row["fp8_nonfinite_amax"] = bad_steps.nonfinite_amax
                 losses[step] = row["loss"]
                 writer.write(step, row)
                 if bar is not None:
+                    bar.update(step - bar.n)
                     bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{tps:,.0f}",
                                     mfu=f"{mfu:.1%}")
-            eval_now = cfg.train.eval_every and step % cfg.train.eval_every == 0
-            if eval_now or step == cfg.train.steps:
+                else:
+                    log(M.step_line(step, steps, row))
+            if eval_now or step == steps:
                 val = _evaluate(eval_fn, state["params"], val_batches, batch_sharding, bs)
                 val_losses[step] = val
                 writer.write(step, {"val_loss": val})
-                if bar is not None:
-                    bar.write(f"step {step}: val_loss {val:.4f}")
+                say(f"step {step}: val_loss {val:.4f}")
                 t_last = time.perf_counter()  # evaluation time is not training throughput
-            if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
+            if save_now:
                 save(step)
-            if step < cfg.train.steps and watch.stop_requested():
+            # The stop flag is agreed (a collective across processes) only at steps where
+            # every process waits for its devices anyway; they are the same on all of them.
+            if (step < steps and (log_now or eval_now or save_now)
+                    and watch.stop_requested()):
                 preempted = True
                 break
         if bar is not None:
+            bar.update(step - bar.n)
             bar.close()
         bad_steps.flush()
         if ckpt.latest_step() != step:
@@ -344,3 +453,10 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, log=print, devices=None) 
         f"val_loss {val_losses.get(step, float('nan')):.4f}, {mean_rate:,.0f} tokens/s; "
         f"checkpoints in {ckpt.directory}")
     return RunResult(step, losses, val_losses, mean_rate, workdir, bad_steps.total)
+
+
+def _describe_memory(compiled) -> str:
+    try:
+        return M.describe_compiled_memory(compiled)
+    except Exception as e:  # noqa: BLE001 - a backend without the analysis still trains
+        return f"memory analysis unavailable ({type(e).__name__})"

@@ -58,9 +58,13 @@ def peak_flops_per_device(configured: float, compute_dtype: str) -> tuple[float,
 
 
 class MetricsWriter:
-    """metrics.jsonl plus TensorBoard events under WORKDIR/tb; writes only on process 0."""
+    """metrics.jsonl plus TensorBoard events under WORKDIR/tb; writes only on process 0.
+    Every row gets `time` (Unix seconds). purge_step: the first step this run writes again
+    (a resumed run repeats the steps after its checkpoint); TensorBoard hides the older
+    events from there on, as metrics.jsonl drops its rows."""
 
-    def __init__(self, workdir: pathlib.Path, *, enabled: bool = True):
+    def __init__(self, workdir: pathlib.Path, *, enabled: bool = True,
+                 purge_step: int | None = None):
         self.enabled = enabled
         self.path = pathlib.Path(workdir) / "metrics.jsonl"
         self._tb = None
@@ -68,22 +72,63 @@ class MetricsWriter:
             from tensorboardX import SummaryWriter
 
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._tb = SummaryWriter(str(pathlib.Path(workdir) / "tb"))
+            self._tb = SummaryWriter(str(pathlib.Path(workdir) / "tb"), purge_step=purge_step)
 
     def write(self, step: int, values: dict) -> None:
         if not self.enabled:
             return
-        row = {"step": int(step), **{k: _plain(v) for k, v in values.items()}}
+        row = {"step": int(step), **{k: _plain(v) for k, v in values.items()},
+               "time": round(time.time(), 3)}
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
-        for k, v in row.items():
-            if k != "step" and isinstance(v, (int, float)):
+        for k, v in row.items():  # TensorBoard stamps its own wall time
+            if k not in ("step", "time") and isinstance(v, (int, float)):
                 self._tb.add_scalar(k, v, step)
         self._tb.flush()
 
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+
+
+def device_memory() -> tuple[int | None, int | None]:
+    """(bytes in use, peak bytes in use) on this process's fullest device, where the backend
+    keeps allocator statistics (GPUs, TPUs); (None, None) on XLA:CPU. Host-side counters:
+    reading them does not wait for the devices."""
+    stats = [s for s in (d.memory_stats() for d in jax.local_devices()) if s]
+    if not stats:
+        return None, None
+    return (max(s.get("bytes_in_use", 0) for s in stats),
+            max(s.get("peak_bytes_in_use", 0) for s in stats))
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f}"
+
+
+def step_line(step: int, steps: int, row: dict) -> str:
+    """One timestamped line per logged step, for logs read without a progress bar (sbatch)."""
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(row.get("time", time.time())))
+    return (f"{stamp} step {step}/{steps} loss {row['loss']:.4f} tok/s "
+            f"{row['tokens_per_s']:,.0f} mfu {row['mfu']:.1%} step {row['step_time']:.3f}s "
+            f"mem {_gib(row.get('mem_in_use'))}/{_gib(row.get('mem_peak'))} GiB "
+            f"skipped {row['skipped_steps']}")
+
+
+def describe_compiled_memory(compiled) -> str:
+    """The compiled step's memory per device from XLA's buffer assignment, before it runs."""
+    mem = compiled.memory_analysis()
+    if mem is None:
+        return "memory analysis: not reported by this backend"
+    get = lambda name: int(getattr(mem, name, 0) or 0)  # noqa: E731
+    args, out, alias, temp = (get("argument_size_in_bytes"), get("output_size_in_bytes"),
+                              get("alias_size_in_bytes"), get("temp_size_in_bytes"))
+    text = (f"memory per device: {(args + out - alias + temp) / 2**30:.3f} GiB = arguments "
+            f"{args / 2**30:.3f} + outputs {out / 2**30:.3f} - donated {alias / 2**30:.3f} "
+            f"+ temporaries {temp / 2**30:.3f}")
+    host = (get("host_argument_size_in_bytes") + get("host_output_size_in_bytes")
+            - get("host_alias_size_in_bytes") + get("host_temp_size_in_bytes"))
+    return text + (f"; pinned host {host / 2**30:.3f} GiB" if host else "")
 
 
 def _plain(v):

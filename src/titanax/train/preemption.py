@@ -1,20 +1,84 @@
-"""SIGTERM / SIGUSR1 -> "save at the next step boundary and exit 0".
+"""SIGTERM / SIGUSR1 -> "save at the next step boundary and stop" (launch.train exits 75).
 
 Schedulers announce preemption with a signal and a grace period (SLURM: SIGTERM, or SIGUSR1
 with `--signal=USR1@120`). Acting inside the handler is unsafe (a step may be mid-flight and
 orbax is not reentrant), so the handler only records the signal and the loop polls
-`stop_requested()` between steps. With several processes every one must stop at the same step
+`stop_requested()` at logging, evaluation and checkpoint steps (train/loop.py), where the host
+waits for the devices anyway. With several processes every one must stop at the same step
 (each writes its shards of that step's checkpoint), so the flags are OR-ed across processes.
+
+STOPPING is set as soon as this process knows the run is stopping: its own signal, the
+agreement of `stop_requested()`, or another process's signal, which the signalled process
+publishes in the coordination service's key-value store (a background thread cannot wait for
+the next agreement: the main thread may be blocked waiting for that very thread). Work that
+only protects the future yields to it: checkpoint checksums (checkpoint/integrity.py) stop
+reading, so the exit waits for the save's commit and never for reading a committed step back
+(under SLURM, `srun --wait` kills a process still reading after the others have exited, and the
+job is not requeued).
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+import time
 
 import numpy as np
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+_STOP_KEY = "titanax/stopping"  # one training run per jax.distributed job
+_POLL_S = 0.5  # how often is_set() asks the coordination service (from checksum threads)
+
+
+def _kv_client():
+    """The coordination service's client when this is a multi-process run, else None."""
+    import jax
+
+    if jax.process_count() == 1:
+        return None
+    from jax._src.distributed import global_state
+
+    return global_state.client
+
+
+class _StopFlag:
+    """A threading.Event-like flag whose is_set() also learns of other processes' signals."""
+
+    def __init__(self):
+        self._local = threading.Event()
+        self._watching = False  # others' signals count only while a PreemptionWatch is active
+        self._next_poll = 0.0
+
+    def set(self, *, publish: bool = False) -> None:
+        self._local.set()
+        if publish:
+            try:
+                client = _kv_client()
+                if client is not None:
+                    client.key_value_set(_STOP_KEY, "1", allow_overwrite=True)
+            except Exception:  # noqa: BLE001 - the step-boundary agreement still stops all
+                pass
+
+    def reset(self, *, watching: bool) -> None:
+        self._local.clear()
+        self._watching = watching
+
+    def is_set(self) -> bool:
+        if self._local.is_set():
+            return True
+        now = time.monotonic()
+        if self._watching and now >= self._next_poll:
+            self._next_poll = now + _POLL_S
+            try:
+                client = _kv_client()
+                if client is not None and client.key_value_try_get(_STOP_KEY):
+                    self._local.set()
+            except Exception:  # noqa: BLE001 - not set yet (NOT_FOUND), or no service
+                pass
+        return self._local.is_set()
+
+
+STOPPING = _StopFlag()
 
 
 class PreemptionWatch:
@@ -26,6 +90,7 @@ class PreemptionWatch:
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> "PreemptionWatch":
+        STOPPING.reset(watching=True)  # a run in this process (tests run several) starts afresh
         # Python delivers signals to the main thread only; a loop running in another thread
         # (a notebook worker, a test harness) keeps the default behaviour.
         if threading.current_thread() is threading.main_thread():
@@ -37,6 +102,7 @@ class PreemptionWatch:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        STOPPING.reset(watching=False)  # saves after the run (none in the loop) checksum again
 
     @property
     def installed(self) -> bool:
@@ -45,6 +111,7 @@ class PreemptionWatch:
     def _on_signal(self, signum, _frame) -> None:
         if self.received is None:
             self.received = signum
+        STOPPING.set(publish=True)
 
     def stop_requested(self) -> bool:
         """True on every process once any process got a signal. Collective when there are
@@ -57,6 +124,8 @@ class PreemptionWatch:
         from jax.experimental import multihost_utils
 
         flags = multihost_utils.process_allgather(np.asarray(local, np.int32))
+        if np.any(flags):
+            STOPPING.set()
         return bool(np.any(flags))
 
     def describe(self) -> str:

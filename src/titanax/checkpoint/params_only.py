@@ -1,0 +1,190 @@
+"""The parameters of a run's checkpoint, restored without the rest of the train state.
+
+A step's 'state' item is {'step', 'params', 'opt_state'}; Adam's two moments make opt_state
+twice the size of params, so restoring the whole state to sample (as a resume does) needs three
+times the weights' memory. Here orbax restores the 'params' subtree alone (a partial restore:
+the item given to orbax holds no opt_state, so no optimizer array is ever read or allocated),
+placed on a mesh of the local devices by the training sharding rules (parallel/rules.py).
+
+Nothing here writes: the checkpoints are opened read-only, and a missing run folder is reported
+before orbax is asked anything (orbax would create checkpoints/ in it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import pathlib
+import sys
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from titanax.checkpoint.orbax_io import Checkpointer, _legacy_abstract, _to_current_layout
+from titanax.config import CheckpointConfig, Config, MeshConfig
+from titanax.models.llama import Llama
+from titanax.parallel.mesh import build_mesh
+from titanax.parallel.rules import model_context
+
+
+class UnreadableCheckpoint(RuntimeError):
+    """A step's files are there but do not read back (damaged, truncated, not a titanax run)."""
+
+
+@contextlib.contextmanager
+def _quiet_orbax():
+    """orbax warns on every read-only manager ("Given directory is read only"): true and
+    wanted here, and noise in front of a sampling command's output."""
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def open_checkpoints(directory, step: int | None = None) -> tuple[Checkpointer, int]:
+    """(read-only Checkpointer, step) for `directory` (a run's checkpoints/ folder) and its
+    latest (or the given) step. FileNotFoundError naming the fix when there is none; nothing is
+    created either way."""
+    directory = pathlib.Path(directory).absolute()
+    run = directory.parent
+    if not directory.is_dir():
+        where = (f"{run} holds no checkpoints/ folder" if run.is_dir()
+                 else f"{run} does not exist")
+        raise FileNotFoundError(f"no checkpoint under {directory}: {where}; point --workdir at a "
+                                f"run folder, or train first with `python -m launch.train "
+                                f"--workdir {run}`")
+    with _quiet_orbax():
+        ckpt = Checkpointer(directory, CheckpointConfig(async_save=False), read_only=True)
+    steps = ckpt.all_steps()
+    if not steps:
+        ckpt.close()
+        raise FileNotFoundError(f"no checkpoint under {directory}; train first with "
+                                f"`python -m launch.train --workdir {run}`")
+    if step is None:
+        step = steps[-1]
+    elif step not in steps:
+        ckpt.close()
+        raise FileNotFoundError(f"no checkpoint for step {step} under {directory}; steps "
+                                f"present: {steps}")
+    return ckpt, step
+
+
+def read_run_config(ckpt: Checkpointer, step: int) -> Config:
+    """The Config the step was trained with; UnreadableCheckpoint when it does not read."""
+    try:
+        saved = ckpt.read_config(step)
+    except Exception as e:  # noqa: BLE001 - whatever orbax raised, the step is unusable
+        raise unreadable(ckpt, step, "its config", e) from e
+    return Config.from_dict(saved)
+
+
+def unreadable(ckpt: Checkpointer, step: int, what: str, e: Exception) -> UnreadableCheckpoint:
+    """The error for a step whose `what` failed to read with `e`: one line, naming the root cause
+    (orbax wraps tensorstore's error in one that prints the whole read spec) and the previous
+    step to try."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    first = (str(e).strip().splitlines() or [""])[0][:300]
+    older = [s for s in ckpt.all_steps() if s < step]
+    hint = f"; try an older one with --step {older[-1]}" if older else ""
+    return UnreadableCheckpoint(f"checkpoint {ckpt.step_dir(step)}: reading {what} failed "
+                                f"({type(e).__name__}: {first}){hint}")
+
+
+_ORBAX_READS = ("_read_array_index_and_device_put", "async_deserialize")
+
+
+def _quiet_abandoned_reads() -> None:
+    """When one array fails to read, orbax closes its event loop on the reads still running,
+    and each of those reports itself later, as a traceback beside our one-line error: as an
+    unraisable exception when its coroutine is collected or tensorstore completes it into the
+    closed loop ("Event loop is closed"), or through asyncio's logger ("Task exception was
+    never retrieved"). Those reports, and only those, are dropped; installed once, before a
+    restore, since some arrive before the failure reaches us."""
+    if getattr(sys.unraisablehook, "titanax_quiet", False):
+        return
+    previous = sys.unraisablehook
+
+    def hook(report):
+        code = getattr(report.object, "cr_code", None)
+        abandoned = getattr(code, "co_name", None) in _ORBAX_READS
+        closed = (isinstance(report.exc_value, RuntimeError)
+                  and str(report.exc_value) == "Event loop is closed")
+        if not (abandoned or closed):
+            previous(report)
+    hook.titanax_quiet = True
+    sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(
+        lambda record: not any(f"{name}()" in record.getMessage() for name in _ORBAX_READS))
+
+
+def sampling_mesh(cfg: Config, devices=None) -> jax.sharding.Mesh:
+    """A mesh over `devices` (default: this process's) for running the model, not training it:
+    tensor parallel as far as the heads, kv heads, MLP and vocabulary divide (batch 1 and one
+    token per step give data, fsdp's batch and sequence parallelism nothing to split), and
+    fsdp over the rest when d_model divides. Devices that fit neither stay unused."""
+    devices = list(jax.local_devices() if devices is None else devices)
+    m = cfg.model
+    split = (m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size)
+    n = len(devices)
+    tensor = max(t for t in range(1, n + 1) if n % t == 0 and all(s % t == 0 for s in split))
+    fsdp = n // tensor if m.d_model % (n // tensor) == 0 else 1
+    used = devices[:tensor * fsdp]
+    return build_mesh(MeshConfig(data=1, fsdp=fsdp, tensor=tensor, nvlink_domain=len(used)),
+                      used)
+
+
+def abstract_params(cfg: Config, mesh):
+    """(graphdef, params as ShapeDtypeStructs sharded on `mesh`): the model's Params as the train
+    state holds them (train/state.py), allocated nowhere."""
+    box = {}
+
+    def init():
+        box["graphdef"], params = nnx.split(Llama(cfg.model, rngs=nnx.Rngs(params=0)), nnx.Param)
+        return params
+
+    with model_context(mesh):
+        abstract = jax.eval_shape(init)
+        specs = nnx.get_partition_spec(abstract)
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s if isinstance(s, P) else P()),
+                             specs, is_leaf=lambda x: isinstance(x, P) or x is None)
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            abstract, shardings)
+    return box["graphdef"], abstract
+
+
+def _largest_bytes(tree) -> int:
+    return max(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
+
+
+def restore_params(ckpt: Checkpointer, step: int, abstract):
+    """The step's params, placed as `abstract` (abstract_params) says. Only 'params' is named
+    in the item orbax restores; with partial_restore the step counter and optimizer state are
+    skipped, never read. Old-layout checkpoints come back in the current layout."""
+    target = {"params": abstract}
+    legacy = ckpt.legacy_params(step)
+    item = _legacy_abstract(target, legacy) if legacy else target
+    # orbax reads every array at once by default: on a GPU host each read waits in host memory
+    # for its copy to the device, up to the whole model at once. Capped here at twice the
+    # largest parameter (orbax refuses a read larger than the cap, and rounds each read up to
+    # whole stored chunks). Not measured on a GPU yet; on the CPU the peak is the same either
+    # way (the device is host memory).
+    handler = ocp.PyTreeCheckpointHandler(restore_concurrent_gb=2 * _largest_bytes(item) / 1e9)
+    args = ocp.args.PyTreeRestore(item=item, partial_restore=True,
+                                  restore_args=ocp.checkpoint_utils.construct_restore_args(item))
+    _quiet_abandoned_reads()
+    try:
+        with ocp.Checkpointer(handler) as reader:
+            out = reader.restore(ckpt.step_dir(step) / "state", args=args)
+    except Exception as e:  # noqa: BLE001 - whatever orbax raised, the step is unusable
+        raise unreadable(ckpt, step, "its parameters", e) from e
+    if legacy:
+        out = _to_current_layout(out, target, legacy)
+    return out["params"]
