@@ -152,3 +152,19 @@ def initialize(spec: ProcessSpec, *, heartbeat_timeout_s: int = 60,
         # Everything is resolved above; jax's detection would pin one GPU per SLURM task.
         cluster_detection_method="deactivate",
         initialization_timeout=init_timeout_s, heartbeat_timeout_seconds=heartbeat_timeout_s)
+
+
+def coordination_client():
+    """The coordination service's key-value client of a multi-process run (started by
+    initialize), else None: how processes agree on host-side facts (a stop signal, a checkpoint
+    verdict) without a device collective. jax exposes it only as jax._src state."""
+    import jax
+
+    if jax.process_count() == 1:
+        return None
+    from jax._src.distributed import global_state
+
+    if global_state.client is None:
+        raise RuntimeError("jax.process_count() > 1 but jax.distributed is not initialized; "
+                           "start multi-process runs through titanax.distributed.initialize")
+    return global_state.client

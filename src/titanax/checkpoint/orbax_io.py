@@ -359,12 +359,9 @@ def _agreed(damage: str | None) -> str | None:
     count = jax.process_count()
     if count == 1:
         return damage
-    from jax._src.distributed import global_state  # the client jax.distributed started
+    from titanax.distributed import coordination_client
 
-    client = global_state.client
-    if client is None:
-        raise RuntimeError("jax.process_count() > 1 but jax.distributed is not initialized; "
-                           "start multi-process runs through titanax.distributed.initialize")
+    client = coordination_client()
     key = f"titanax/checkpoint_verdict/{next(_AGREEMENTS)}"
     client.key_value_set(f"{key}/{jax.process_index()}", damage or "")  # "": intact
     verdicts = []

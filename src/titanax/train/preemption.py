@@ -25,20 +25,11 @@ import time
 
 import numpy as np
 
+from titanax.distributed import coordination_client
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _STOP_KEY = "titanax/stopping"  # one training run per jax.distributed job
 _POLL_S = 0.5  # how often is_set() asks the coordination service (from checksum threads)
-
-
-def _kv_client():
-    """The coordination service's client when this is a multi-process run, else None."""
-    import jax
-
-    if jax.process_count() == 1:
-        return None
-    from jax._src.distributed import global_state
-
-    return global_state.client
 
 
 class _StopFlag:
@@ -53,7 +44,7 @@ class _StopFlag:
         self._local.set()
         if publish:
             try:
-                client = _kv_client()
+                client = coordination_client()
                 if client is not None:
                     client.key_value_set(_STOP_KEY, "1", allow_overwrite=True)
             except Exception:  # noqa: BLE001 - the step-boundary agreement still stops all
@@ -70,7 +61,7 @@ class _StopFlag:
         if self._watching and now >= self._next_poll:
             self._next_poll = now + _POLL_S
             try:
-                client = _kv_client()
+                client = coordination_client()
                 if client is not None and client.key_value_try_get(_STOP_KEY):
                     self._local.set()
             except Exception:  # noqa: BLE001 - not set yet (NOT_FOUND), or no service
