@@ -14,6 +14,7 @@ import pytest
 
 from titanax.checkpoint import integrity
 from titanax.checkpoint.orbax_io import Checkpointer, check_same_model
+from titanax.parallel.layer_order import reorder_restored
 from titanax.config import CheckpointConfig, ConfigError, apply_overrides
 from titanax.data.pipeline import build_data
 from titanax.parallel.mesh import build_mesh
@@ -102,7 +103,7 @@ def test_circular_pipeline_layer_order_follows_the_new_layout():
     _, want, shardings = create_train_state(flat, build_mesh(flat.mesh, jax.devices()),
                                             make_optimizer(flat))
     assert not _tree_equal(stored["params"]["layers"], want["params"]["layers"])  # permuted
-    got = loop._match_layer_order(stored, shardings, circ, flat)
+    got = reorder_restored(stored, shardings, circ, flat)
     assert _tree_equal(got, want)  # same seed, same logical weights: now in the same order
 
 

@@ -55,7 +55,7 @@ def test_circular_checkpoint_restores_into_an_offloaded_run(tmp_path):
     """Another layout's stack order is fixed on restore also when the run keeps its moments in
     pinned host memory (train.offload_optimizer): they are reordered on the device and go back."""
     from titanax.config import Config
-    from titanax.train.loop import _match_layer_order
+    from titanax.parallel.layer_order import reorder_restored as _match_layer_order
     from titanax.train.state import abstract_train_state
 
     circular = _save_run(tmp_path, "circular", CIRCULAR, jax.devices())

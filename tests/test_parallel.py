@@ -8,7 +8,7 @@ from jax.sharding import NamedSharding
 
 from titanax.config import Config, ConfigError, MeshConfig, apply_overrides
 from titanax.parallel.mesh import build_mesh, describe_mesh
-from titanax.parallel.pipeline import to_logical_order
+from titanax.parallel.layer_order import to_logical_order
 from titanax.parallel.rules import activation_spec, model_context
 from titanax.train.optim import lr_schedule, make_optimizer
 from titanax.train.state import abstract_train_state, create_train_state, jit_train_step

@@ -15,8 +15,8 @@ from flax import nnx
 from titanax.checkpoint.params_only import (abstract_params, open_checkpoints, read_run_config,
                                             restore_params, sampling_mesh)
 from titanax.config import Config, MeshConfig, PipelineConfig
-from titanax.models.llama import init_cache
-from titanax.parallel.pipeline import stored_layer_order
+from titanax.models.registry import model_spec
+from titanax.parallel.layer_order import to_logical_in_place
 
 
 def load_for_inference(workdir, step: int | None = None, devices=None):
@@ -39,22 +39,8 @@ def load_for_inference(workdir, step: int | None = None, devices=None):
         params = restore_params(ckpt, step, abstract)
     finally:
         ckpt.close()
-    order = stored_layer_order(run_cfg)
-    if order is not None:
-        params["layers"] = _logical_layers(params["layers"], order)
+    params["layers"] = to_logical_in_place(params["layers"], run_cfg)
     return cfg, graphdef, params, step
-
-
-def _logical_layers(layers, stored_order):
-    """The layer stack of a circular-pipeline run (stored stage-major) in logical order, one
-    leaf at a time, each original freed as its copy is made: never two copies of the stack."""
-    inv = np.argsort(stored_order)
-
-    def move(a):
-        out = jax.jit(lambda x: jnp.take(x, inv, axis=0), out_shardings=a.sharding)(a)
-        a.delete()
-        return out
-    return jax.tree.map(move, layers)
 
 
 def find_tokenizer(cfg: Config, workdir) -> pathlib.Path | None:
@@ -90,7 +76,7 @@ def generate(cfg: Config, graphdef, params, prompt_ids: list[int], *, max_new_to
     if total > cfg.model.max_seq_len:
         raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens "
                          f"({max_new_tokens}) exceeds model.max_seq_len={cfg.model.max_seq_len}")
-    cache = init_cache(cfg.model, 1, total)
+    cache = model_spec(cfg.model).init_cache(cfg.model, 1, total)
     key = jax.random.key(seed)
     logits, cache = _forward(graphdef, params, jnp.asarray([prompt_ids], jnp.int32), cache,
                              jnp.int32(0))

@@ -24,7 +24,7 @@ from titanax.checkpoint import hf
 from titanax.checkpoint.reader import CheckpointReader
 from titanax.checkpoint.safetensors_io import StreamingWriter, dtype_name
 from titanax.config import Config
-from titanax.parallel.pipeline import stored_position
+from titanax.parallel.layer_order import stored_position
 
 EXPORT_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32),
                  "float16": np.dtype(np.float16)}

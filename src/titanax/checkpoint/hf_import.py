@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from titanax.checkpoint import hf
 from titanax.checkpoint.safetensors_io import SafetensorsError, TensorInfo, read_header, read_tensor
 from titanax.config import Config
-from titanax.parallel.pipeline import stored_position
+from titanax.parallel.layer_order import stored_position
 
 FLOAT_DTYPES = ("F32", "BF16", "F16")
 _TORCH_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}

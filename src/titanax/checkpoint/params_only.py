@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from titanax.checkpoint.orbax_io import Checkpointer, _legacy_abstract, _to_current_layout
 from titanax.config import CheckpointConfig, Config, MeshConfig
-from titanax.models.llama import Llama
+from titanax.models.registry import model_spec
 from titanax.parallel.mesh import build_mesh
 from titanax.parallel.rules import model_context
 
@@ -147,7 +147,8 @@ def abstract_params(cfg: Config, mesh):
     box = {}
 
     def init():
-        box["graphdef"], params = nnx.split(Llama(cfg.model, rngs=nnx.Rngs(params=0)), nnx.Param)
+        box["graphdef"], params = nnx.split(
+            model_spec(cfg.model).build(cfg.model, rngs=nnx.Rngs(params=0)), nnx.Param)
         return params
 
     with model_context(mesh):

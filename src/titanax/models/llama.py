@@ -265,3 +265,13 @@ def count_params(cfg: ModelConfig, *, exclude_embedding: bool = False) -> int:
     if exclude_embedding:
         total -= cfg.vocab_size * cfg.d_model
     return total
+
+
+def _spec():
+    from titanax.models.presets import PRESETS
+    from titanax.models.spec import ModelSpec
+
+    return ModelSpec(arch="llama3", build=Llama, init_cache=init_cache, presets=PRESETS)
+
+
+SPEC = _spec()

@@ -6,8 +6,7 @@ consecutive rows of the stack and no weight ever moves. Those rows are cut into 
 (virtual stages) of Lc = L/(PP*V) layers. gpipe is V = 1. The circular (interleaved) schedule
 sends each microbatch round the ring of stages V times; for that, stage s's row chunk v must be
 logical layer chunk v*PP + s, so circular runs store the stack in that stage-major order
-(`storage_permutation`; train/state.py applies it once at initialisation, and
-`to_logical_order` undoes it, e.g. for export).
+(parallel/layer_order.py, the one module that knows it).
 
 Schedule (docs/parallelism.md): a global batch is cut into M microbatches; work item i = v*M + m
 is microbatch m on its v-th trip round the ring. At tick t stage s runs item t - s (idle when
@@ -65,49 +64,6 @@ def schedule_table(stages: int, microbatches: int, virtual_stages: int = 1) -> n
 def bubble_fraction(stages: int, microbatches: int, virtual_stages: int = 1) -> float:
     """Analytic idle share of stage time: (PP-1) / (M*V + PP-1)."""
     return (stages - 1) / (microbatches * virtual_stages + stages - 1)
-
-
-def storage_permutation(n_layers: int, stages: int, virtual_stages: int) -> np.ndarray:
-    """perm with stored[k] = logical[perm[k]]: stored chunk s*V + v is logical chunk v*PP + s,
-    so stage s's consecutive rows are the chunks it runs. The identity for gpipe (V = 1)."""
-    chunk = n_layers // (stages * virtual_stages)
-    s, v = np.meshgrid(np.arange(stages), np.arange(virtual_stages), indexing="ij")
-    logical_chunk = (v * stages + s).reshape(-1)  # indexed by stored chunk s*V + v
-    return (logical_chunk[:, None] * chunk + np.arange(chunk)[None, :]).reshape(-1)
-
-
-def stored_layer_order(cfg) -> np.ndarray | None:
-    """For a run's Config (e.g. read from its checkpoint): perm with stored layer k = logical
-    layer perm[k], or None when the stack is stored in logical order (all but circular PP)."""
-    stages, virtual = cfg.mesh.pipeline, cfg.pipeline.resolved_virtual_stages
-    if stages <= 1 or virtual == 1:
-        return None
-    return storage_permutation(cfg.model.n_layers, stages, virtual)
-
-
-def stored_position(cfg) -> np.ndarray:
-    """pos[l] = where logical layer l sits in the run's stored [L, ...] stack (identity unless
-    circular PP). A checkpoint keeps its run's order; readers map through this."""
-    perm = stored_layer_order(cfg)
-    return np.arange(cfg.model.n_layers) if perm is None else np.argsort(perm)
-
-
-def to_storage_order(layer_tree, stages: int, virtual_stages: int):
-    """Logical layer order -> the stage-major order circular runs store (leading axis)."""
-    if virtual_stages == 1 or stages == 1:
-        return layer_tree
-    leaves = jax.tree.leaves(layer_tree)
-    perm = storage_permutation(leaves[0].shape[0], stages, virtual_stages)
-    return jax.tree.map(lambda a: jnp.take(a, perm, axis=0), layer_tree)
-
-
-def to_logical_order(layer_tree, stages: int, virtual_stages: int):
-    """Inverse of to_storage_order: what a one-device model (or an export) expects."""
-    if virtual_stages == 1 or stages == 1:
-        return layer_tree
-    leaves = jax.tree.leaves(layer_tree)
-    inv = np.argsort(storage_permutation(leaves[0].shape[0], stages, virtual_stages))
-    return jax.tree.map(lambda a: jnp.take(a, inv, axis=0), layer_tree)
 
 
 def _to_microbatches(a, M: int):

@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from titanax.config import Config
-from titanax.models.llama import count_params
+from titanax.models.registry import model_spec
 from titanax.parallel.mesh import build_mesh
 from titanax.parallel.rules import activation_spec, model_context
 from titanax.train import metrics as M
@@ -101,7 +101,7 @@ def bench_train_step(cfg: Config, *, steps: int = 10, warmup: int = 2, devices=N
             jax.block_until_ready(metrics)
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
-    n_no_embed = count_params(cfg.model, exclude_embedding=True)
+    n_no_embed = model_spec(cfg.model).count_params(cfg.model, exclude_embedding=True)
     tokens = cfg.train.batch_size * cfg.train.seq_len
     flops_step = M.flops_per_token(cfg.model, cfg.train.seq_len, n_no_embed) * tokens
     if peak_flops is None:
@@ -111,7 +111,7 @@ def bench_train_step(cfg: Config, *, steps: int = 10, warmup: int = 2, devices=N
     med = statistics.median(times)
     qs = np.percentile(times, [10, 90])
     return TrainBenchResult(
-        config=cfg.to_dict(), devices=len(devices), params=count_params(cfg.model),
+        config=cfg.to_dict(), devices=len(devices), params=model_spec(cfg.model).count_params(cfg.model),
         flops_per_step=flops_step, compile_s=compile_s, step_times_s=times,
         step_median_s=med, step_p10_s=float(qs[0]), step_p90_s=float(qs[1]),
         tokens_per_s=tokens / med, achieved_flops=flops_step / med, peak_flops=peak_flops,

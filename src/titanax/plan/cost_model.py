@@ -29,7 +29,7 @@ import dataclasses
 import functools
 
 from titanax.config import Config, ModelConfig
-from titanax.models.llama import count_params
+from titanax.models.registry import model_spec
 from titanax.plan.cluster import Cluster, Layout
 from titanax.plan.memory_model import memory_per_device, param_split
 from titanax.train.metrics import flops_per_token
@@ -127,7 +127,8 @@ class Estimate:
 @functools.lru_cache(maxsize=16)
 def param_counts(model: ModelConfig) -> tuple[int, int]:
     """(all parameters, parameters without the input embedding), exact, from eval_shape."""
-    return count_params(model), count_params(model, exclude_embedding=True)
+    spec = model_spec(model)
+    return spec.count_params(model), spec.count_params(model, exclude_embedding=True)
 
 
 def _bus_bandwidth(axis: str, layout: Layout, cluster: Cluster, eff: Efficiencies):

@@ -29,7 +29,8 @@ from jax.sharding import NamedSharding
 from titanax.checkpoint.orbax_io import Checkpointer, resolve_restore_source
 from titanax.config import Config, ConfigError, format_config
 from titanax.data.pipeline import build_data
-from titanax.models.llama import count_params
+from titanax.models.registry import model_spec
+from titanax.parallel.layer_order import reorder_restored
 from titanax.parallel.mesh import build_mesh, describe_mesh
 from titanax.parallel.rules import activation_spec, model_context
 from titanax.train import metrics as M
@@ -100,34 +101,6 @@ class _BadStepCounter:
     def state(self) -> dict:
         return {"skipped_steps": self.total, "bad_streak": self.streak,
                 "fp8_nonfinite_amax": self.nonfinite_amax}
-
-
-def _match_layer_order(state, shardings, saved_cfg: Config, cfg: Config):
-    """Circular pipeline runs store the layer stack stage-major (parallel/pipeline.py), in an
-    order that depends on the pipeline layout. A checkpoint restored under another layout gets
-    its stacked leaves ('layers' in params and in the optimizer moments) put into this run's
-    order, on device, keeping this run's shardings."""
-    from titanax.parallel.pipeline import stored_layer_order
-
-    old, new = stored_layer_order(saved_cfg), stored_layer_order(cfg)
-    if old is None and new is None or (old is not None and new is not None
-                                       and np.array_equal(old, new)):
-        return state
-    n = cfg.model.n_layers
-    to_logical = np.argsort(old) if old is not None else np.arange(n)
-    take = to_logical[new] if new is not None else to_logical  # stored_new[k] = stored_old[take[k]]
-
-    def reorder(path, x):
-        if any(getattr(k, "key", None) == "layers" for k in path):
-            # host-resident leaves (train.offload_*) are reordered on the device; the
-            # out_shardings put them back
-            if getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host:
-                x = jax.device_put(x, jax.memory.Space.Device)
-            return x[take]
-        return x
-
-    return jax.jit(lambda st: jax.tree_util.tree_map_with_path(reorder, st),
-                   out_shardings=shardings, donate_argnums=0)(state)
 
 
 def _drop_metrics_from(workdir: pathlib.Path, step: int) -> None:
@@ -300,8 +273,9 @@ def _train(cfg: Config, workdir: pathlib.Path, log, devices) -> RunResult:
     schedule = lr_schedule(cfg)
     ckpt = Checkpointer(workdir / "checkpoints", cfg.checkpoint)
 
-    n_params = count_params(cfg.model)
-    n_no_embed = count_params(cfg.model, exclude_embedding=True)
+    spec = model_spec(cfg.model)
+    n_params = spec.count_params(cfg.model)
+    n_no_embed = spec.count_params(cfg.model, exclude_embedding=True)
     fpt = M.flops_per_token(cfg.model, cfg.train.seq_len, n_no_embed)
     peak, peak_src = M.peak_flops_per_device(cfg.train.peak_flops, cfg.model.dtype)
     tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
@@ -329,7 +303,7 @@ def _train(cfg: Config, workdir: pathlib.Path, log, devices) -> RunResult:
                                   f"checkpoint (looked in {folder})")
     run_state = {}
     if restored is not None:
-        state = _match_layer_order(restored.state, shardings, Config.from_dict(restored.config),
+        state = reorder_restored(restored.state, shardings, Config.from_dict(restored.config),
                                    cfg)
         start_step = int(state["step"])
         if source is ckpt:

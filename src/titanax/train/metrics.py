@@ -19,11 +19,8 @@ import numpy as np
 from titanax.config import ModelConfig
 from titanax.perf.hardware import lookup_device
 
-FLOP_FORMULA = "FLOPs/token = 6*N + 12*L*d*S (N: params without input embedding)"
-
-
-def flops_per_token(model: ModelConfig, seq_len: int, n_params_no_embed: int) -> float:
-    return 6.0 * n_params_no_embed + 12.0 * model.n_layers * model.d_model * seq_len
+# The formula lives with the model specs (models/spec.py); re-exported for the writers here.
+from titanax.models.spec import FLOP_FORMULA, flops_per_token  # noqa: E402,F401
 
 
 def measure_matmul_peak(n: int = 2048, repeats: int = 5, devices=None) -> float:

@@ -11,9 +11,9 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from titanax.config import Config
-from titanax.models.llama import Llama
+from titanax.models.registry import model_spec
 from titanax.parallel.mesh import check_layout
-from titanax.parallel.pipeline import to_storage_order
+from titanax.parallel.layer_order import to_storage_order
 from titanax.parallel.rules import activation_spec, model_context
 from titanax.train import offload
 
@@ -31,7 +31,7 @@ def _make_init(cfg: Config, tx: optax.GradientTransformation, mesh):
     stages, virtual = mesh.shape["pipeline"], cfg.pipeline.resolved_virtual_stages
 
     def init():
-        model = Llama(cfg.model, rngs=nnx.Rngs(params=cfg.train.seed))
+        model = model_spec(cfg.model).build(cfg.model, rngs=nnx.Rngs(params=cfg.train.seed))
         graphdef, params = nnx.split(model, nnx.Param)
         # The same logical weights whatever the layout; only their order in the stack differs.
         params["layers"] = to_storage_order(params["layers"], stages, virtual)

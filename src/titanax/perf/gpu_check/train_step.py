@@ -18,7 +18,7 @@ import jax
 
 from pallas_kernels.fp8.api import resolve_impl as fp8_resolve_impl
 from titanax.config import load_config
-from titanax.models.llama import count_params
+from titanax.models.registry import model_spec
 from titanax.perf.gpu_check.device import our_attention_impl
 from titanax.perf.train_bench import bench_train_step
 from titanax.train.metrics import FLOP_FORMULA, flops_per_token, peak_flops_per_device
@@ -43,8 +43,8 @@ DRY = {"model.d_model": 64, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv
 def layers_that_fit(model, bytes_limit: float) -> tuple[int, dict]:
     """Decoder layers (1..MAX_LAYERS) whose train state fits next to the embedding and output
     layer: (limit - 16 B x (non-layer params) - reserve) / (16 B x params per layer)."""
-    one = count_params(dataclasses.replace(model, n_layers=1))
-    per_layer = count_params(dataclasses.replace(model, n_layers=2)) - one
+    one = model_spec(model).count_params(dataclasses.replace(model, n_layers=1))
+    per_layer = model_spec(model).count_params(dataclasses.replace(model, n_layers=2)) - one
     fixed = one - per_layer
     room = bytes_limit - BYTES_PER_PARAM * fixed - ACTIVATION_RESERVE
     n = int(max(1, min(MAX_LAYERS, room // (BYTES_PER_PARAM * per_layer))))
@@ -71,7 +71,7 @@ def _one(ctx, overrides: dict, precision: str, attention: str, peak: float) -> d
                          peak_flops=peak)
     m, t = cfg.model, cfg.train
     row = {**r.row(), "flops_per_token": flops_per_token(
-        m, t.seq_len, count_params(m, exclude_embedding=True)),
+        m, t.seq_len, model_spec(m).count_params(m, exclude_embedding=True)),
         "tflops_per_s": r.achieved_flops / 1e12}
     if precision != "default":
         mode = "mx" if precision == "mxfp8" else "tensorwise"
