@@ -1,16 +1,56 @@
-"""Test set-up for tests/ and pallas_kernels/, done before jax starts: 8 simulated CPU devices
-so mesh tests can run anywhere, and an XLA CPU thread pool wider than this machine's cores.
+"""Test set-up for tests/ and pallas_kernels/.
 
-Why the pool: the Mosaic GPU interpreter runs each warpgroup of a kernel as its own XLA CPU
-computation, and a warpgroup waiting on an mbarrier blocks a pool thread inside a host
-callback. XLA sizes the pool by the core count (2 on CI), so two waiting warpgroups could
-starve the third, the one they wait for, and the kernel hung. PJRT_NPROC sets the size."""
+Tests run on the CPU (JAX_PLATFORMS=cpu), even on a machine with a GPU. Two more settings must
+be made before jax creates its CPU client, so they cannot be fixtures; they are made here once
+pytest has collected every test (it collects all before running any), and only when a
+collected test needs them:
+
+- 8 simulated CPU devices (jax_num_cpu_devices) when a test takes the `devices8` fixture (the
+  mesh tests: `pytestmark = pytest.mark.usefixtures("devices8")`); the fixture asserts it got
+  them. A run of tests that need no mesh keeps jax's default of one device.
+- A wider XLA CPU thread pool (PJRT_NPROC=16) when a test is marked `mosaic_interpret`: the
+  Mosaic GPU interpreter runs each warpgroup of a kernel as its own XLA CPU computation, and a
+  warpgroup waiting on an mbarrier blocks a pool thread inside a host callback. XLA sizes the
+  pool by the core count (2 on CI), so two waiting warpgroups could starve the third, the one
+  they wait for, and the kernel hung.
+"""
 
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("PJRT_NPROC", "16")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
+from jax._src import xla_bridge  # noqa: E402
 
-jax.config.update("jax_num_cpu_devices", 8)
+SIMULATED_DEVICES = 8
+MOSAIC_POOL_THREADS = "16"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "mosaic_interpret: runs kernels in the Mosaic GPU "
+                            "interpreter (needs a wider XLA CPU thread pool)")
+
+
+def pytest_collection_modifyitems(config, items):
+    need_devices = any("devices8" in item.fixturenames for item in items)
+    need_pool = any(item.get_closest_marker("mosaic_interpret") for item in items)
+    if (need_devices or need_pool) and xla_bridge.backends_are_initialized():
+        raise pytest.UsageError(
+            "jax's CPU client was created while the tests were collected (a test module ran "
+            "jax at import time), so conftest.py can no longer set the simulated device count "
+            "or the thread pool; move that jax call into a test or a fixture")
+    if need_pool:
+        os.environ.setdefault("PJRT_NPROC", MOSAIC_POOL_THREADS)
+    if need_devices:
+        jax.config.update("jax_num_cpu_devices", SIMULATED_DEVICES)
+
+
+@pytest.fixture
+def devices8():
+    """The 8 simulated CPU devices mesh tests build their meshes from."""
+    devices = jax.devices()
+    assert len(devices) == SIMULATED_DEVICES, (
+        f"{len(devices)} devices, expected {SIMULATED_DEVICES}: jax was initialized before "
+        "conftest.py could set jax_num_cpu_devices")
+    return devices

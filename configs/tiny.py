@@ -2,7 +2,7 @@
 sources), 300 steps in a few minutes on 2 cores."""
 
 from titanax.config import CheckpointConfig, Config, DataConfig, OptimConfig, TrainConfig
-from titanax.models.presets import preset
+from titanax.models import preset
 
 
 def config() -> Config:

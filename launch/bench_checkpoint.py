@@ -51,7 +51,8 @@ def _drop_cache(step_dir: pathlib.Path) -> None:
                 os.close(fd)
 
 
-def _worker(args) -> None:
+def _start_jax(args) -> None:
+    """One CPU device per process; several processes join over 127.0.0.1."""
     import jax
 
     jax.config.update("jax_platforms", "cpu")
@@ -61,33 +62,44 @@ def _worker(args) -> None:
 
         distributed.initialize(distributed.ProcessSpec(
             f"127.0.0.1:{args.port}", args.processes, args.worker, None, "launch.bench"))
+
+
+def _barrier(name: str) -> None:
+    import jax
+
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def _make_state(gb: float):
+    """(state, shape, sharding): ARRAYS of float32 [rows, COLS], --gb in all, sharded by rows
+    over every device."""
+    import jax
     import numpy as np
-    from jax.experimental import multihost_utils
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
-    from titanax.checkpoint import integrity
-    from titanax.checkpoint.orbax_io import Checkpointer
-    from titanax.config import CheckpointConfig
-
-    index, count = jax.process_index(), jax.process_count()
-
-    def barrier(name):
-        if count > 1:
-            multihost_utils.sync_global_devices(name)
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     sharding = NamedSharding(Mesh(np.array(jax.devices()), ("fsdp",)), P("fsdp"))
-    rows = int(args.gb * 1e9 / len(ARRAYS) / COLS / 4) // len(jax.devices()) * len(jax.devices())
+    rows = int(gb * 1e9 / len(ARRAYS) / COLS / 4) // len(jax.devices()) * len(jax.devices())
     shape = (rows, COLS)
     make = jax.jit(lambda k: jax.random.normal(k, shape, np.float32), out_shardings=sharding)
     state = {name: make(jax.random.key(i)) for i, name in enumerate(ARRAYS)}
     jax.block_until_ready(state)
-    nbytes = sum(x.nbytes for x in state.values())
-    folder = pathlib.Path(args.dir)
-    cfg = CheckpointConfig(keep=1)
-    out = {"bytes": nbytes, "processes": count}
+    return state, shape, sharding
+
+
+def _time_save(state: dict, folder: pathlib.Path, cfg, out: dict) -> None:
+    """Saves step 1 and records save_s, commit_s, manifest_s, step_bytes and share_bytes in
+    out."""
+    import jax
+
+    from titanax.checkpoint import integrity
+    from titanax.checkpoint.orbax_io import Checkpointer
 
     ckpt = Checkpointer(folder, cfg)
-    barrier("bench: start")
+    _barrier("bench: start")
     t0 = time.perf_counter()
     ckpt.save(1, state, data_state=None, config={})
     out["save_s"] = time.perf_counter() - t0
@@ -97,26 +109,38 @@ def _worker(args) -> None:
     ckpt.wait()  # this process's manifest part
     out["manifest_s"] = time.perf_counter() - t1
     ckpt.close()
-    barrier("bench: sealed")
+    _barrier("bench: sealed")
     step_dir = folder / "1"
     assert integrity.has_manifest(step_dir), "the parts were not merged"
     out["step_bytes"] = sum(f["bytes"] for f in integrity.load_manifest(step_dir).values())
-    part = json.loads((step_dir / integrity.part_name(index, count)).read_text())["files"]
+    part_file = integrity.part_name(jax.process_index(), jax.process_count())
+    part = json.loads((step_dir / part_file).read_text())["files"]
     out["share_bytes"] = sum(f["bytes"] for f in part.values())  # what this process read
-    for x in state.values():
-        x.delete()
+
+
+def _time_reads(args, folder: pathlib.Path, cfg, shape, sharding, out: dict) -> None:
+    """Records verify_s, resume_s and (process 0) one_reader_s in out, each from a cold page
+    cache unless --warm."""
+    import jax
+    import numpy as np
+
+    from titanax.checkpoint import integrity
+    from titanax.checkpoint.orbax_io import Checkpointer
+
+    index, count = jax.process_index(), jax.process_count()
+    step_dir = folder / "1"
 
     def cold():
         if not args.warm and index == 0:
             _drop_cache(step_dir)
-        barrier("bench: cold")
+        _barrier("bench: cold")
 
     cold()
     t0 = time.perf_counter()
     damage = integrity.find_damage(step_dir, index, count)
     out["verify_s"] = time.perf_counter() - t0
     assert damage is None, damage
-    barrier("bench: verified")
+    _barrier("bench: verified")
 
     cold()
     abstract = {name: jax.ShapeDtypeStruct(shape, np.float32, sharding=sharding)
@@ -128,14 +152,29 @@ def _worker(args) -> None:
     out["resume_s"] = time.perf_counter() - t0
     for x in got.state.values():
         x.delete()
-    barrier("bench: resumed")
+    _barrier("bench: resumed")
 
     cold()
     if index == 0:
         t0 = time.perf_counter()
         assert integrity.find_damage(step_dir, 0, 1, threads=1) is None
         out["one_reader_s"] = time.perf_counter() - t0
-    barrier("bench: done")
+    _barrier("bench: done")
+
+
+def _worker(args) -> None:
+    _start_jax(args)
+    import jax
+
+    from titanax.config import CheckpointConfig
+
+    state, shape, sharding = _make_state(args.gb)
+    folder, cfg = pathlib.Path(args.dir), CheckpointConfig(keep=1)
+    out = {"bytes": sum(x.nbytes for x in state.values()), "processes": jax.process_count()}
+    _time_save(state, folder, cfg, out)
+    for x in state.values():
+        x.delete()
+    _time_reads(args, folder, cfg, shape, sharding, out)
     pathlib.Path(args.out).write_text(json.dumps(out))
 
 

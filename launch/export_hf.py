@@ -1,8 +1,8 @@
 """python -m launch.export_hf --workdir DIR --out DIR [--step N] [--dtype bfloat16|float32]
                               [--max-shard-size 5GB]
-Writes a run's checkpoint as a Hugging Face LlamaForCausalLM folder (config.json,
-generation_config.json, safetensors shards + index, tokenizer files), streaming: host memory
-stays near one shard, not the model."""
+Writes a run's checkpoint as a Hugging Face folder of its model.arch (e.g. LlamaForCausalLM:
+config.json, generation_config.json, safetensors shards + index, tokenizer files), streaming:
+host memory stays near one shard, not the model."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ def main(argv=None) -> None:
                    help="largest safetensors shard, e.g. 5GB, 500MB, 2GiB (default 5GB)")
     args = p.parse_args(argv)
 
-    from titanax.checkpoint.hf_export import export_hf, parse_size
     from titanax.checkpoint.params_only import UnreadableCheckpoint
+    from titanax.hf.exporter import export_hf, parse_size
 
     try:
         max_bytes = parse_size(args.max_shard_size)

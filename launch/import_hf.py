@@ -1,7 +1,8 @@
 """python -m launch.import_hf --hf DIR --config FILE [--set section.field=value ...] --workdir DIR
-Reads a local Hugging Face Llama folder (safetensors only), checks every tensor against the
-config, and writes WORKDIR/checkpoints/0, which `python -m launch.train --config FILE
---workdir DIR` resumes from (fine-tuning from published weights)."""
+Reads a local Hugging Face folder (safetensors only; the model_type of any registered architecture), checks every
+tensor against the config, and writes WORKDIR/checkpoints/0, which `python -m launch.train --config FILE
+--workdir DIR` resumes from (fine-tuning from published weights). model.arch comes from
+config.json's model_type unless --set model.arch=... says otherwise."""
 
 from __future__ import annotations
 
@@ -23,14 +24,17 @@ def main(argv=None) -> None:
              "imported checkpoint will be trained with, e.g. configs/llama3_8b.py")
 
     from titanax.config import ConfigError, load_config
+    from titanax.hf.folder import HFImportError, hf_arch
 
     try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
+        arch = hf_arch(args.hf)  # the folder's architecture; a later --set still wins
+        picked = [f"model.arch={arch}"] if arch else []
+        cfg = load_config(args.config, picked + args.overrides)
+    except (ConfigError, HFImportError) as e:
         fail(str(e))
     setup_jax(args.host_devices)
 
-    from titanax.checkpoint.hf_import import HFImportError, import_hf
+    from titanax.hf.importer import import_hf
 
     try:
         import_hf(args.hf, cfg, args.workdir)

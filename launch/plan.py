@@ -16,7 +16,7 @@ from launch.common import add_config_flags, fail
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from titanax.perf.hardware import HARDWARE
+    from titanax.hardware import HARDWARE
 
     p = argparse.ArgumentParser(prog="python -m launch.plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -41,7 +41,7 @@ def main(argv=None) -> None:
                    help="compile for the local GPU instead (one --gpu, of its kind)")
     args = p.parse_args(argv)
 
-    from titanax.perf import aot
+    from pallas_kernels import aot
     from titanax.perf.ptxas_report import check, collect_all, markdown_table
 
     if args.on_device and len(args.gpu) != 1:

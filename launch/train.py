@@ -11,8 +11,14 @@ from __future__ import annotations
 import argparse
 import pathlib
 
-from launch.common import (add_config_flags, add_distributed_flags, add_host_devices_flag, fail,
-                           setup_jax, stop)
+from launch.common import (
+    add_config_flags,
+    add_distributed_flags,
+    add_host_devices_flag,
+    fail,
+    setup_jax,
+    stop,
+)
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: a checkpoint is saved, run again to resume
 DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parent.parent / "configs" / "tiny.py"

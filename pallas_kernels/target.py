@@ -1,6 +1,6 @@
 """The device a computation is traced for, which is not always the process's default backend.
 
-A deviceless compile (titanax.perf.aot, the planner) runs on a CPU backend but lowers for a
+A deviceless compile (pallas_kernels.aot, the planner) runs on a CPU backend but lowers for a
 mesh of compile-only GPU devices set with jax.set_mesh; kernel and implementation choices must
 follow those devices, or a GPU plan would be compiled with the CPU fallbacks (an S x S
 attention instead of cuDNN's fused one). Without an ambient mesh: the first local device.

@@ -111,6 +111,9 @@ setup_tcmalloc
 case "$cmd" in
   setup) setup_torch ;;
   train) exec .venv/bin/python -m launch.train "$@" ;;
-  test)  setup_torch; setup_cuda_plugin; setup_slurm; exec .venv/bin/python -m pytest -q "$@" ;;
+  test)  setup_torch; setup_cuda_plugin; setup_slurm
+         # Lint first (seconds): pyflakes, pycodestyle and import order, as pyproject.toml says.
+         .venv/bin/ruff check . || { echo "error: ruff found problems; run .venv/bin/ruff check --fix ." >&2; exit 1; }
+         exec .venv/bin/python -m pytest -q "$@" ;;
   *) echo "usage: bash scripts/dev.sh train|test|setup [args...]" >&2; exit 2 ;;
 esac

@@ -171,7 +171,7 @@ class LocalSlurmCluster:
                                             start_new_session=True)
         out.close()
 
-    def start(self, timeout_s: float = 60) -> "LocalSlurmCluster":
+    def start(self, timeout_s: float = 60) -> LocalSlurmCluster:
         _ensure_hosts(self.nodes)
         self._write_config()
         r = self.root
@@ -314,7 +314,7 @@ class LocalSlurmCluster:
                 pids.append(int(d.name))
         return pids
 
-    def __enter__(self) -> "LocalSlurmCluster":
+    def __enter__(self) -> LocalSlurmCluster:
         try:
             return self.start()
         except BaseException:

@@ -8,11 +8,10 @@ import pathlib
 
 import numpy as np
 import pytest
+from test_train import single_device_step
 
 from titanax.config import ConfigError, apply_overrides, load_config
 from titanax.parallel.rules import model_context
-
-from test_train import single_device_step
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TINY = {"model.d_model": 64, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2,
@@ -52,6 +51,7 @@ def test_triton_training_matches_xla_loss_curve():
     np.testing.assert_allclose(triton, xla, rtol=2e-4)
 
 
+@pytest.mark.mosaic_interpret
 @pytest.mark.parametrize("impl", ["mosaic_sm90", "mosaic_sm100"])
 def test_mosaic_training_matches_xla_loss_curve(impl):
     xla = _losses("xla", 4, MOSAIC_MODEL)

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from titanax.perf import aot
+from pallas_kernels import aot
 from titanax.plan import buffers
 
 BUFFER_ASSIGNMENT = """\

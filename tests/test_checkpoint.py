@@ -12,20 +12,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.test_train import small_config
 from titanax.checkpoint import integrity
 from titanax.checkpoint.orbax_io import Checkpointer, check_same_model
-from titanax.parallel.layer_order import reorder_restored
 from titanax.config import CheckpointConfig, ConfigError, apply_overrides
 from titanax.data.pipeline import build_data
+from titanax.parallel.layer_order import reorder_restored
 from titanax.parallel.mesh import build_mesh
 from titanax.parallel.rules import model_context
+from titanax.preemption import PreemptionWatch
 from titanax.train import loop
 from titanax.train.metrics import read_metrics
 from titanax.train.optim import lr_schedule, make_optimizer
-from titanax.train.preemption import PreemptionWatch
 from titanax.train.state import abstract_train_state, create_train_state
 from titanax.train.step import make_train_step
-from tests.test_train import small_config
+
+pytestmark = pytest.mark.usefixtures("devices8")  # meshes over 8 simulated devices
 
 QUIET = {"train.progress_bar": False, "train.log_every": 1, "train.eval_every": 0,
          "optim.warmup_steps": 2}

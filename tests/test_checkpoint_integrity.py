@@ -17,10 +17,14 @@ import threading
 import time
 import zlib
 
-from titanax.checkpoint import integrity
+import pytest
+
 from tests.test_checkpoint import seed_data
 from tests.test_multiprocess import SETS, _free_port, _logged_steps, _wait
 from tests.test_train import ROOT
+from titanax.checkpoint import integrity
+
+pytestmark = pytest.mark.usefixtures("devices8")  # meshes over 8 simulated devices
 
 ROWS, COLS = 512, 256  # each array 512 KB of float32, sharded by rows over 4 devices
 
@@ -104,7 +108,8 @@ def _worker(mode: str, folder: str, port: int, index: int) -> None:
     distributed.initialize(distributed.ProcessSpec(f"127.0.0.1:{port}", 2, index, None, "test"),
                            heartbeat_timeout_s=30)
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from titanax.checkpoint.orbax_io import Checkpointer
     from titanax.config import CheckpointConfig

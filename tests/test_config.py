@@ -2,8 +2,14 @@ import pathlib
 
 import pytest
 
-from titanax.config import (Config, ConfigError, ModelConfig, TrainConfig, apply_overrides,
-                            load_config)
+from titanax.config import (
+    Config,
+    ConfigError,
+    ModelConfig,
+    TrainConfig,
+    apply_overrides,
+    load_config,
+)
 
 CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
 

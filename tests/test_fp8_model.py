@@ -13,12 +13,17 @@ from flax import nnx
 from titanax import ops
 from titanax.checkpoint.orbax_io import Checkpointer
 from titanax.config import ConfigError, apply_overrides, load_config
-from titanax.models.llama import Llama, count_params
+from titanax.models import model_spec
+from titanax.models.llama3.model import Llama
 from titanax.parallel.mesh import build_mesh
 from titanax.parallel.rules import model_context
 from titanax.train.optim import lr_schedule, make_optimizer
 from titanax.train.state import abstract_train_state, create_train_state
 from titanax.train.step import make_train_step
+
+pytestmark = pytest.mark.usefixtures("devices8")  # meshes over 8 simulated devices
+
+count_params = model_spec("llama3").count_params
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SMALL = {"model.d_model": 64, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2,
@@ -114,15 +119,16 @@ def test_delayed_histories_live_in_state_update_by_step_and_checkpoint(tmp_path)
     mesh = build_mesh(cfg.mesh, devices=jax.devices()[:1])
     tx = make_optimizer(cfg)
     graphdef, state, _ = create_train_state(cfg, mesh, tx)
-    hist = state["params"]["layers"]["fp8_wq"][...]
+    hist = state["fp8"]["layers"]["fp8_wq"][...]
     assert hist.shape == (2, 3, 4) and not np.any(np.asarray(hist))
+    assert "fp8_wq" not in state["params"]["layers"]  # not a parameter
     step = jax.jit(make_train_step(cfg, graphdef, tx, lr_schedule(cfg)))
     with model_context(mesh):
         for i in range(3):
             state, m = step(state, _batch(cfg, i))
     assert np.isfinite(float(m["loss"])) and float(m["grad_norm"]) < 100  # histories not in the norm
-    layers = state["params"]["layers"]
-    h = np.asarray(layers["fp8_wq"][...])
+    layers, histories = state["params"]["layers"], state["fp8"]["layers"]
+    h = np.asarray(histories["fp8_wq"][...])
     assert np.all(h[:, :, :3] > 0) and np.all(h[:, :, 3] == 0)  # 3 steps recorded, newest first
     # The weight history holds the weight's own amax at the step it was used (not an optimizer
     # update of it): step 3 used the weights after 2 updates, close to the current ones.
@@ -136,8 +142,8 @@ def test_delayed_histories_live_in_state_update_by_step_and_checkpoint(tmp_path)
     with model_context(mesh):
         restored, _, _ = ckpt.restore(3, abstract)
     ckpt.close()
-    np.testing.assert_array_equal(np.asarray(restored["params"]["layers"]["fp8_w_down"][...]),
-                                  np.asarray(layers["fp8_w_down"][...]))
+    np.testing.assert_array_equal(np.asarray(restored["fp8"]["layers"]["fp8_w_down"][...]),
+                                  np.asarray(histories["fp8_w_down"][...]))
 
 
 def test_model_config_mxfp8_scale_rounding_reaches_the_model():
@@ -158,7 +164,7 @@ def _one_step_histories(cfg, batch, devices=1):
     graphdef, state, _ = create_train_state(cfg, mesh, tx)
     with model_context(mesh):
         state, m = jax.jit(make_train_step(cfg, graphdef, tx, lr_schedule(cfg)))(state, batch)
-    return np.asarray(state["params"]["layers"]["fp8_wq"][...]), m
+    return np.asarray(state["fp8"]["layers"]["fp8_wq"][...]), m
 
 
 def test_grad_accum_records_the_max_amax_over_microbatches():
@@ -173,10 +179,11 @@ def test_grad_accum_records_the_max_amax_over_microbatches():
     # Each microbatch alone (rows i, i + 2, ...: how the step splits the batch).
     mesh = build_mesh(cfg.mesh, devices=jax.devices()[:1])
     graphdef, state, _ = create_train_state(cfg, mesh, make_optimizer(cfg))
-    grad = jax.jit(jax.grad(make_loss_fn(cfg, graphdef)))
+    new_histories = jax.jit(jax.grad(make_loss_fn(cfg, graphdef), argnums=2))
     with model_context(mesh):
-        per_mb = [np.asarray(grad(state["params"], {k: v[i::2] for k, v in batch.items()})
-                             ["layers"]["fp8_wq"][...])[..., 0] for i in range(2)]
+        per_mb = [np.asarray(new_histories(state["params"], {k: v[i::2] for k, v in batch.items()},
+                                           state["fp8"])["layers"]["fp8_wq"][...])[..., 0]
+                  for i in range(2)]
     assert np.all(per_mb[0][:, 0] != per_mb[1][:, 0])  # x amaxes differ between microbatches
     np.testing.assert_array_equal(hist[..., 0], np.maximum(*per_mb))
     assert not np.any(hist[..., 1:])  # the rest of the history: the zeros it started with
@@ -212,6 +219,178 @@ def test_nonfinite_amax_is_counted_and_the_step_skipped():
     assert np.isfinite(float(m["loss"])) and np.isfinite(float(m["grad_norm"]))
     assert int(m["fp8_nonfinite_amax"]) == 1 and int(m["skipped"]) == 1
     assert int(new["step"]) == 1
-    assert not np.any(np.asarray(new["params"]["layers"]["fp8_wq"][...]))  # still all zero
+    assert not np.any(np.asarray(new["fp8"]["layers"]["fp8_wq"][...]))  # still all zero
     np.testing.assert_array_equal(np.asarray(new["params"]["layers"]["wv"][...]),
                                   np.asarray(state["params"]["layers"]["wv"][...]))
+
+
+# --- the histories as their own state (issue 19) -------------------------------------------
+
+def _trainer(cfg, devices=1):
+    from titanax.train.state import jit_train_step
+
+    mesh = build_mesh(cfg.mesh, devices=jax.devices()[:devices])
+    tx = make_optimizer(cfg)
+    graphdef, state, shardings = create_train_state(cfg, mesh, tx)
+    return mesh, tx, state, jit_train_step(cfg, mesh, graphdef, shardings, tx, lr_schedule(cfg))
+
+
+def _run(mesh, step, state, cfg, steps):
+    losses = []
+    with model_context(mesh):
+        for i in steps:
+            state, m = step(state, _batch(cfg, i))
+            losses.append(float(m["loss"]))
+    return losses, state
+
+
+def _assert_same_state(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_histories_are_their_own_state_with_no_optimizer_entry():
+    """state['fp8'] holds the histories (ops.Fp8Meta, not nnx.Param), sharded by their logical
+    axes; params and the optimizer state have no entry for them (no moments, no decay)."""
+    cfg = _cfg("fp8_delayed", **{"mesh.pipeline": 2, "pipeline.microbatches": 2})
+    mesh = build_mesh(cfg.mesh, devices=jax.devices()[:2])
+    tx = make_optimizer(cfg)
+    _, state, shardings = create_train_state(cfg, mesh, tx)
+    assert set(state) == {"step", "params", "fp8", "opt_state"}
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    metas = jax.tree.leaves(state["fp8"], is_leaf=is_var)
+    assert len(metas) == 7 and all(type(v) is ops.Fp8Meta for v in metas)
+    assert all(isinstance(v, nnx.Param) for v in jax.tree.leaves(state["params"], is_leaf=is_var))
+    names = ["/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+             for path, _ in jax.tree_util.tree_flatten_with_path(state["opt_state"])[0]]
+    assert any("layers/wq" in n for n in names) and not any("fp8" in n for n in names)
+    adam = state["opt_state"][-1][0]
+    assert jax.tree.structure(adam.mu) == jax.tree.structure(state["params"])
+    hist = state["fp8"]["layers"]["fp8_wq"].get_value()
+    assert hist.sharding.spec[0] == "pipeline"  # staged with the layers they scale
+    assert shardings["fp8"]["layers"]["fp8_wq"].get_value().spec == hist.sharding.spec
+    assert "fp8" not in create_train_state(_cfg("fp8_tensorwise"), mesh, tx)[1]
+
+
+# Losses and gradient norms of the first 4 fp8_delayed steps (optim.warmup_steps=1, _batch(cfg,
+# i)) recorded by the code before issue 19 (histories as Params with zeroed gradients, commit
+# f136bc0) on the CPU: the histories' own state must train the same model.
+BEFORE = {
+    "plain": ({}, [5.578497886657715, 5.560287952423096, 5.538561820983887, 5.574041366577148],
+              [1.1317378282546997, 1.120253086090088, 1.1314371824264526, 1.2098273038864136]),
+    "accum2": ({"train.grad_accum": 2},
+               [5.578497886657715, 5.559893608093262, 5.537198066711426, 5.573979377746582],
+               [1.132341980934143, 1.1215150356292725, 1.1304932832717896, 1.212369680404663]),
+}
+
+
+@pytest.mark.parametrize("case", list(BEFORE))
+def test_losses_are_those_of_histories_as_params(case):
+    extra, want_loss, want_norm = BEFORE[case]
+    cfg = _cfg("fp8_delayed", **{"optim.warmup_steps": 1, **extra})
+    mesh, _, state, step = _trainer(cfg)
+    losses, norms = [], []
+    with model_context(mesh):
+        for i in range(4):
+            state, m = step(state, _batch(cfg, i))
+            losses.append(float(m["loss"]))
+            norms.append(float(m["grad_norm"]))
+    np.testing.assert_allclose(losses, want_loss, rtol=1e-6)
+    np.testing.assert_allclose(norms, want_norm, rtol=1e-5)
+
+
+def test_fp8_delayed_run_resumes_exactly(tmp_path):
+    """4 steps straight, and 2 steps + checkpoint + restore + 2 steps: the same losses and the
+    same final state, histories included (bitwise)."""
+    cfg = _cfg("fp8_delayed", **{"optim.warmup_steps": 1, "checkpoint.async_save": False})
+    mesh, tx, state, step = _trainer(cfg)
+    want, want_state = _run(mesh, step, state, cfg, range(4))
+    _, _, state, step = _trainer(cfg)
+    first, state = _run(mesh, step, state, cfg, range(2))
+    ckpt = Checkpointer(tmp_path / "ckpt", cfg.checkpoint)
+    ckpt.save(2, state, data_state=None, config=cfg.to_dict())
+    ckpt.wait()
+    _, abstract, _ = abstract_train_state(cfg, mesh, tx)
+    with model_context(mesh):
+        restored, _, _ = ckpt.restore(2, abstract)
+    ckpt.close()
+    assert type(restored["fp8"]["layers"]["fp8_wq"]) is ops.Fp8Meta
+    rest, got_state = _run(mesh, step, restored, cfg, range(2, 4))
+    assert first + rest == want
+    _assert_same_state(got_state, want_state)
+
+
+def _old_layout(state, tx):
+    """The train state as the code before issue 19 saved it: the histories inside params, and
+    Adam moments for them (filled with 7s, to show they are never restored)."""
+    params = nnx.merge_state(state["params"], state["fp8"])
+    sevens = jax.tree.map(lambda h: jnp.full_like(h, 7.0), state["fp8"])
+    adam = state["opt_state"][-1][0]
+    adam = adam._replace(mu=nnx.merge_state(adam.mu, sevens), nu=nnx.merge_state(adam.nu, sevens))
+    opt_state = (*state["opt_state"][:-1], (adam, *state["opt_state"][-1][1:]))
+    assert jax.tree.structure(opt_state) == jax.tree.structure(tx.init(params))
+    return {"step": state["step"], "params": params, "opt_state": opt_state}
+
+
+def test_checkpoint_with_histories_in_params_restores(tmp_path):
+    """A checkpoint in the old layout restores into the new state (histories moved out of
+    params, their moments dropped), trains on exactly as the state it was saved from, and
+    samples (params-only restore) with its histories."""
+    from titanax.checkpoint.params_only import abstract_params, restore_params
+
+    cfg = _cfg("fp8_delayed", **{"optim.warmup_steps": 1, "checkpoint.async_save": False})
+    mesh, tx, state, step = _trainer(cfg)
+    _, state = _run(mesh, step, state, cfg, range(2))
+    ckpt = Checkpointer(tmp_path / "ckpt", cfg.checkpoint)
+    ckpt.save(2, _old_layout(state, tx), data_state=None, config=cfg.to_dict())
+    ckpt.wait()
+    stored = ckpt._state_tree(2)
+    assert "fp8" not in stored and "fp8_wq" in stored["params"]["layers"]
+    _, abstract, _ = abstract_train_state(cfg, mesh, tx)
+    assert ckpt.moved_out_of_params(2, abstract) == ("fp8",)
+    with model_context(mesh):
+        restored, _, _ = ckpt.restore(2, abstract)
+        graphdef, abstract_p = abstract_params(cfg, mesh)
+        sampling = restore_params(ckpt, 2, abstract_p)
+    ckpt.close()
+    assert type(restored["fp8"]["layers"]["fp8_wq"]) is ops.Fp8Meta
+    # Compared as host arrays (the step below donates `state`).
+    want = jax.device_get(state)
+    _assert_same_state(restored, want)
+    _assert_same_state(sampling, jax.device_get(nnx.merge_state(state["params"], state["fp8"])))
+    want_losses, _ = _run(mesh, step, state, cfg, range(2, 4))
+    got_losses, _ = _run(mesh, step, restored, cfg, range(2, 4))
+    assert got_losses == want_losses
+
+
+def test_checkpoint_without_histories_is_refused_clearly(tmp_path):
+    """An fp8_delayed state restored from a step that holds no histories anywhere (written
+    without fp8_delayed): a message naming the problem and the fix, not orbax's."""
+    cfg = _cfg("fp8_tensorwise", **{"checkpoint.async_save": False})
+    mesh = build_mesh(cfg.mesh, devices=jax.devices()[:1])
+    _, state, _ = create_train_state(cfg, mesh, make_optimizer(cfg))
+    ckpt = Checkpointer(tmp_path / "ckpt", cfg.checkpoint)
+    ckpt.save(1, state, data_state=None, config=cfg.to_dict())
+    ckpt.wait()
+    delayed = _cfg("fp8_delayed")
+    _, abstract, _ = abstract_train_state(delayed, mesh, make_optimizer(delayed))
+    with pytest.raises(ValueError, match=r"holds no 'fp8' state.*fp8_delayed"):
+        ckpt.restore(1, abstract)
+    ckpt.close()
+
+
+def test_eval_step_reads_the_histories():
+    """jit_eval_step (what the loop evaluates with) runs the fp8_delayed forward on the
+    state's histories: its loss is the train step's loss on the same batch."""
+    from titanax.train.state import jit_eval_step
+
+    cfg = _cfg("fp8_delayed", **{"optim.warmup_steps": 1})
+    mesh, tx, state, step = _trainer(cfg)
+    _, state = _run(mesh, step, state, cfg, range(2))  # histories no longer zero
+    graphdef, _, shardings = abstract_train_state(cfg, mesh, tx)
+    eval_fn = jit_eval_step(cfg, mesh, graphdef, shardings)
+    with model_context(mesh):
+        total, count = eval_fn(state, _batch(cfg, 2))
+        _, m = step(state, _batch(cfg, 2))
+    assert float(total) / float(count) == pytest.approx(float(m["loss"]), rel=1e-6)

@@ -18,6 +18,10 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
+pytestmark = pytest.mark.usefixtures("devices8")  # meshes over 8 simulated devices
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # d_model 768, 12 layers, vocab 32000: 124,668,672 parameters (498.7 MB of float32).
 BIG = {"model.d_model": 768, "model.n_layers": 12, "model.n_heads": 12, "model.n_kv_heads": 4,

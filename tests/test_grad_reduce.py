@@ -3,15 +3,14 @@
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
+from pallas_kernels import aot
+from tests.test_train import ROOT
 from titanax.config import ConfigError, apply_overrides, load_config
 from titanax.ops import linear
-from titanax.perf import aot
 from titanax.plan.cluster import Cluster, plan_config
 from titanax.plan.compile import compile_in_subprocess
-from tests.test_train import ROOT
 
 
 @pytest.mark.parametrize("spec,w_shape", [("bsd,df->bsf", (64, 48)), ("bsf,df->bsd", (64, 48))])

@@ -13,19 +13,20 @@ import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
+from torch_peer import run_jobs
 
-from titanax.checkpoint.hf_export import export_hf, parse_size
-from titanax.checkpoint.hf_import import HFImportError, import_hf
 from titanax.checkpoint.orbax_io import Checkpointer
 from titanax.checkpoint.reader import CheckpointReader
-from titanax.checkpoint.safetensors_io import read_header, read_tensor
 from titanax.config import CheckpointConfig, apply_overrides, load_config
-from titanax.parallel.mesh import build_mesh, single_device_mesh
+from titanax.hf.exporter import export_hf, parse_size
+from titanax.hf.importer import HFImportError, import_hf
+from titanax.hf.safetensors_io import read_header, read_tensor
+from titanax.parallel.mesh import single_device_mesh
 from titanax.parallel.rules import model_context
 from titanax.train.optim import make_optimizer
 from titanax.train.state import create_train_state
 
-from torch_peer import run_jobs
+pytestmark = pytest.mark.usefixtures("devices8")  # meshes over 8 simulated devices
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # GQA (4 query heads, 2 kv heads) and llama3 rope scaling whose original length (32) is inside
@@ -300,3 +301,26 @@ def test_tied_embeddings_become_the_output_layer(peer, tmp_path):
     reader = CheckpointReader(tmp_path / "work" / "checkpoints")
     np.testing.assert_array_equal(reader.read(("output",)),
                                   tensors["model.embed_tokens.weight"].T)
+
+
+def test_tied_llama_exports_without_lm_head_and_imports_back(tmp_path):
+    """model.tie_embeddings (Llama 3.2 1B/3B): no 'output' parameter, config.json says
+    tie_word_embeddings and no lm_head is written; the folder imports back unchanged."""
+    cfg = small_config(**{"model.tie_embeddings": True})
+    original = _make_run(tmp_path / "run", cfg)
+    assert ("output",) not in original
+    export_hf(tmp_path / "run", tmp_path / "export", dtype="float32", progress=False)
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    index = json.loads((tmp_path / "export" / "model.safetensors.index.json").read_text())
+    assert config["tie_word_embeddings"] is True and "lm_head.weight" not in index["weight_map"]
+    import_hf(tmp_path / "export", cfg, tmp_path / "back", devices=jax.devices()[:1],
+              progress=False, log=lambda *_: None)
+    reader = CheckpointReader(tmp_path / "back" / "checkpoints")
+    assert set(reader.params()) == set(original)
+    np.testing.assert_array_equal(reader.read(("embed",)), original[("embed",)])
+    # An untied folder cannot go into a tied config (the reverse is fine, see above).
+    from titanax.models import model_spec
+
+    untied = {**config, "tie_word_embeddings": False}
+    assert model_spec(cfg.model).hf.mismatches(untied, cfg.model) == [
+        "model.tie_embeddings=True but config.json says False (--set model.tie_embeddings=False)"]

@@ -1,21 +1,22 @@
 """Circular pipelines store the layer stack stage-major; everything that reads a checkpoint
 outside its own run (sampling, HF export) must see the model in logical layer order."""
 
-import json
 
 import jax
 import numpy as np
+import pytest
 from safetensors.numpy import load_file
+from test_train import ROOT, SMALL
 
-from titanax.checkpoint.hf_export import export_hf
 from titanax.checkpoint.orbax_io import Checkpointer
 from titanax.config import apply_overrides, load_config
 from titanax.generate import load_for_inference
+from titanax.hf.exporter import export_hf
 from titanax.parallel.mesh import build_mesh
 from titanax.train.optim import make_optimizer
 from titanax.train.state import create_train_state
 
-from test_train import ROOT, SMALL
+pytestmark = pytest.mark.usefixtures("devices8")  # meshes over 8 simulated devices
 
 LAYOUT = {"model.n_layers": 4, "model.dtype": "float32", "train.batch_size": 8}
 CIRCULAR = {"mesh.data": 1, "mesh.pipeline": 2, "mesh.fsdp": 4, "pipeline.schedule": "circular",

@@ -15,12 +15,14 @@ import jax
 import numpy as np
 import pytest
 
+from tests.test_checkpoint import seed_data
+from tests.test_train import small_config
 from titanax import xla_flags
 from titanax.data import shards
 from titanax.train import loop
 from titanax.train.metrics import read_metrics
-from tests.test_checkpoint import seed_data
-from tests.test_train import small_config
+
+pytestmark = pytest.mark.usefixtures("devices8")  # meshes over 8 simulated devices
 
 STEPS, LOG_EVERY, SAVE_EVERY = 10, 4, 5
 # Steps where the host waits for the devices anyway: logging (and the last), checkpoints.

@@ -7,8 +7,13 @@ import numpy as np
 import pytest
 
 from titanax.config import Config, MeshConfig, ModelConfig, TrainConfig, apply_overrides
-from titanax.ops.cross_entropy import (chunk_positions, dense_cross_entropy_sum,
-                                       linear_cross_entropy_sum)
+from titanax.ops.cross_entropy import (
+    chunk_positions,
+    dense_cross_entropy_sum,
+    linear_cross_entropy_sum,
+)
+
+pytestmark = pytest.mark.usefixtures("devices8")  # meshes over 8 simulated devices
 
 B, S, D, V = 2, 32, 16, 96
 

@@ -7,12 +7,17 @@ import pytest
 from flax import nnx
 
 from titanax.config import ModelConfig
+from titanax.models import model_spec, preset
+from titanax.models.decoder import init_cache
 from titanax.models.layers import RMSNorm, apply_rope, rope_inv_freq
-from titanax.models.llama import Llama, count_params, init_cache
-from titanax.models.presets import preset
+from titanax.models.llama3.model import Llama
 from titanax.ops import attention
 from titanax.parallel.mesh import single_device_mesh
 from titanax.parallel.rules import model_context
+
+pytestmark = pytest.mark.usefixtures("devices8")  # meshes over 8 simulated devices
+
+count_params = model_spec("llama3").count_params
 
 
 @pytest.mark.parametrize("name, expected", [

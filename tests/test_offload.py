@@ -9,16 +9,18 @@ import numpy as np
 import optax
 import pytest
 
+from pallas_kernels import aot
+from tests.test_train import ROOT
 from titanax.config import ConfigError, apply_overrides, load_config
 from titanax.parallel.mesh import build_mesh
 from titanax.parallel.rules import model_context
-from titanax.perf import aot
 from titanax.plan.cluster import Cluster
 from titanax.plan.compile import compile_in_subprocess
 from titanax.train import offload
 from titanax.train.optim import lr_schedule, make_optimizer
 from titanax.train.state import abstract_train_state, create_train_state, jit_train_step
-from tests.test_train import ROOT
+
+pytestmark = pytest.mark.usefixtures("devices8")  # meshes over 8 simulated devices
 
 TINY = {"model.d_model": 64, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2,
         "model.ffn_dim": 128, "model.vocab_size": 256, "model.dtype": "float32",
@@ -123,13 +125,11 @@ PIPELINE = {"mesh.data": 2, "mesh.fsdp": 2, "mesh.pipeline": 2, "model.n_layers"
     (1.0, True, {}), (1e6, False, {}), (1.0, True, {**PIPELINE, "train.offload_params": False})],
     ids=["clipped", "non-finite", "pipeline"])
 def test_streamed_update_is_optax_update(clip_norm, finite, layout):
-    """The update alone against optax's, on fp8_delayed params (amax histories among the
-    stacked leaves) with moments and layer weights in host memory: the clip triggered or not,
+    """The update alone against optax's, on an fp8_delayed state (its amax histories apart,
+    in device memory) with moments and layer weights in host memory: the clip triggered or not,
     a non-finite step; and on a pipeline layout (mesh.pipeline=2, the stack stored stage-major
     by the circular schedule: offload_optimizer only), where each stage scans its own layers
     and nothing is gathered."""
-    from titanax import ops
-
     cfg = tiny(**{**BOTH, "model.matmul_precision": "fp8_delayed",
                   "optim.clip_norm": clip_norm, **layout})
     mesh = build_mesh(cfg.mesh, devices=jax.devices()[:8 if layout else 1])
@@ -143,19 +143,19 @@ def test_streamed_update_is_optax_update(clip_norm, finite, layout):
                          count=adam.count + 5)
     opt_state = (opt_state[0], (adam, *opt_state[-1][1:]))
     opt_state = jax.device_put(opt_state, shardings["opt_state"])
-    raw = _random_like(params, jax.random.key(3), 0.1)  # history leaves: their new values
+    raw = _random_like(params, jax.random.key(3), 0.1)
+    assert "fp8_wq" not in params["layers"]  # the histories: state["fp8"], on the device
+    assert state["fp8"]["layers"]["fp8_wq"].get_value().sharding.memory_kind == "device"
 
-    def reference(params, opt_state, raw):
-        grads, meta = ops.split_fp8_meta(raw)
+    def reference(params, opt_state, grads):
         updates, new_state = tx.update(grads, opt_state, params)
-        new = ops.merge_fp8_meta(optax.apply_updates(params, updates), meta)
+        new = optax.apply_updates(params, updates)
         keep = lambda n, o: jax.numpy.where(finite, n, o)
         return jax.tree.map(keep, new, params), jax.tree.map(keep, new_state, opt_state)
 
-    def streamed(params, opt_state, raw):
-        grads, meta = ops.split_fp8_meta(raw)
+    def streamed(params, opt_state, grads):
         norm = offload.global_norm(grads)
-        return offload.streamed_update(cfg, tx, grads, meta, opt_state, params, norm,
+        return offload.streamed_update(cfg, tx, grads, opt_state, params, norm,
                                        jax.numpy.asarray(finite))
 
     host_params = shardings["params"]
@@ -171,11 +171,9 @@ def test_streamed_update_is_optax_update(clip_norm, finite, layout):
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert a.dtype == b.dtype
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-8)
-    histories = got[0]["layers"]["fp8_wq"].get_value()
-    assert histories.sharding.memory_kind == ("device" if layout else "pinned_host")
+    weights = got[0]["layers"]["wq"].get_value()
+    assert weights.sharding.memory_kind == ("device" if layout else "pinned_host")
     assert got[1][-1][0].mu["layers"]["wq"].get_value().sharding.memory_kind == "pinned_host"
-    expected = (raw if finite else params)["layers"]["fp8_wq"].get_value()
-    np.testing.assert_array_equal(np.asarray(histories), np.asarray(expected))
 
 
 def test_checkpoints_restore_into_host_memory_either_way(tmp_path):
@@ -262,10 +260,10 @@ def test_deviceless_h100_compile_moves_state_and_activations_to_host():
 def test_hf_import_into_host_resident_layers(tmp_path):
     """import_hf writes each HF layer into the stacked weights; with train.offload_params that
     stack lives in pinned host memory and the import still lands every tensor there."""
-    from titanax.checkpoint.hf_export import export_hf
-    from titanax.checkpoint.hf_import import import_hf
     from titanax.checkpoint.orbax_io import Checkpointer
     from titanax.generate import load_for_inference
+    from titanax.hf.exporter import export_hf
+    from titanax.hf.importer import import_hf
 
     cfg = tiny()
     mesh = build_mesh(cfg.mesh, devices=jax.devices()[:1])

@@ -7,12 +7,14 @@ import pytest
 from jax.sharding import NamedSharding
 
 from titanax.config import Config, ConfigError, MeshConfig, apply_overrides
-from titanax.parallel.mesh import build_mesh, describe_mesh
 from titanax.parallel.layer_order import to_logical_order
+from titanax.parallel.mesh import build_mesh, describe_mesh
 from titanax.parallel.rules import activation_spec, model_context
 from titanax.train.optim import lr_schedule, make_optimizer
 from titanax.train.state import abstract_train_state, create_train_state, jit_train_step
 from titanax.train.step import make_loss_fn
+
+pytestmark = pytest.mark.usefixtures("devices8")  # meshes over 8 simulated devices
 
 # 8 layers so that PP4 x 2 virtual stages has a chunk of one layer each; float32 throughout.
 TINY = {"model.d_model": 32, "model.n_layers": 8, "model.n_heads": 4, "model.n_kv_heads": 2,

@@ -11,20 +11,21 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tests.test_checkpoint import _run, _tree_equal
+from tests.test_train import small_config
 from titanax import ops
-from titanax.checkpoint.hf_export import export_hf
 from titanax.checkpoint.orbax_io import LEGACY_TRANSPOSES, Checkpointer, legacy_params
 from titanax.checkpoint.reader import CheckpointReader
 from titanax.config import apply_overrides
 from titanax.generate import load_for_inference
-from titanax.models.llama import Llama
+from titanax.hf.exporter import export_hf
+from titanax.models.llama3.model import Llama
 from titanax.parallel.mesh import build_mesh, single_device_mesh
 from titanax.parallel.rules import model_context
 from titanax.train.optim import make_optimizer
 from titanax.train.state import abstract_train_state, create_train_state
-from tests.test_checkpoint import _run, _tree_equal
-from tests.test_train import small_config
 
+pytestmark = pytest.mark.usefixtures("devices8")  # meshes over 8 simulated devices
 
 # --- ops.linear with the weight's contracted axes last -------------------------------------------
 

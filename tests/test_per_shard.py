@@ -10,10 +10,12 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from pallas_kernels import aot
 from pallas_kernels.flash_attention import attention_reference
 from titanax.parallel.per_shard import per_shard_attention
 from titanax.parallel.rules import MESH_AXES
-from titanax.perf import aot
+
+pytestmark = pytest.mark.usefixtures("devices8")  # meshes over 8 simulated devices
 
 
 def _mesh(pipeline=1, data=1, fsdp=1, tensor=1):
@@ -120,7 +122,7 @@ _H100_SCRIPT = r"""
 import json, jax, jax.numpy as jnp, numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from titanax import ops
-from titanax.perf import aot
+from pallas_kernels import aot
 devices = np.array(aot.gpu_topology("h100", "1x1x8").devices).reshape(1, 2, 1, 4)
 mesh = Mesh(devices, ("pipeline", "data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 4)
 spec = NamedSharding(mesh, P(("data", "fsdp"), None, "tensor", None))

@@ -8,11 +8,21 @@ import numpy as np
 import pytest
 
 from titanax.config import Config, MeshConfig, apply_overrides
+from titanax.parallel.layer_order import (
+    storage_permutation,
+    stored_layer_order,
+    to_logical_order,
+    to_storage_order,
+)
 from titanax.parallel.mesh import build_mesh
-from titanax.parallel.layer_order import (storage_permutation, stored_layer_order,
-                                          to_logical_order, to_storage_order)
-from titanax.parallel.pipeline import (PipelineSchedule, bubble_fraction, run_pipelined,
-                                       schedule_table)
+from titanax.parallel.pipeline import (
+    PipelineSchedule,
+    bubble_fraction,
+    run_pipelined,
+    schedule_table,
+)
+
+pytestmark = pytest.mark.usefixtures("devices8")  # meshes over 8 simulated devices
 
 
 @pytest.mark.parametrize("stages,micro,virtual", [(4, 8, 1), (4, 16, 1), (4, 8, 2), (4, 16, 2),

@@ -14,8 +14,9 @@ from jax.sharding import PartitionSpec as P
 from titanax.config import MeshConfig
 from titanax.parallel.mesh import build_mesh
 from titanax.parallel.pipeline import PipelineSchedule, run_pipelined
-from titanax.parallel.pipeline_1f1b import (in_flight, run_1f1b, schedule_table_1f1b,
-                                            ticks_1f1b)
+from titanax.parallel.pipeline_1f1b import in_flight, run_1f1b, schedule_table_1f1b, ticks_1f1b
+
+pytestmark = pytest.mark.usefixtures("devices8")  # meshes over 8 simulated devices
 
 
 def layer_fn(x_bSD, w, pos_bS):  # uses its extras, so a wrong microbatch split shows
@@ -74,6 +75,7 @@ def assert_close(got, want):
 def test_table_runs_each_microbatch_forward_then_backward_with_k_in_flight(stages, micro):
     table = schedule_table_1f1b(stages, micro)
     K = in_flight(stages, micro)
+    prev_fwd = prev_bwd = None  # stage s-1's ticks
     assert table.shape == (ticks_1f1b(stages, micro), stages, 2)
     for s in range(stages):
         fwd, bwd = table[:, s, 0], table[:, s, 1]

@@ -10,13 +10,15 @@ import time
 
 import pytest
 
+from pallas_kernels import aot
 from titanax.config import load_config
-from titanax.perf import aot
 from titanax.plan import Cluster, PlanError, make_plan
 from titanax.plan.cluster import layout_for, plan_config
 from titanax.plan.cost_model import EFFICIENCIES, estimate, param_counts
 from titanax.plan.search import search
 from titanax.train import metrics
+
+pytestmark = pytest.mark.usefixtures("devices8")  # meshes over 8 simulated devices
 
 CONFIG_70B = "configs/llama3_70b.py"
 needs_plugin = pytest.mark.skipif(not aot.plugin_available(), reason="CUDA plugin not installed "

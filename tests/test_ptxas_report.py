@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from titanax.perf import aot
+from pallas_kernels import aot
 from titanax.perf import ptxas_report as rep
 
 # `ptxas -v` as Mosaic prints it, a spilling kernel first, with a device function's properties

@@ -9,8 +9,12 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.test_checkpoint import seed_data
 from tests.test_train import ROOT, SMALL
+
+pytestmark = pytest.mark.usefixtures("devices8")  # meshes over 8 simulated devices
 
 STEPS = 20
 SETS = [f"--set={k}={v}" for k, v in {

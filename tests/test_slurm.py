@@ -123,7 +123,7 @@ def test_preempted_job_saves_requeues_and_resumes(cluster, tmp_path):
     cluster.signal_steps(job, "TERM")
 
     # The first run saves, exits 75 and requeues itself; the second one runs to the end.
-    info = cluster.wait_job(job, lambda i: i.get("Restarts", "0") != "0", 120,
+    cluster.wait_job(job, lambda i: i.get("Restarts", "0") != "0", 120,
                             "be requeued")
     info = cluster.wait_job(job, _finished, 300, "finish after its requeue")
     text = log()
@@ -182,7 +182,7 @@ def test_time_limit_warning_reaches_the_tasks_and_requeues(cluster, tmp_path):
     """SLURM itself sends --signal=USR1@T (here 55 s before a 1-minute limit; SLURM checks
     about every 30 s) to every task; they save and the job is requeued."""
     job, out = _submit_fake(cluster, tmp_path, "--time=1", "--signal=USR1@55")
-    info = cluster.wait_job(job, lambda i: i.get("Restarts", "0") != "0", 90, "be requeued")
+    cluster.wait_job(job, lambda i: i.get("Restarts", "0") != "0", 90, "be requeued")
     subprocess.run(["scancel", str(job)], env=cluster.env, check=True)  # not run it again
     cluster.wait_job(job, _finished, 60, "end")
     text = out.read_text()
@@ -197,7 +197,7 @@ def test_batch_shell_signal_is_passed_to_the_tasks(cluster, tmp_path):
     job, out = _submit_fake(cluster, tmp_path)
     subprocess.run(["scancel", "--batch", "--signal=USR1", str(job)], env=cluster.env,
                    check=True)
-    info = cluster.wait_job(job, lambda i: i.get("Restarts", "0") != "0", 60, "be requeued")
+    cluster.wait_job(job, lambda i: i.get("Restarts", "0") != "0", 60, "be requeued")
     subprocess.run(["scancel", str(job)], env=cluster.env, check=True)  # not run it again
     cluster.wait_job(job, _finished, 60, "end")
     text = out.read_text()

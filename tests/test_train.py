@@ -5,7 +5,6 @@ import subprocess
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -14,6 +13,8 @@ from titanax.parallel.mesh import build_mesh
 from titanax.parallel.rules import model_context
 from titanax.train.optim import decay_mask, lr_schedule, make_optimizer
 from titanax.train.state import create_train_state, jit_train_step
+
+pytestmark = pytest.mark.usefixtures("devices8")  # meshes over 8 simulated devices
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

@@ -1,9 +1,29 @@
 """Flash attention for titanax: Pallas kernels (Mosaic GPU sm90/sm100, Triton grid), cuDNN and
-an XLA reference behind one function; see api.py and docs/attention.md."""
+an XLA reference behind one function; see api.py, backends.py (the backend table) and
+docs/attention.md.
 
-from .api import IMPLS, flash_attention, flash_attention_bwd, flash_attention_fwd, resolve_impl
-from .config import FlashConfig, default_config
-from .reference import attention_reference
+Names load on first use (PEP 562): titanax.config reads the backend table (backends.py, plain
+data) without importing jax.
+"""
 
-__all__ = ["IMPLS", "FlashConfig", "attention_reference", "default_config", "flash_attention",
-           "flash_attention_bwd", "flash_attention_fwd", "resolve_impl"]
+import importlib
+
+_EXPORTS = {
+    "IMPLS": ".backends", "BACKENDS": ".backends",
+    "flash_attention": ".api", "flash_attention_bwd": ".api", "flash_attention_fwd": ".api",
+    "resolve_impl": ".resolve",
+    "FlashConfig": ".config", "default_config": ".config",
+    "attention_reference": ".reference",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

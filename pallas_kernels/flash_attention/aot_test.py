@@ -3,7 +3,7 @@
 B200 (sm_100a: mosaic_sm100 and triton); the Mosaic impls' backward must be Mosaic too. A
 Mosaic kernel whose SMEM ring exceeds the chip's 227 KiB must fail to compile. Runs in
 subprocesses with the CUDA plugin of .venv/cuda-plugin and JAX_PLATFORMS=cpu
-(titanax.perf.aot), so the rest of the suite never loads CUDA: one per GPU kind, because
+(pallas_kernels.aot), so the rest of the suite never loads CUDA: one per GPU kind, because
 Mosaic GPU keeps the first target's architecture for the whole process."""
 
 import json
@@ -12,11 +12,11 @@ import sys
 
 import pytest
 
-from titanax.perf import aot
+from pallas_kernels import aot
 
 SCRIPT = r"""
 import json, sys, jax, jax.numpy as jnp
-from titanax.perf import aot
+from pallas_kernels import aot
 from pallas_kernels.flash_attention import FlashConfig, flash_attention
 
 B, S, Hq, Hkv, D = 1, 8192, 64, 8, 128

@@ -10,118 +10,40 @@ The forward saves the log-sum-exp; the backward recomputes P from it (FlashAtten
 flash_attention_fwd / flash_attention_bwd are the two halves of the Pallas impls, for callers
 that run them separately (under jax.shard_map, as titanax.parallel.per_shard does).
 
-impl: "mosaic_sm90" (Hopper: TMA + wgmma, warp-specialized, FA3-style), "mosaic_sm100"
-(Blackwell: TMA + tcgen05 with scores and accumulator in TMEM, warp-specialized), "triton" (Pallas grid kernel; also
-the interpret-mode path on CPU), "cudnn" (jax.nn.dot_product_attention), "xla" (reference.py),
-"auto" (resolve_impl: on GPU cuDNN unless measured.py records ours faster there, or segment
-ids / a shard_map body rule cuDNN out; the choice and its reason are logged once).
+impl: a name in backends.py's table (mosaic_sm90, mosaic_sm100, triton, cudnn, xla) or "auto"
+(resolve.py: on GPU cuDNN unless measured.py records ours faster there, or segment ids / a
+shard_map body rule cuDNN out; the choice and its reason are logged once).
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 
 import jax
 import jax.numpy as jnp
 
-from . import kernel_bwd, kernel_fwd
-from .. import measured
+from ..target import match_varying, target_platform
+from .backends import IMPLS, KERNEL_IMPLS, backend, load
 from .config import FlashConfig, default_config
 from .reference import attention_reference, mask_SxT
-from ..target import compute_capability, match_varying, target_platform
+from .resolve import resolve_impl, unsupported
 
-log = logging.getLogger(__name__)
+__all__ = ["IMPLS", "PALLAS_IMPLS", "flash_attention", "flash_attention_bwd",
+           "flash_attention_fwd", "mosaic_unsupported", "resolve_impl"]
 
-IMPLS = ("auto", "mosaic_sm90", "mosaic_sm100", "triton", "cudnn", "xla")
-PALLAS_IMPLS = ("mosaic_sm90", "mosaic_sm100", "triton")
-
-
-@functools.cache
-def _log_once(msg: str) -> None:
-    log.warning(msg)
-
-
-def _backend(impl: str):
-    """(fwd, bwd, (q multiple, kv multiple)) of a Pallas backend, imported on demand."""
-    if impl == "triton":
-        return kernel_fwd.flash_fwd, kernel_bwd.flash_bwd, _triton_multiples
-    if impl == "mosaic_sm90":
-        from . import kernel_sm90
-        return kernel_sm90.flash_fwd, kernel_sm90.flash_bwd, kernel_sm90.pad_multiples
-    if impl == "mosaic_sm100":
-        from . import kernel_sm100
-        return kernel_sm100.flash_fwd, kernel_sm100.flash_bwd, kernel_sm100.pad_multiples
-    raise ValueError(impl)
-
-
-def _triton_multiples(cfg: FlashConfig):
-    return max(cfg.block_q, cfg.block_q_bwd), max(cfg.block_kv, cfg.block_kv_bwd)
+PALLAS_IMPLS = KERNEL_IMPLS  # the backends with a Pallas kernel pair (own backward, per shard)
 
 
 def mosaic_unsupported(impl: str, dtype, head_dim: int) -> str | None:
-    """Why a Mosaic kernel cannot take these inputs, or None when it can."""
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        return f"{impl} needs bf16/fp16 (wgmma/tcgen05 operands), got {jnp.dtype(dtype).name}"
-    if head_dim not in (64, 128, 256):
-        return f"{impl} needs head_dim 64, 128 or 256, got {head_dim}"
-    return None
+    """Why backend `impl` cannot take these inputs, or None when it can (the table's limits)."""
+    return unsupported(impl, dtype, head_dim)
 
 
-def _in_manual_axes() -> bool:
-    """Tracing inside jax.shard_map over some mesh axis (a pipeline stage, per-shard code)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return mesh is not None and not mesh.empty and bool(mesh.manual_axes)
-
-
-def resolve_impl(impl: str, dtype, head_dim: int, *, interpret: bool = False,
-                 segment_ids: bool = False, manual: bool | None = None) -> str:
-    """The backend 'auto' means here, by platform, compute capability, dtype, head_dim, whether
-    there are segment ids, and whether we trace inside jax.shard_map (`manual`; None: look).
-
-    On GPU 'auto' takes cuDNN's fused attention (the vendor path) unless a benchmark recorded in
-    docs/ shows our kernel faster on that GPU (measured.py) or cuDNN cannot take the call:
-    packed documents (segment ids: jax.nn.dot_product_attention would need a dense [S, T]
-    mask) and shard_map bodies (its partitioning rule fails to compile there). The choice and
-    its reason are logged once."""
-    if impl not in IMPLS:
-        raise ValueError(f"unknown flash attention impl {impl!r}; use one of {IMPLS}")
-    if impl != "auto":
-        return impl
-    if interpret:
-        return "triton"
-    platform = target_platform()
-    if platform != "gpu":
-        _log_once(f"flash_attention auto: platform {platform!r} has no Pallas GPU kernels; "
-                  "using 'xla' (pass interpret=True or impl='triton' to run the kernels)")
-        return "xla"
-    cc = compute_capability() or (0, 0)
-    ours = _our_kernel(cc, dtype, head_dim)
-    won = ours is not None and measured.ours_won("attention", cc, ours)
-    manual = _in_manual_axes() if manual is None else manual
-    if ours is not None and (won or segment_ids or manual):
-        why = (f"{measured.WHERE} records it beating cuDNN on compute capability {cc[0]}.{cc[1]}"
-               if won else "packed documents (segment ids) need a dense mask in cuDNN"
-               if segment_ids else "cuDNN attention does not compile inside jax.shard_map")
-        _log_once(f"flash_attention auto: using {ours!r}: {why}")
-        return ours
-    if ours is None and (segment_ids or manual):
-        _log_once(f"flash_attention auto: no titanax kernel for compute capability "
-                  f"{cc[0]}.{cc[1]}, {jnp.dtype(dtype).name}, head_dim {head_dim}; using "
-                  "'triton' (cuDNN cannot take segment ids or shard_map bodies here)")
-        return "triton"
-    _log_once(f"flash_attention auto: using 'cudnn' on compute capability {cc[0]}.{cc[1]}: no "
-              f"benchmark in {measured.WHERE} shows a titanax kernel faster there (ours stay "
-              "one impl= away: mosaic_sm90, mosaic_sm100, triton)")
-    return "cudnn"
-
-
-def _our_kernel(cc, dtype, head_dim: int) -> str | None:
-    """Our Mosaic kernel for this GPU generation when it takes these inputs, else None."""
-    impl = {9: "mosaic_sm90", 10: "mosaic_sm100"}.get(cc[0])
-    if impl is None or mosaic_unsupported(impl, dtype, head_dim):
-        return None
-    return impl
+@functools.cache
+def _kernels(impl: str):
+    """(fwd, bwd, pad_multiples) of a Pallas backend, imported on first use."""
+    b = backend(impl)
+    return load(b.fwd), load(b.bwd), load(b.pad_multiples)
 
 
 def flash_attention(q, k, v, *, causal: bool = True, softmax_scale: float | None = None,
@@ -188,12 +110,11 @@ def _prepare(q, k, v, segment_ids, softmax_scale, impl, config, interpret, palla
             raise ValueError(f"flash_attention_fwd/bwd run the Pallas impls {PALLAS_IMPLS}; "
                              f"impl resolved to {impl!r}: call flash_attention instead")
         return segment_ids, scale, impl, None
-    if impl != "triton":
-        why = mosaic_unsupported(impl, q.dtype, D)
-        if why:
-            raise ValueError(why)
+    why = unsupported(impl, q.dtype, D)
+    if why:
+        raise ValueError(why)
     cfg = config if config is not None else default_config(impl, D, interpret=interpret)
-    if impl != "triton":
+    if backend(impl).mosaic:
         cfg.check_mosaic()
     return segment_ids, scale, impl, cfg
 
@@ -207,7 +128,7 @@ def _pad_to(x, axis: int, n: int):
 
 
 def _padded_lengths(q, k, impl, cfg):
-    mq, mk = _backend(impl)[2](cfg)
+    mq, mk = _kernels(impl)[2](cfg)
     return -(-q.shape[1] // mq) * mq, -(-k.shape[1] // mk) * mk
 
 
@@ -216,7 +137,7 @@ def _forward(q, k, v, seg, scale, causal, impl, cfg, interpret):
     Sp, Tp = _padded_lengths(q, k, impl, cfg)
     # Pad values are irrelevant: padded keys are masked by kv_len.
     q_seg, kv_seg = (None, None) if seg is None else (_pad_to(seg, 1, Sp), _pad_to(seg, 1, Tp))
-    out, lse = _backend(impl)[0](_pad_to(q, 1, Sp), _pad_to(k, 1, Tp), _pad_to(v, 1, Tp),
+    out, lse = _kernels(impl)[0](_pad_to(q, 1, Sp), _pad_to(k, 1, Tp), _pad_to(v, 1, Tp),
                                  q_seg, kv_seg, scale=scale, causal=causal, kv_len=k.shape[1],
                                  config=cfg, interpret=interpret)
     # Inside jax.shard_map, Mosaic GPU kernels return values typed as invariant (plgpu.kernel
@@ -231,7 +152,7 @@ def _backward(q, k, v, seg, out, lse, do, scale, causal, impl, cfg, interpret):
     # Padded query rows get dO = 0, so delta = 0 and they add nothing to dK/dV. A cotangent
     # may arrive invariant inside shard_map (e.g. of a sum): it varies like out.
     do = match_varying(do, out)
-    dq, dk, dv = _backend(impl)[1](
+    dq, dk, dv = _kernels(impl)[1](
         _pad_to(q, 1, Sp), _pad_to(k, 1, Tp), _pad_to(v, 1, Tp), _pad_to(out, 1, Sp), lse,
         _pad_to(do, 1, Sp), q_seg, kv_seg, scale=scale, causal=causal, kv_len=T, config=cfg,
         interpret=interpret)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from .backends import backend
+
 
 def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
@@ -91,6 +93,6 @@ _INTERPRET = FlashConfig(block_q=128, block_kv=128, block_q_bwd=128, block_kv_bw
 def default_config(impl: str, head_dim: int, *, interpret: bool = False) -> FlashConfig:
     if interpret and impl == "triton":
         return _INTERPRET
-    family = {"mosaic_sm90": "sm90", "mosaic_sm100": "sm100"}.get(impl, "triton")
+    family = backend(impl).config_family or "triton"
     hd = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
     return _DEFAULTS[(family, hd)]

@@ -13,9 +13,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.flash_attention import (FlashConfig, attention_reference, flash_attention,
-                                            flash_attention_bwd, flash_attention_fwd)
+from pallas_kernels.flash_attention import (
+    FlashConfig,
+    attention_reference,
+    flash_attention,
+    flash_attention_bwd,
+    flash_attention_fwd,
+)
 from pallas_kernels.flash_attention.api import resolve_impl
+
+pytestmark = pytest.mark.mosaic_interpret  # warpgroups run in the Mosaic GPU interpreter
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
 SMALL = FlashConfig(block_q=32, block_kv=32, block_q_bwd=32, block_kv_bwd=32)
@@ -166,10 +173,10 @@ def test_mosaic_sm100_interpreted_matches_reference(causal, G, D, S, segments):
 def test_auto_takes_cudnn_until_a_recorded_benchmark_says_otherwise(monkeypatch, caplog, cc,
                                                                     ours):
     from pallas_kernels import measured
-    from pallas_kernels.flash_attention import api
-    monkeypatch.setattr(api, "target_platform", lambda: "gpu")
-    monkeypatch.setattr(api, "compute_capability", lambda: cc)
-    api._log_once.cache_clear()
+    from pallas_kernels.flash_attention import resolve
+    monkeypatch.setattr(resolve, "target_platform", lambda: "gpu")
+    monkeypatch.setattr(resolve, "compute_capability", lambda: cc)
+    resolve._log_once.cache_clear()
     with caplog.at_level("WARNING"):
         assert resolve_impl("auto", jnp.bfloat16, 128) == "cudnn"
         assert resolve_impl("auto", jnp.bfloat16, 128) == "cudnn"
@@ -185,7 +192,7 @@ def test_auto_takes_cudnn_until_a_recorded_benchmark_says_otherwise(monkeypatch,
     # A win recorded for this GPU generation makes ours the default there, and only there.
     monkeypatch.setitem(measured.WINS, ("attention", cc[0]), ours)
     assert resolve_impl("auto", jnp.bfloat16, 128) == ours
-    monkeypatch.setattr(api, "compute_capability", lambda: (cc[0] + 2, 0))
+    monkeypatch.setattr(resolve, "compute_capability", lambda: (cc[0] + 2, 0))
     assert resolve_impl("auto", jnp.bfloat16, 128) == "cudnn"
     # An explicit impl is never second-guessed.
     assert resolve_impl(ours, jnp.bfloat16, 128) == ours

@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from ..target import out_struct
 from .kernel_fwd import block_mask, dot
 from .reference import MASK_VALUE
-from ..target import out_struct
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, scale, causal,

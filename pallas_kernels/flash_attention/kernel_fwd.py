@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from .reference import MASK_VALUE
 from ..target import out_struct
+from .reference import MASK_VALUE
+
+
+def pad_multiples(cfg):
+    """Sequence multiples the grid kernels need: whole forward and backward blocks."""
+    return max(cfg.block_q, cfg.block_q_bwd), max(cfg.block_kv, cfg.block_kv_bwd)
 
 
 def dot(a, b, *, trans_a=False, trans_b=False):

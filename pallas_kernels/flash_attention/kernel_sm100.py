@@ -29,15 +29,13 @@ a B200 without a GPU (aot_test.py).
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ..target import out_struct
-
-from .kernel_sm90 import LOG2E, MASK, _interpret_ctx, _q_block, grid_bwd  # shared by the Mosaic kernels
+from .mosaic_common import LOG2E, MASK, column_slices, interpret_ctx, q_block
 
 BLOCK_Q = 128  # TMEM lanes: one query row per lane
 _SOFTMAX, _MMA, _LOAD = 0, 1, 2
@@ -48,21 +46,14 @@ def pad_multiples(cfg):
     return max(BLOCK_Q, cfg.block_q_bwd), max(cfg.block_kv, BLOCK_Q, cfg.block_kv_bwd)
 
 
-O_SLICE = 64  # O columns per epilogue store: one 128-byte swizzle tile of the bf16 output
 RESCALE_SLICE = 32  # O columns per rescale load (TMEM only: no SMEM tile to respect)
 S_SLICE = 32  # score columns per TMEM load and P store in the softmax
-
-
-def _column_slices(d: int, width: int = O_SLICE):
-    """O's columns in `width`-wide pieces: a warpgroup holding all of O in registers (D
-    floats per thread: 256 at head_dim 256) spills."""
-    return [pl.ds(c, min(width, d - c)) for c in range(0, d, width)]
 
 
 def _rescale_o(o_tmem, alpha):
     """O *= alpha (one factor per row) in TMEM, a column slice at a time. Each slice's load
     completes (wait_load_tmem) before the store overwrites what it read."""
-    for cols in _column_slices(o_tmem.shape[1], RESCALE_SLICE):
+    for cols in column_slices(o_tmem.shape[1], RESCALE_SLICE):
         o = plgpu.async_load_tmem(o_tmem.at[:, cols])
         plgpu.wait_load_tmem()
         plgpu.async_store_tmem(o_tmem.at[:, cols], o * lax.broadcast_in_dim(alpha, o.shape, [0]))
@@ -90,7 +81,7 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
                qseg_loaded, kseg_loaded):
         wg = lax.axis_index("wg")
         batch, q_head = lax.axis_index("batch"), lax.axis_index("heads")
-        q_base = _q_block("q_seq", Sp // BLOCK_Q, causal) * BLOCK_Q  # longest first
+        q_base = q_block("q_seq", Sp // BLOCK_Q, causal) * BLOCK_Q  # longest first
         if causal:  # key tiles at or left of this block's last query
             kv_steps = jnp.minimum(pl.cdiv(q_base + BLOCK_Q, jnp.int32(block_kv)), n_kv)
             full_steps = jnp.minimum(lax.div(q_base, jnp.int32(block_kv)), kv_full)
@@ -236,7 +227,7 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
                 plgpu.barrier_wait(pv_done)  # the last PV
 
             l_safe = jnp.where(l_i == 0.0, 1.0, l_i)  # padded query rows of an empty tile
-            for cols in _column_slices(D):  # O / l a slice at a time: D/4 floats per thread
+            for cols in column_slices(D):  # O / l a slice at a time: D/4 floats per thread
                 o = plgpu.async_load_tmem(o_tmem.at[:, cols])
                 plgpu.wait_load_tmem()
                 q_smem.at[:, cols][...] = (o / lax.broadcast_in_dim(l_safe, o.shape, [0])
@@ -289,7 +280,7 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
 
     out_type = (out_struct(q, q.shape, dtype), out_struct(q, (B, Hq, Sp), jnp.float32))
     args = (q, k, v) + ((q_seg, kv_seg) if has_seg else ())
-    with _interpret_ctx(interpret):
+    with interpret_ctx(interpret):
         return plgpu.kernel(
             entry, out_type=out_type, scratch_types=scratch,
             grid=(Hq, Sp // BLOCK_Q, B), grid_names=("heads", "q_seq", "batch"),
@@ -297,13 +288,3 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
             compiler_params=plgpu.CompilerParams(approx_math=True),
         )(*args)
 
-
-def flash_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, *, scale, causal, kv_len, config, interpret):
-    """Backward of this forward: the tcgen05 dq and dkv kernels of kernel_sm100_bwd.py on the
-    saved log-sum-exp; at head_dim 256 (over TMEM's 512 columns there) the grid kernels."""
-    from . import kernel_sm100_bwd
-    kw = dict(scale=scale, causal=causal, kv_len=kv_len, interpret=interpret)
-    if q.shape[-1] <= kernel_sm100_bwd.MAX_HEAD_DIM:
-        return kernel_sm100_bwd.flash_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, config=config,
-                                          **kw)
-    return grid_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, config=config, **kw)

@@ -29,15 +29,13 @@ the grid kernels of kernel_bwd.py.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .kernel_sm90 import LOG2E, MASK, _interpret_ctx, _q_block
-from .kernel_sm100 import _column_slices
 from ..target import out_struct
+from .mosaic_common import LOG2E, MASK, column_slices, grid_bwd, interpret_ctx, q_block
 
 BLOCK = 128  # resident rows per CTA: one per TMEM lane
 _COMPUTE, _MMA, _LOAD = 0, 1, 2
@@ -80,7 +78,7 @@ def _kernel(kind, q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_
         wg = lax.axis_index("wg")
         batch, head = lax.axis_index("batch"), lax.axis_index("heads")
         # dq: causal query blocks longest first; dkv: key block 0 already sees the most queries.
-        blk = _q_block("blk", Sp // BLOCK, causal) if is_dq else lax.axis_index("blk")
+        blk = q_block("blk", Sp // BLOCK, causal) if is_dq else lax.axis_index("blk")
         base = blk * BLOCK
         res_rows = pl.ds(base, BLOCK)
         # The streamed tiles this CTA visits, t = 0 .. total-1, and where masking is needed.
@@ -269,7 +267,7 @@ def _kernel(kind, q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_
             # One accumulator and one column slice at a time: both [128, D] float32
             # accumulators at once are 2 D registers per thread (spills at head_dim 128).
             for i, (acc, smem) in enumerate(zip(acc_tmem, res_smem)):
-                for cols in _column_slices(D):
+                for cols in column_slices(D):
                     a = plgpu.async_load_tmem(acc.at[:, cols])
                     plgpu.wait_load_tmem()
                     if i == 0:
@@ -330,7 +328,7 @@ def _kernel(kind, q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_
         out_type = (out_struct(k, k.shape, dtype), out_struct(v, v.shape, dtype))
         grid = (Hkv, Tp // BLOCK, B)
     args = (q, k, v, do, lse2, delta) + ((q_seg, kv_seg) if has_seg else ())
-    with _interpret_ctx(interpret):
+    with interpret_ctx(interpret):
         return plgpu.kernel(
             entry, out_type=out_type, scratch_types=scratch,
             grid=grid, grid_names=("heads", "blk", "batch"),
@@ -339,8 +337,18 @@ def _kernel(kind, q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_
         )(*args)
 
 
-def flash_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, *, scale, causal, kv_len, config,
-              interpret):
+def flash_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, *, scale, causal, kv_len, config, interpret):
+    """Backward of kernel_sm100.flash_fwd: the tcgen05 dq and dkv kernels here on the saved
+    log-sum-exp; at head_dim 256 (over TMEM's 512 columns there) the grid kernels
+    (mosaic_common.grid_bwd)."""
+    kw = dict(scale=scale, causal=causal, kv_len=kv_len, config=config, interpret=interpret)
+    if q.shape[-1] > MAX_HEAD_DIM:
+        return grid_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, **kw)
+    return mosaic_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, **kw)
+
+
+def mosaic_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, *, scale, causal, kv_len, config,
+               interpret):
     """Padded q/o/do [B, Sp, Hq, D], k/v [B, Tp, Hkv, D] (Sp, Tp multiples of 128), lse2
     [B, Hq, Sp] in log2 units as kernel_sm100.flash_fwd saves it -> (dq, dk, dv)."""
     delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))

@@ -21,12 +21,8 @@ interpreted form; the compiled form is checked by the deviceless H100 compile.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import functools
-import math
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -34,10 +30,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ..target import out_struct
 from ..wgmma import wgmma_into as _wgmma_into
+from .mosaic_common import LOG2E, MASK, interpret_ctx, q_block, tile_mask
 
-# Finite and small enough that (score * log2(e)) cannot overflow to -inf in float32.
-MASK = -1e30
-LOG2E = math.log2(math.e)
 COMPUTE_WGS = 2
 # setmaxnreg budgets: 2 x 240 + 24 spends the 168-per-thread launch pool of 384 threads; the
 # TMA producer fits 24; at head_dim 256 with segment ids the softmax warpgroups need 240
@@ -50,41 +44,6 @@ def pad_multiples(cfg):
     backward's dq kernel 2 x block_q_bwd rows and its dkv kernel 2 x block_kv_bwd keys."""
     return (COMPUTE_WGS * max(cfg.block_q, cfg.block_q_bwd),
             max(cfg.block_kv, COMPUTE_WGS * cfg.block_kv_bwd))
-
-
-def _interpret_ctx(interpret: bool):
-    # The Mosaic GPU interpreter (CPU) models SMEM, mbarriers, TMA and wgmma.
-    return plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()) if interpret \
-        else contextlib.nullcontext()
-
-
-def _q_block(name: str, n_blocks: int, causal: bool):
-    """This CTA's query block. Causal: the last (longest: it sees the most keys) launch first,
-    so the short diagonal-only blocks fill the tail of the grid instead of leaving SMs idle
-    behind one long block (FlashAttention-3's scheduling)."""
-    i = lax.axis_index(name)
-    return n_blocks - 1 - i if causal else i
-
-
-def _tile_mask(q_base, k_base, shape, *, causal, kv_len, q_seg=None, k_seg=None, q_dim=0):
-    """Visibility of a [rows, cols] WGMMA tile; q_dim says which axis indexes queries. Built
-    from one id vector per axis, broadcast only in the comparisons: two full-tile int32 iotas
-    cost 2 x (tile / 128) registers per thread, enough to make the dkv kernel spill."""
-    def ids(axis, base):
-        vec = plgpu.broadcasted_iota(jnp.int32, (shape[axis],), 0,
-                                     layout=plgpu.Layout.WGMMA.reduce(1 - axis))
-        return vec + base
-    k_dim = 1 - q_dim
-    k_ids = ids(k_dim, k_base)
-    mask = lax.broadcast_in_dim(k_ids < kv_len, shape, [k_dim])
-    if causal:
-        q_ids = ids(q_dim, q_base)
-        mask &= (lax.broadcast_in_dim(k_ids, shape, [k_dim])
-                 <= lax.broadcast_in_dim(q_ids, shape, [q_dim]))
-    if q_seg is not None:
-        mask &= (lax.broadcast_in_dim(q_seg, shape, [q_dim])
-                 == lax.broadcast_in_dim(k_seg, shape, [k_dim]))
-    return mask
 
 
 def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpret):
@@ -105,7 +64,7 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
         batch = lax.axis_index("batch")
         q_head = lax.axis_index("heads")
         wg = lax.axis_index("wg")
-        q_blk = _q_block("q_seq", Sp // (COMPUTE_WGS * block_q), causal)
+        q_blk = q_block("q_seq", Sp // (COMPUTE_WGS * block_q), causal)
         (qo_smem2, k_smem, v_smem, lse_smem2, qseg_smem2, kseg_smem, p_smem2), bars = scoped
         (k_bars, v_bars, q_bars, kseg_bars, qseg_bars), consumed, sched = bars
         k_consumed, v_consumed = consumed
@@ -169,7 +128,7 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
                 plgpu.barrier_arrive(k_consumed.at[slot])
                 qk = qk * qk_scale  # log2 domain: exp2 below is one FMA + ex2
                 if masked:
-                    mask = _tile_mask(q_base, kv_step * block_kv, (block_q, block_kv),
+                    mask = tile_mask(q_base, kv_step * block_kv, (block_q, block_kv),
                                       causal=causal, kv_len=kv_len,
                                       q_seg=q_seg if has_seg else None,
                                       k_seg=k_seg if has_seg else None)
@@ -304,7 +263,7 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
 
     out_type = (out_struct(q, q.shape, dtype), out_struct(q, (B, Hq, Sp), jnp.float32))
     args = (q, k, v) + ((q_seg, kv_seg) if has_seg else ())
-    with _interpret_ctx(interpret):
+    with interpret_ctx(interpret):
         out, lse = plgpu.kernel(
             entry, out_type=out_type,
             grid=(Hq, Sp // (COMPUTE_WGS * block_q), B), grid_names=("heads", "q_seq", "batch"),
@@ -313,33 +272,3 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
         )(*args)
     return out, lse
 
-
-# Head dims whose Mosaic wgmma backward fits the registers: at 256 a warpgroup's dQ, or its dK
-# and dV, accumulators are 128 or 256 float32 per thread, and ptxas spills 0.5-3 KB
-# (docs/attention.md, machine code).
-MAX_BWD_HEAD_DIM = 128
-
-
-def flash_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, *, scale, causal, kv_len, config, interpret):
-    """Backward of this forward: the Mosaic (wgmma) dq and dkv kernels of kernel_sm90_bwd.py,
-    on the log-sum-exp in log2 units that flash_fwd saves; above MAX_BWD_HEAD_DIM the grid
-    kernels (grid_bwd)."""
-    kw = dict(scale=scale, causal=causal, kv_len=kv_len, interpret=interpret)
-    if q.shape[-1] > MAX_BWD_HEAD_DIM:
-        return grid_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, config=config, **kw)
-    from . import kernel_sm90_bwd
-    return kernel_sm90_bwd.flash_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, config=config, **kw)
-
-
-def grid_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, *, scale, causal, kv_len, config, interpret):
-    """A Mosaic forward's backward on the grid kernels (kernel_bwd.py) with their own tiles for
-    this head_dim (the Mosaic config's 64-row ones overflow SMEM at 256), from the forward's
-    log2-unit log-sum-exp."""
-    from . import kernel_bwd
-    from .config import default_config
-    tri = default_config("triton", q.shape[-1])
-    grid_cfg = dataclasses.replace(config, block_q_bwd=tri.block_q_bwd,
-                                   block_kv_bwd=tri.block_kv_bwd, num_warps=tri.num_warps,
-                                   num_stages_bwd=tri.num_stages_bwd)
-    return kernel_bwd.flash_bwd(q, k, v, o, lse2 / LOG2E, do, q_seg, kv_seg, config=grid_cfg,
-                                scale=scale, causal=causal, kv_len=kv_len, interpret=interpret)

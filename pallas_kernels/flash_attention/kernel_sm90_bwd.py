@@ -33,15 +33,14 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .kernel_sm90 import LOG2E, MASK, _interpret_ctx, _q_block, _tile_mask
-from ..wgmma import wgmma_into as _wgmma_into
 from ..target import out_struct
+from ..wgmma import wgmma_into as _wgmma_into
+from .mosaic_common import LOG2E, MASK, grid_bwd, interpret_ctx, q_block, tile_mask
 
 TX = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 # setmaxnreg budgets. The CTA launches at 168 registers per thread (65536 over 384 threads);
@@ -116,7 +115,7 @@ def _launch(entry, out_type, grid, seq_name, wgs, args, interpret):
     """Both kernels: grid (heads, sequence blocks, batch), wgs consumers + 1 producer; the
     segment-id operands only when given."""
     args = args[:6] + (args[6:] if args[6] is not None else ())
-    with _interpret_ctx(interpret):
+    with interpret_ctx(interpret):
         return plgpu.kernel(
             entry, out_type=out_type, grid=grid, grid_names=("heads", seq_name, "batch"),
             num_threads=wgs + 1, thread_name="wg",
@@ -142,7 +141,7 @@ def _dq(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, confi
         q_smem2, do_smem2, lse_smem2, delta_smem2, qseg_smem2, k_smem, v_smem, kseg_smem, \
             ds_smem2 = smem
         own_bars, k_bars, v_bars, kseg_bars, consumed = bars
-        cta_q = _q_block("q_seq", Sp // (wgs * bq), causal) * (wgs * bq)
+        cta_q = q_block("q_seq", Sp // (wgs * bq), causal) * (wgs * bq)
         if causal:
             max_steps = jnp.minimum(pl.cdiv(cta_q + wgs * bq, jnp.array(bkv, jnp.int32)), n_kv)
         else:
@@ -185,7 +184,7 @@ def _dq(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, confi
                     if has_seg:
                         plgpu.barrier_wait(kseg_bars.at[slot])
                         k_seg = plgpu.load(kseg_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-                    mask = _tile_mask(q_base, t * bkv, (bq, bkv), causal=causal, kv_len=kv_len,
+                    mask = tile_mask(q_base, t * bkv, (bq, bkv), causal=causal, kv_len=kv_len,
                                       q_seg=q_seg, k_seg=k_seg)
                     s = jnp.where(mask, s, MASK)
                 elif has_seg:  # keep the segment barrier's phases in step
@@ -329,7 +328,7 @@ def _dkv(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, conf
                     plgpu.barrier_wait(qseg_bar.at[slot])
                 if masked:
                     q_seg = plgpu.load(qseg_smem.at[slot], layout=col) if has_seg else None
-                    mask = _tile_mask(i * bq, kv_base, (bkv, bq), causal=causal, kv_len=kv_len,
+                    mask = tile_mask(i * bq, kv_base, (bkv, bq), causal=causal, kv_len=kv_len,
                                       q_seg=q_seg, k_seg=k_seg, q_dim=1)
                     st = jnp.where(mask, st, MASK)
                 lse = plgpu.load(lse_smem.at[slot], layout=col)
@@ -418,8 +417,24 @@ def _dkv(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, conf
                    (q, k, v, do, lse2, delta, q_seg, kv_seg), interpret)
 
 
-def flash_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, *, scale, causal, kv_len, config,
-              interpret):
+# Head dims whose Mosaic wgmma backward fits the registers: at 256 a warpgroup's dQ, or its dK
+# and dV, accumulators are 128 or 256 float32 per thread, and ptxas spills 0.5-3 KB
+# (docs/attention.md, machine code).
+MAX_BWD_HEAD_DIM = 128
+
+
+def flash_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, *, scale, causal, kv_len, config, interpret):
+    """Backward of kernel_sm90.flash_fwd: the Mosaic (wgmma) dq and dkv kernels here, on the
+    log-sum-exp in log2 units that the forward saves; above MAX_BWD_HEAD_DIM the grid kernels
+    (mosaic_common.grid_bwd)."""
+    kw = dict(scale=scale, causal=causal, kv_len=kv_len, config=config, interpret=interpret)
+    if q.shape[-1] > MAX_BWD_HEAD_DIM:
+        return grid_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, **kw)
+    return mosaic_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, **kw)
+
+
+def mosaic_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, *, scale, causal, kv_len, config,
+               interpret):
     """Padded q/o/do [B, Sp, Hq, D], k/v [B, Tp, Hkv, D], lse2 [B, Hq, Sp] (log2 units, as
     kernel_sm90.flash_fwd saves it) -> (dq, dk, dv) in the input dtype."""
     # delta_i = sum_d dO_id O_id: one fused XLA reduction, read by both kernels.

@@ -1,13 +1,31 @@
 """FP8 training kernels: quantizers (tensorwise current/delayed scaling, MXFP8), the FP8 matmul
 (jnp reference, XLA, Pallas grid, Hopper wgmma, Blackwell block-scaled tcgen05) and
-fp8_linear with its FP8 backward."""
+fp8_linear with its FP8 backward. backends.py holds the recipe and matmul tables.
 
-from pallas_kernels.fp8.api import fp8_matmul
-from pallas_kernels.fp8.config import E4M3, E5M2, E8M0, GridConfig, Sm90Config, Sm100Config
-from pallas_kernels.fp8.linear import fp8_linear, new_fp8_meta
-from pallas_kernels.fp8.quant import (delayed_scale, dequantize_mxfp8, quantize_delayed,
-                                      quantize_mxfp8, quantize_tensorwise, update_amax_history)
+Names load on first use (PEP 562): titanax.config reads the tables (backends.py, plain data)
+without importing jax.
+"""
 
-__all__ = ["fp8_matmul", "fp8_linear", "new_fp8_meta", "quantize_tensorwise", "quantize_delayed",
-           "quantize_mxfp8", "dequantize_mxfp8", "delayed_scale", "update_amax_history",
-           "E4M3", "E5M2", "E8M0", "GridConfig", "Sm90Config", "Sm100Config"]
+import importlib
+
+_EXPORTS = {
+    "fp8_matmul": ".api",
+    "fp8_linear": ".linear", "new_fp8_meta": ".linear",
+    "quantize_tensorwise": ".quant", "quantize_delayed": ".quant", "quantize_mxfp8": ".quant",
+    "dequantize_mxfp8": ".quant", "delayed_scale": ".quant", "update_amax_history": ".quant",
+    "E4M3": ".config", "E5M2": ".config", "E8M0": ".config", "GridConfig": ".config",
+    "Sm90Config": ".config", "Sm100Config": ".config",
+    "RECIPES": ".backends", "MATMULS": ".backends",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

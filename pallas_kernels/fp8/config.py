@@ -18,10 +18,8 @@ FP8_MAX = {jnp.dtype(E4M3): 448.0, jnp.dtype(E5M2): 57344.0}
 FP8_EMAX = {jnp.dtype(E4M3): 8, jnp.dtype(E5M2): 15}
 assert all(float(ml_dtypes.finfo(d).max) == v for d, v in FP8_MAX.items())
 
-RECIPES = ("fp8_tensorwise", "fp8_delayed", "mxfp8")
-# MX scale exponent: 'up' = ceil(log2(amax / fmax)) (NVIDIA / TE, never clips the block max),
-# 'floor' = floor(log2 amax) - emax (OCP MX v1.0; may saturate the block max). quant.py.
-MX_SCALE_ROUNDINGS = ("up", "floor")
+# The recipe names and MX scale roundings live in backends.py (plain data titanax.config reads).
+from pallas_kernels.fp8.backends import MX_SCALE_ROUNDINGS, RECIPES  # noqa: E402,F401
 
 
 def check_fp8(dtype) -> jnp.dtype:

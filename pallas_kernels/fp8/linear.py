@@ -29,7 +29,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.fp8.api import fp8_matmul
-from pallas_kernels.fp8.config import E4M3, E5M2, MX_SCALE_ROUNDINGS, RECIPES
+from pallas_kernels.fp8.backends import MX_SCALE_ROUNDINGS, RECIPES, RECIPES_TABLE
+from pallas_kernels.fp8.config import E4M3, E5M2
 from pallas_kernels.fp8.quant import quantize_delayed, quantize_mxfp8, quantize_tensorwise
 
 
@@ -40,15 +41,16 @@ def _fp8_linear(x, w, meta, recipe, out_dtype, impl, mx_rounding):
 
 def _fwd(x, w, meta, recipe, out_dtype, impl, mx_rounding):
     mm = functools.partial(fp8_matmul, impl=impl)
-    if recipe == "fp8_tensorwise":
+    r = RECIPES_TABLE[recipe]
+    if r.scaling == "tensorwise" and not r.delayed:
         qx, sx = quantize_tensorwise(x, E4M3)
         qw, sw = quantize_tensorwise(w, E4M3)
         res = (qx, sx, qw, sw, None)
-    elif recipe == "fp8_delayed":
+    elif r.delayed:
         qx, sx, hx = quantize_delayed(x, meta["x"], E4M3)
         qw, sw, hw = quantize_delayed(w, meta["w"], E4M3)
         res = (qx, sx, qw, sw, (hx, hw, meta["g"]))
-    else:  # mxfp8: blocks along K (x's axis 1, w's axis 0)
+    else:  # mx: blocks along K (x's axis 1, w's axis 0)
         qx, sx = quantize_mxfp8(x, axis=1, dtype=E4M3, rounding=mx_rounding)
         qw, sw = quantize_mxfp8(w, axis=0, dtype=E4M3, rounding=mx_rounding)
         res = (x, None, w, None, None)
@@ -61,7 +63,8 @@ def _bwd(recipe, out_dtype, impl, mx_rounding, saved, g):
     (r_x, sx, r_w, sw, hist), x_like, w_like = saved
     mm = functools.partial(fp8_matmul, impl=impl)
     new_meta = None
-    if recipe == "mxfp8":
+    r = RECIPES_TABLE[recipe]
+    if r.scaling == "mx":
         # Every operand e4m3, the gradient too (TE's MXFP8BlockScaling): per-32 scales give
         # the range that tensorwise recipes need e5m2 for.
         mx = functools.partial(quantize_mxfp8, dtype=E4M3, rounding=mx_rounding)
@@ -74,7 +77,7 @@ def _bwd(recipe, out_dtype, impl, mx_rounding, saved, g):
         dw = mm(qx_t.T, sx_t.T, qg_t, sg_t, w_like.dtype)
     else:
         qx, qw = r_x, r_w
-        if recipe == "fp8_tensorwise":
+        if not r.delayed:
             qg, sg = quantize_tensorwise(g, E5M2)
         else:
             hx, hw, g_hist = hist
@@ -104,7 +107,7 @@ def fp8_linear(x, w, meta=None, *, recipe: str = "fp8_tensorwise", out_dtype=Non
                          f"{list(MX_SCALE_ROUNDINGS)}")
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
         raise ValueError(f"fp8_linear takes x [T, K] and w [K, N], got {x.shape}, {w.shape}")
-    if (recipe == "fp8_delayed") != (meta is not None):
+    if RECIPES_TABLE[recipe].delayed != (meta is not None):
         raise ValueError("meta (amax histories) is required for 'fp8_delayed' and only there")
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     return _fp8_linear(x, w, meta, recipe, out_dtype, impl, mxfp8_scale_rounding)

@@ -17,8 +17,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.fp8.config import (E4M3, E8M0, FP8_EMAX, FP8_MAX, MX_BLOCK,
-                                       MX_SCALE_ROUNDINGS, check_fp8)
+from pallas_kernels.fp8.config import (
+    E4M3,
+    E8M0,
+    FP8_EMAX,
+    FP8_MAX,
+    MX_BLOCK,
+    MX_SCALE_ROUNDINGS,
+    check_fp8,
+)
 
 
 def amax(x) -> jax.Array:

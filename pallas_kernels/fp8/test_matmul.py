@@ -4,13 +4,12 @@ Small integers (|v| <= 16) and power-of-two scales are exact in e4m3/e5m2 and th
 and sums are exact in float32, so any correct kernel returns exactly the integer matmul.
 """
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jax
-import jax.numpy as jnp
-
-from pallas_kernels.fp8 import fp8_matmul, GridConfig, quantize_mxfp8, quantize_tensorwise
+from pallas_kernels.fp8 import GridConfig, fp8_matmul, quantize_mxfp8, quantize_tensorwise
 from pallas_kernels.fp8.config import E4M3, E5M2, E8M0
 from pallas_kernels.fp8.reference import fp8_matmul_reference
 
@@ -102,7 +101,7 @@ def test_bad_scales_are_rejected():
 def test_auto_takes_xla_until_a_recorded_benchmark_says_otherwise(monkeypatch, caplog, cc,
                                                                   mode, ours):
     from pallas_kernels import measured
-    from pallas_kernels.fp8 import api
+    from pallas_kernels.fp8 import resolve as api
     monkeypatch.setattr(api, "compute_capability", lambda: cc)
     api._log_once.cache_clear()
     with caplog.at_level("WARNING"):

@@ -5,11 +5,10 @@ ml_dtypes' float64 -> FP8 casts (not XLA's). float32 subnormal inputs are left o
 flushes them to zero (DAZ), which no FP8 training tensor depends on.
 """
 
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-
-import jax.numpy as jnp
 
 from pallas_kernels.fp8 import quant
 from pallas_kernels.fp8.config import E4M3, E5M2

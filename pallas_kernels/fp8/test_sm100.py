@@ -1,21 +1,24 @@
 """Blackwell block-scaled kernel: the scale layout against the PTX ISA's description, the
-wrapper's checks, and a deviceless B200 compile (through titanax.perf.aot and the CUDA plugin)
+wrapper's checks, and a deviceless B200 compile (through pallas_kernels.aot and the CUDA plugin)
 that must contain the block-scaled tcgen05 MMA. jax 0.11.2's Mosaic GPU interpreter does not
 run block-scaled tcgen05, so the kernel's values are checked on hardware only."""
 
 import textwrap
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import jax.numpy as jnp
 
 from pallas_kernels.fp8 import Sm100Config, fp8_matmul
 from pallas_kernels.fp8.api import resolve_impl
 from pallas_kernels.fp8.config import E4M3, E8M0
-from pallas_kernels.fp8.matmul_sm100 import (fp8_matmul_sm100, from_tcgen05_scale_layout,
-                                             to_tcgen05_scale_layout)
+from pallas_kernels.fp8.matmul_sm100 import (
+    fp8_matmul_sm100,
+    from_tcgen05_scale_layout,
+    to_tcgen05_scale_layout,
+)
 
+pytestmark = pytest.mark.mosaic_interpret  # warpgroups run in the Mosaic GPU interpreter
 
 
 def test_scale_layout_is_the_ptx_1x_layout():
@@ -55,13 +58,13 @@ def test_sm100_config_validation():
 
 
 def test_sm100_compiles_for_b200_without_gpu():
-    from titanax.perf import aot
+    from pallas_kernels import aot
 
     if not aot.plugin_available():
         pytest.skip("CUDA plugin not installed (scripts/dev.sh installs it into .venv/cuda-plugin)")
     script = textwrap.dedent("""
         import jax, jax.numpy as jnp
-        from titanax.perf import aot
+        from pallas_kernels import aot
         from pallas_kernels.fp8 import fp8_matmul
         S = jax.ShapeDtypeStruct
         M, N, K = 256, 512, 1024

@@ -1,20 +1,21 @@
 """Hopper wgmma kernel: run under the Mosaic GPU interpreter on CPU (small shapes), and compiled
-for an H100 without a GPU (deviceless, through titanax.perf.aot and the CUDA plugin), where
+for an H100 without a GPU (deviceless, through pallas_kernels.aot and the CUDA plugin), where
 ptxas must report no register spills at the default config (accumulator promotion on)."""
 
 import dataclasses
 import textwrap
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.fp8 import Sm90Config, fp8_matmul, quantize_tensorwise
 from pallas_kernels.fp8.config import E4M3, E5M2
 from pallas_kernels.fp8.reference import fp8_matmul_reference
+
+pytestmark = pytest.mark.mosaic_interpret  # warpgroups run in the Mosaic GPU interpreter
 
 CFG = Sm90Config(tile_m=64, tile_n=64, tile_k=128, max_concurrent_steps=2)
 
@@ -57,7 +58,7 @@ def test_sm90_config_validation():
 
 
 def test_sm90_compiles_for_h100_without_gpu():
-    from titanax.perf import aot
+    from pallas_kernels import aot
 
     if not aot.plugin_available():
         pytest.skip("CUDA plugin not installed (scripts/dev.sh installs it into .venv/cuda-plugin)")
@@ -67,7 +68,7 @@ def test_sm90_compiles_for_h100_without_gpu():
         # Read by Mosaic GPU when it compiles: ptxas's register and spill report per kernel.
         os.environ.update(MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=dump)
         import jax, jax.numpy as jnp
-        from titanax.perf import aot
+        from pallas_kernels import aot
         from pallas_kernels.fp8 import fp8_matmul
         S = jax.ShapeDtypeStruct
         def f(a, sa, b, sb):

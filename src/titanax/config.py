@@ -18,6 +18,10 @@ import re
 import typing
 from dataclasses import dataclass, field
 
+from pallas_kernels.flash_attention.backends import BACKENDS as _ATTENTION_BACKENDS
+from pallas_kernels.fp8.backends import MX_SCALE_ROUNDINGS as _MX_SCALE_ROUNDINGS
+from pallas_kernels.fp8.backends import RECIPES as _FP8_RECIPES
+
 
 class ConfigError(ValueError):
     """A configuration problem the user must fix; the message says which field and how."""
@@ -34,7 +38,7 @@ def _check_choice(field_name: str, value: str, choices: tuple[str, ...]) -> None
         _fail(field_name, f"{value!r} is not one of {list(choices)}.{hint}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _type_hints(cls) -> dict[str, type]:
     # Resolving the string annotations is slow (they are compiled); the planner's search
     # builds thousands of configs.
@@ -62,12 +66,13 @@ def _check_positive(section: str, obj, *names: str) -> None:
             _fail(f"{section}.{name}", f"must be > 0, got {getattr(obj, name)}")
 
 
+# Backend and recipe names come from the kernels' tables (plain data: no jax imported here).
 # 'auto': pallas_kernels.flash_attention picks the kernel by GPU generation (xla on a CPU).
-ATTENTION_IMPLS = ("xla", "cudnn", "triton", "mosaic_sm90", "mosaic_sm100", "auto")
+ATTENTION_IMPLS = (*_ATTENTION_BACKENDS, "auto")
 # FP8 recipes (pallas_kernels/fp8): the attention projections and the MLP run FP8 GEMMs; the
 # embedding, output layer, norms and softmax stay in model.dtype.
-MATMUL_PRECISIONS = ("default", "highest", "fp8_tensorwise", "fp8_delayed", "mxfp8")
-MXFP8_SCALE_ROUNDINGS = ("up", "floor")  # = pallas_kernels.fp8.config.MX_SCALE_ROUNDINGS
+MATMUL_PRECISIONS = ("default", "highest", *_FP8_RECIPES)
+MXFP8_SCALE_ROUNDINGS = _MX_SCALE_ROUNDINGS
 DTYPES = ("float32", "bfloat16", "float16")
 # full_offload: full remat whose saved layer inputs go to pinned host memory.
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "full_offload")
@@ -79,6 +84,10 @@ LR_SCHEDULES = ("cosine", "linear", "constant")
 
 @dataclass(frozen=True)
 class ModelConfig:
+    # The architecture (a key of models/registry.py ARCHS), checked against the registry
+    # when the model is built (config.py imports no model package). The fields below are its
+    # dimensions; a preset (titanax.models.preset) sets them all, arch included.
+    arch: str = "llama3"
     vocab_size: int = 4096
     d_model: int = 256
     n_layers: int = 4
@@ -88,7 +97,7 @@ class ModelConfig:
     ffn_dim: int = 768
     rope_theta: float = 500000.0
     # Llama 3.1 frequency scaling: long wavelengths divided by rope_factor, short ones kept,
-    # a smooth blend between (see models/rope.py).
+    # a smooth blend between (models/layers.py rope_inv_freq).
     rope_scaling: str = "llama3"
     rope_factor: float = 8.0
     rope_low_freq_factor: float = 1.0
@@ -96,6 +105,9 @@ class ModelConfig:
     rope_original_max_seq_len: int = 8192
     max_seq_len: int = 2048
     norm_eps: float = 1e-5
+    # The output layer is the input embedding transposed (Llama 3.2 1B/3B): no
+    # separate 'output' parameter; HF export writes tie_word_embeddings and no lm_head.
+    tie_embeddings: bool = False
     init_std: float = 0.02
     attention_impl: str = "xla"
     matmul_precision: str = "default"
@@ -122,6 +134,8 @@ class ModelConfig:
 
     def __post_init__(self):
         _check_types("model", self)
+        if not self.arch:  # the name itself is checked by models/registry.model_spec
+            _fail("model.arch", "must name an architecture (models/registry.py), e.g. llama3")
         _check_positive("model", self, "vocab_size", "d_model", "n_layers", "n_heads",
                         "n_kv_heads", "ffn_dim", "rope_theta", "max_seq_len", "norm_eps",
                         "fp8_amax_history")
@@ -222,7 +236,7 @@ class TrainConfig:
     # GEMMs still 1024 rows tall; on a CPU smaller chunks stay in cache (6% faster step,
     # docs/performance.md).
     loss_chunk: int = 1024
-    # Peak FLOP/s per device for MFU. 0: look the device up in perf/hardware.py, or on CPU
+    # Peak FLOP/s per device for MFU. 0: look the device up in hardware.py, or on CPU
     # measure it once with a matmul probe at start.
     peak_flops: float = 0.0
     progress_bar: bool = True
@@ -377,7 +391,7 @@ class Config:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Config":
+    def from_dict(cls, d: dict) -> Config:
         kwargs = {}
         for name, section_cls in SECTIONS.items():
             values = dict(d.get(name, {}))

@@ -9,11 +9,15 @@ import pathlib
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from titanax.checkpoint.params_only import (abstract_params, open_checkpoints, read_run_config,
-                                            restore_params, sampling_mesh)
+from titanax.checkpoint.params_only import (
+    abstract_params,
+    open_checkpoints,
+    read_run_config,
+    restore_params,
+    sampling_mesh,
+)
 from titanax.config import Config, MeshConfig, PipelineConfig
 from titanax.models.registry import model_spec
 from titanax.parallel.layer_order import to_logical_in_place

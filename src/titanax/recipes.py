@@ -1,10 +1,16 @@
-"""Whole-run recipes that configs/*.py build on (the dimensions come from models/presets.py)."""
+"""Whole-run recipes that configs/*.py build on (the dimensions come from the presets of models/*/presets.py)."""
 
 from __future__ import annotations
 
-from titanax.config import (CheckpointConfig, Config, DataConfig, MeshConfig, OptimConfig,
-                            TrainConfig)
-from titanax.models.presets import preset
+from titanax.config import (
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    MeshConfig,
+    OptimConfig,
+    TrainConfig,
+)
+from titanax.models import preset
 
 
 def llama3_gpu_config(name: str, *, batch_size: int, lr: float) -> Config:

@@ -87,7 +87,7 @@ def _write_json(path: pathlib.Path, obj) -> None:
 def seal(step_dir: str | pathlib.Path, index: int = 0, count: int = 1, *, stop=None) -> dict:
     """Writes process `index`'s part of the manifest of a committed step (size and CRC-32 of
     each file it owns; sizes only once `stop` is set), then merges the parts if all are there.
-    stop: anything with is_set(), a threading.Event or train.preemption.STOPPING.
+    stop: anything with is_set(), a threading.Event or titanax.preemption.STOPPING.
     Returns {'files', 'bytes', 'checksummed'}: what this part covers."""
     step_dir = pathlib.Path(step_dir)
     files, total, summed = {}, 0, 0

@@ -6,8 +6,9 @@ process checksums its share of a step in the background and verifies its share b
 resume; verdicts are agreed through the coordination service's key-value store.
 
 Items of a step (names are stable: generate.py, export and HF import read and write them):
-  state   {'step', 'params', 'opt_state'}, restored onto whatever mesh the abstract state
-          carries (so a run can move between mesh shapes and process counts)
+  state   {'step', 'params', 'opt_state'} and, under fp8_delayed, 'fp8' (the amax histories,
+          train/state.py), restored onto whatever mesh the abstract state carries (so a run
+          can move between mesh shapes and process counts)
   config  the run's Config as JSON
   data    the grain train iterator's state (JSON), optional
   run     loop counters that are not train state (skipped steps), optional
@@ -18,6 +19,12 @@ slice along its major axis). Steps without a recorded layout were written before
 as [L, Hq, hd, d] and [L, F, d], the Adam moments alike; restoring such a step (and
 checkpoint/reader.py, which export reads through) transposes those leaves into the current
 layout, so every checkpoint a user has keeps working.
+
+State entries moved out of params (MOVED_OUT_OF_PARAMS). fp8_delayed's amax histories were
+nnx.Params until issue 19: older steps hold them inside 'params' (params.layers.fp8_wq, ...)
+and hold Adam moments for them in 'opt_state'. Restoring such a step into a state with an
+'fp8' entry reads them from 'params' and moves them out, and never reads their moments
+(a partial restore), so those checkpoints resume as they are.
 """
 
 from __future__ import annotations
@@ -30,16 +37,18 @@ import threading
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-import jax.numpy as jnp
+from flax import nnx
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from orbax.checkpoint import checkpoint_managers as policies
 
 from titanax.checkpoint import integrity
 from titanax.config import CheckpointConfig, Config, ConfigError, ModelConfig
-from titanax.train.preemption import STOPPING
+from titanax.preemption import STOPPING
 
 # Fields that change how the same weights are computed, not what they are: a checkpoint may be
 # resumed with other values (say a GPU attention kernel after a CPU run).
@@ -134,6 +143,41 @@ def _to_current_layout(state, abstract_state, legacy: dict):
     return jax.tree_util.tree_map_with_path(convert, state, abstract_state)
 
 
+# Train-state entries that older checkpoints kept inside 'params', at the same paths below it
+# (with optimizer moments of their own): see the module docstring.
+MOVED_OUT_OF_PARAMS = ("fp8",)
+
+
+def into_params(abstract_state, moved):
+    """abstract_state as an older step stores it: the `moved` entries' leaves inside 'params'."""
+    out = {k: v for k, v in abstract_state.items() if k not in moved}
+    out["params"] = nnx.merge_state(abstract_state["params"], *(abstract_state[k] for k in moved))
+    return out
+
+
+def out_of_params(state, abstract_state, moved):
+    """A state restored through into_params(abstract_state, moved) in the current form: the
+    `moved` entries' leaves taken out of 'params' (found by the paths abstract_state gives
+    them)."""
+    state, params = dict(state), state["params"]
+    for k in moved:
+        paths = {path for path, _ in nnx.to_flat_state(abstract_state[k])}
+        state[k], params = nnx.split_state(params, lambda path, _: tuple(path) in paths, ...)
+    state["params"] = params
+    return state
+
+
+def partial_restore(directory, item, *, concurrent_gb: float | None = None):
+    """The subtree `item` names of the pytree checkpoint at `directory` (a step's 'state'),
+    placed as its leaves' shardings say; arrays the item does not name are never read.
+    concurrent_gb: cap on the bytes orbax reads at once (default: orbax's)."""
+    args = ocp.args.PyTreeRestore(item=item, partial_restore=True,
+                                  restore_args=ocp.checkpoint_utils.construct_restore_args(item))
+    kw = {} if concurrent_gb is None else {"restore_concurrent_gb": concurrent_gb}
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(**kw)) as reader:
+        return reader.restore(directory, args=args)
+
+
 class NoGoodCheckpoint(RuntimeError):
     """Every checkpoint of a run is damaged: the run stops rather than start from scratch."""
 
@@ -225,18 +269,53 @@ class Checkpointer:
     def _restore(self, step: int, abstract_state) -> Restored:
         names = {p.name for p in self.step_dir(step).iterdir() if p.is_dir()}
         legacy = self.legacy_params(step)
-        items = {"state": ocp.args.StandardRestore(_legacy_abstract(abstract_state, legacy)
-                                                   if legacy else abstract_state),
-                 "config": ocp.args.JsonRestore()}
+        moved = self.moved_out_of_params(step, abstract_state)
+        target = into_params(abstract_state, moved) if moved else abstract_state
+        item = _legacy_abstract(target, legacy) if legacy else target
+        items = {"config": ocp.args.JsonRestore()}
+        if not moved:
+            items["state"] = ocp.args.StandardRestore(item)
         for optional in ("data", "run"):
             if optional in names:
                 items[optional] = ocp.args.JsonRestore()
         out = self.manager.restore(step, args=ocp.args.Composite(**items))
-        state = out["state"]
+        # Moved entries: their stored moments are left unread (not in the item).
+        state = partial_restore(self.step_dir(step) / "state", item) if moved else out["state"]
         if legacy:
-            state = _to_current_layout(state, abstract_state, legacy)
+            state = _to_current_layout(state, target, legacy)
+        if moved:
+            state = out_of_params(state, abstract_state, moved)
         return Restored(step, state, out["data"] if "data" in names else None,
                         out["config"], out["run"] if "run" in names else {})
+
+    def _state_tree(self, step: int) -> dict:
+        """The step's stored 'state' tree (orbax metadata: shapes, no arrays read)."""
+        meta = ocp.StandardCheckpointHandler().metadata(self.step_dir(step) / "state")
+        tree = meta.tree if hasattr(meta, "tree") else meta
+        return tree if isinstance(tree, dict) else {}
+
+    def moved_out_of_params(self, step: int, abstract_state) -> tuple[str, ...]:
+        """The MOVED_OUT_OF_PARAMS entries abstract_state has and the step does not store
+        apart: written before they left 'params' (into_params / out_of_params)."""
+        wanted = [k for k in MOVED_OUT_OF_PARAMS if k in abstract_state]
+        if not wanted:
+            return ()
+        stored = self._state_tree(step)
+        moved = tuple(k for k in wanted if k not in stored)
+        for k in moved:
+            for path, _ in nnx.to_flat_state(abstract_state[k]):
+                node = stored.get("params")
+                for key in path:
+                    node = node.get(key) if isinstance(node, dict) else None
+                if node is None:
+                    raise ValueError(
+                        f"checkpoint {self.step_dir(step)} holds no '{k}' state (looked for "
+                        f"{k}.{'.'.join(map(str, path))}, and at params.{'.'.join(map(str, path))} "
+                        f"where older steps kept it): it was written by a run whose model has "
+                        f"none (model.matmul_precision other than fp8_delayed?); restore it "
+                        f"with that run's model settings, or start the new model in a new "
+                        f"--workdir")
+        return moved
 
     def param_layout(self, step: int) -> int | None:
         """The parameter layout the step was written with; None: written before layouts
@@ -250,9 +329,7 @@ class Checkpointer:
         layout = self.param_layout(step)
         if layout is not None and layout >= PARAM_LAYOUT:
             return {}
-        meta = ocp.StandardCheckpointHandler().metadata(self.step_dir(step) / "state")
-        tree = meta.tree if hasattr(meta, "tree") else meta
-        params = tree.get("params") if isinstance(tree, dict) else None
+        params = self._state_tree(step).get("params")
         layers = params.get("layers") if isinstance(params, dict) else None
         stored = {}
         for name in LEGACY_TRANSPOSES:

@@ -1,10 +1,12 @@
 """The parameters of a run's checkpoint, restored without the rest of the train state.
 
-A step's 'state' item is {'step', 'params', 'opt_state'}; Adam's two moments make opt_state
-twice the size of params, so restoring the whole state to sample (as a resume does) needs three
-times the weights' memory. Here orbax restores the 'params' subtree alone (a partial restore:
-the item given to orbax holds no opt_state, so no optimizer array is ever read or allocated),
-placed on a mesh of the local devices by the training sharding rules (parallel/rules.py).
+A step's 'state' item is {'step', 'params', 'opt_state'} (and 'fp8' under fp8_delayed); Adam's
+two moments make opt_state twice the size of params, so restoring the whole state to sample (as
+a resume does) needs three times the weights' memory. Here orbax restores the 'params' subtree
+alone (a partial restore: the item given to orbax holds no opt_state, so no optimizer array is
+ever read or allocated), placed on a mesh of the local devices by the training sharding rules
+(parallel/rules.py). Under fp8_delayed the amax histories ('fp8') come too: the forward pass
+scales its FP8 casts by them, so sampling computes what training and eval computed.
 
 Nothing here writes: the checkpoints are opened read-only, and a missing run folder is reported
 before orbax is asked anything (orbax would create checkpoints/ in it).
@@ -20,13 +22,20 @@ import sys
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from titanax.checkpoint.orbax_io import Checkpointer, _legacy_abstract, _to_current_layout
+from titanax.checkpoint.orbax_io import (
+    Checkpointer,
+    _legacy_abstract,
+    _to_current_layout,
+    into_params,
+    partial_restore,
+)
 from titanax.config import CheckpointConfig, Config, MeshConfig
 from titanax.models.registry import model_spec
+from titanax.ops.linear import Fp8Meta
 from titanax.parallel.mesh import build_mesh
 from titanax.parallel.rules import model_context
 
@@ -143,12 +152,15 @@ def sampling_mesh(cfg: Config, devices=None) -> jax.sharding.Mesh:
 
 def abstract_params(cfg: Config, mesh):
     """(graphdef, params as ShapeDtypeStructs sharded on `mesh`): the model's Params as the train
-    state holds them (train/state.py), allocated nowhere."""
+    state holds them (train/state.py), and under fp8_delayed its amax histories (ops.Fp8Meta,
+    the train state's 'fp8') in the same State: nnx.merge(graphdef, params) is the model.
+    Allocated nowhere."""
     box = {}
 
     def init():
         box["graphdef"], params = nnx.split(
-            model_spec(cfg.model).build(cfg.model, rngs=nnx.Rngs(params=0)), nnx.Param)
+            model_spec(cfg.model).build(cfg.model, rngs=nnx.Rngs(params=0)),
+            nnx.Any(nnx.Param, Fp8Meta))
         return params
 
     with model_context(mesh):
@@ -166,10 +178,15 @@ def _largest_bytes(tree) -> int:
 
 
 def restore_params(ckpt: Checkpointer, step: int, abstract):
-    """The step's params, placed as `abstract` (abstract_params) says. Only 'params' is named
-    in the item orbax restores; with partial_restore the step counter and optimizer state are
-    skipped, never read. Old-layout checkpoints come back in the current layout."""
-    target = {"params": abstract}
+    """The step's params (with the fp8 histories, as abstract_params gives them), placed as
+    `abstract` says. Only 'params' (and 'fp8') are named in the item orbax restores; with
+    partial_restore the step counter and optimizer state are skipped, never read. Old-layout
+    checkpoints come back in the current layout, and older fp8_delayed ones (histories inside
+    'params') just as well."""
+    params, fp8 = nnx.split_state(abstract, nnx.Param, Fp8Meta)
+    target = {"params": params, **({"fp8": fp8} if jax.tree.leaves(fp8) else {})}
+    moved = ckpt.moved_out_of_params(step, target)
+    target = into_params(target, moved) if moved else target  # then: one State already
     legacy = ckpt.legacy_params(step)
     item = _legacy_abstract(target, legacy) if legacy else target
     # orbax reads every array at once by default: on a GPU host each read waits in host memory
@@ -177,15 +194,12 @@ def restore_params(ckpt: Checkpointer, step: int, abstract):
     # largest parameter (orbax refuses a read larger than the cap, and rounds each read up to
     # whole stored chunks). Not measured on a GPU yet; on the CPU the peak is the same either
     # way (the device is host memory).
-    handler = ocp.PyTreeCheckpointHandler(restore_concurrent_gb=2 * _largest_bytes(item) / 1e9)
-    args = ocp.args.PyTreeRestore(item=item, partial_restore=True,
-                                  restore_args=ocp.checkpoint_utils.construct_restore_args(item))
     _quiet_abandoned_reads()
     try:
-        with ocp.Checkpointer(handler) as reader:
-            out = reader.restore(ckpt.step_dir(step) / "state", args=args)
+        out = partial_restore(ckpt.step_dir(step) / "state", item,
+                              concurrent_gb=2 * _largest_bytes(item) / 1e9)
     except Exception as e:  # noqa: BLE001 - whatever orbax raised, the step is unusable
         raise unreadable(ckpt, step, "its parameters", e) from e
     if legacy:
         out = _to_current_layout(out, target, legacy)
-    return out["params"]
+    return nnx.merge_state(out["params"], *([out["fp8"]] if "fp8" in out else []))

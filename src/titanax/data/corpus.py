@@ -68,17 +68,12 @@ def load_documents(max_bytes: int, root: pathlib.Path | None = None) -> list[str
     return [text for _, text in _selected(max_bytes, root)]
 
 
-def fingerprint(max_bytes: int, root: pathlib.Path | None = None) -> str:
-    """A stable hash of what load_documents(max_bytes) returns, for cache keys.
+def load_with_fingerprint(max_bytes: int, root: pathlib.Path | None = None) -> tuple[list[str], str]:
+    """Documents and a stable hash of them (for cache keys) from a single pass over the files.
 
     Hashes the contents, not just names and sizes: reading ~24 MB costs well under a second,
     and a patched stdlib file of the same size must not reuse stale tokens.
     """
-    return load_with_fingerprint(max_bytes, root)[1]
-
-
-def load_with_fingerprint(max_bytes: int, root: pathlib.Path | None = None) -> tuple[list[str], str]:
-    """Documents and fingerprint from a single pass over the files."""
     h = hashlib.sha256(f"stdlib-corpus-v1:{max_bytes}".encode())
     docs = []
     for rel, text in _selected(max_bytes, root):

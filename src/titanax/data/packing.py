@@ -37,7 +37,7 @@ class TokenStream:
     def __len__(self) -> int:
         return self._stop - self._start
 
-    def view(self, start: int, stop: int) -> "TokenStream":
+    def view(self, start: int, stop: int) -> TokenStream:
         """The sub-stream [start, stop) of this stream, without copying."""
         return TokenStream(self._parts, self._start + start, self._start + stop)
 

@@ -53,10 +53,6 @@ class Data:
     summary: str
     rows: slice  # this process's rows of every global batch
 
-    @property
-    def local_batch(self) -> int:
-        return self.rows.stop - self.rows.start
-
     def _local_rows(self) -> slice:
         return self.rows
 

@@ -43,7 +43,7 @@ class Tokenizer:
                               f"for {list(_EOS_CANDIDATES)}); add one as a special token")
 
     @classmethod
-    def load(cls, path: str | pathlib.Path) -> "Tokenizer":
+    def load(cls, path: str | pathlib.Path) -> Tokenizer:
         from tokenizers import Tokenizer as HFTokenizer
 
         p = pathlib.Path(path)

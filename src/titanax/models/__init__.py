@@ -1,0 +1,23 @@
+"""One folder per architecture (e.g. llama3/), registered in registry.py; shared pieces:
+decoder.py (the decoder stack), layers.py (RMSNorm, RoPE), hf_interop.py, spec.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from titanax.config import ModelConfig
+from titanax.models.registry import ARCHS, model_spec
+
+__all__ = ["model_spec", "preset"]
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    """The ModelConfig of preset `name`, whichever architecture defines it (model.arch set to
+    that one), with `overrides` applied."""
+    specs = [model_spec(arch) for arch in ARCHS]
+    for spec in specs:
+        if name in spec.presets:
+            fields = {"arch": spec.arch, **spec.presets[name]}
+            return dataclasses.replace(ModelConfig(**fields), **overrides)
+    known = sorted(n for spec in specs for n in spec.presets)
+    raise KeyError(f"unknown model preset {name!r}; known: {known}")

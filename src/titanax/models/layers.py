@@ -1,4 +1,5 @@
-"""Llama building blocks that hold no attention logic: RMSNorm and rotary embeddings."""
+"""Decoder building blocks that hold no attention logic: RMSNorm and rotary embeddings (shared
+by every architecture under models/)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,12 @@ from flax import nnx
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, *, eps: float, param_dtype, stack: int | None = None):
-        shape, names = ((stack, dim), ("layers", "norm")) if stack else ((dim,), ("norm",))
+    def __init__(self, dim: int, *, eps: float, param_dtype, stack: int | None = None,
+                 axes: tuple[str, ...] | None = None):
+        """stack: a leading [stack] axis (one scale per layer); axes: the scale's logical axis
+        names (the model's sharding table), by default ('layers', 'norm') or ('norm',)."""
+        shape = (stack, dim) if stack else (dim,)
+        names = axes or (("layers", "norm") if stack else ("norm",))
         self.scale = nnx.Param(jnp.ones(shape, param_dtype), out_sharding=names)
         self.eps = eps
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from titanax.config import ModelConfig
-
 
 FLOP_FORMULA = ("FLOPs/token = 6*N + 12*L*d*S (N: params without input embedding; "
                 "d: attention width n_heads*head_dim, = d_model for Llama)")
@@ -35,7 +35,9 @@ class ModelSpec:
     # init_cache(cfg, batch, max_len, dtype=None) -> the KV cache __call__ takes
     init_cache: Callable[..., Any]
     presets: Mapping[str, dict]  # preset name -> ModelConfig fields
-    hf: Any = None  # the model's HF interop (tensor table, config.json both ways)
+    # The model's HF interop (models/hf_interop.HFInterop: tensor table, config.json both ways);
+    # None: the architecture cannot be imported or exported.
+    hf: Any = None
 
     def count_params(self, cfg: ModelConfig, *, exclude_embedding: bool = False) -> int:
         """Exact parameter count from nnx.eval_shape: nothing is allocated. FP8 scaling state is
@@ -49,9 +51,7 @@ class ModelSpec:
 
         with model_context(single_device_mesh()):
             abstract = nnx.eval_shape(lambda: self.build(cfg, rngs=nnx.Rngs(0)))
-        from titanax.ops import Fp8Meta
-
-        state = nnx.state(abstract, nnx.All(nnx.Param, nnx.Not(Fp8Meta)))
+        state = nnx.state(abstract, nnx.Param)  # (ops.Fp8Meta is a Variable of its own)
         total = sum(math.prod(x.shape) for x in jax.tree.leaves(state))
         if exclude_embedding and not getattr(cfg, "tie_embeddings", False):
             total -= cfg.vocab_size * cfg.d_model

@@ -1,6 +1,7 @@
 """Attention as the model calls it: q [B, S, Hq, D], k/v [B, T, Hkv, D] -> [B, S, Hq, D].
 
-`impl` picks the backend by config (model.attention_impl): 'xla' is the reference written here
+`impl` picks the backend by config (model.attention_impl; the names are
+pallas_kernels/flash_attention/backends.py's table): 'xla' is the reference written here
 (grouped-query attention without repeating K/V in memory, softmax in float32); 'cudnn' is
 jax.nn.dot_product_attention (cuDNN's fused kernel on GPU, XLA elsewhere); 'triton',
 'mosaic_sm90', 'mosaic_sm100' and 'auto' go to pallas_kernels.flash_attention (Pallas flash
@@ -19,13 +20,18 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.flash_attention.api import (PALLAS_IMPLS, flash_attention,
-                                                flash_attention_bwd, flash_attention_fwd,
-                                                resolve_impl)
+from pallas_kernels.flash_attention.api import (
+    flash_attention,
+    flash_attention_bwd,
+    flash_attention_fwd,
+)
+from pallas_kernels.flash_attention.backends import BACKENDS, KERNEL_IMPLS, backend
+from pallas_kernels.flash_attention.resolve import resolve_impl
 from pallas_kernels.target import target_platform
 from titanax.parallel.per_shard import aligned, per_shard_attention
 
-FLASH_IMPLS = ("auto", "triton", "mosaic_sm90", "mosaic_sm100")
+# The names that go to pallas_kernels.flash_attention: our kernels and 'auto' (backends.py).
+FLASH_IMPLS = ("auto", *KERNEL_IMPLS)
 
 _NEG_INF = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -111,7 +117,7 @@ def attention(q_BSHD, k_BTKD, v_BTKD, *, impl: str = "xla", causal: bool = True,
             # interpreter fails jax's varying-axes check inside shard_map).
             return flash_attention(q_BSHD, k_BTKD, v_BTKD, segment_ids=segment_ids,
                                    impl=resolved, **kw)
-        if resolved in PALLAS_IMPLS:
+        if backend(resolved).is_kernel:  # XLA cannot partition a Pallas call: per shard
             fwd = functools.partial(flash_attention_fwd, impl=resolved, **kw)
             bwd = functools.partial(flash_attention_bwd, impl=resolved, **kw)
             return per_shard_attention(fwd, bwd, q_BSHD, k_BTKD, v_BTKD, segment_ids)
@@ -140,5 +146,4 @@ def attention(q_BSHD, k_BTKD, v_BTKD, *, impl: str = "xla", causal: bool = True,
         return jax.nn.dot_product_attention(
             q_BSHD, k_BTKD, v_BTKD, mask=mask, scale=scale,
             implementation="cudnn" if on_gpu else None)
-    raise ValueError(f"unknown attention impl {impl!r}; use 'xla', 'cudnn' or one of "
-                     f"{FLASH_IMPLS}")
+    raise ValueError(f"unknown attention impl {impl!r}; use one of {('auto', *BACKENDS)}")

@@ -24,8 +24,10 @@ import math
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.fp8.backends import RECIPES as FP8_RECIPES  # plain data: no kernels loaded
+from pallas_kernels.fp8.backends import RECIPES_TABLE
+
 _PRECISION = {"default": None, "highest": jax.lax.Precision.HIGHEST}
-FP8_RECIPES = ("fp8_tensorwise", "fp8_delayed", "mxfp8")
 
 
 def _split_spec(spec: str) -> tuple[str, str, str, bool]:
@@ -68,7 +70,7 @@ def linear(x, w, spec: str, *, precision: str = "default", dtype=jnp.bfloat16,
         # copy (no detour through bf16 rounding).
         w_KN = w.reshape(-1, k).T if w_last else w.reshape(k, -1)
         y = fp8_linear(x.astype(dtype).reshape(-1, k), w_KN,
-                       fp8_meta if precision == "fp8_delayed" else None,
+                       fp8_meta if RECIPES_TABLE[precision].delayed else None,
                        recipe=precision, out_dtype=dtype,
                        mxfp8_scale_rounding=mxfp8_scale_rounding)
         return y.reshape(*lead, *tail)
@@ -122,12 +124,18 @@ _dot_f32_wgrad.defvjp(_dot_f32_wgrad_fwd, _dot_f32_wgrad_bwd)
 from flax import nnx  # noqa: E402
 
 
-class Fp8Meta(nnx.Param):
+class Fp8Meta(nnx.Variable):
     """fp8_delayed amax histories of one call site: [layers, 3 (x, w, grad), history] float32,
-    stacked like the weights so the layer scan slices them. A Param subclass on purpose: it
-    then travels with the weights through sharding, checkpoints, eval and pipeline staging
-    with no extra code there; the train step keeps it out of the optimizer (split_fp8_meta)
-    and writes the updated histories back after the update (merge_fp8_meta)."""
+    stacked like the weights so the layer scan slices them (logical axes ('layers', None,
+    None): sharded and pipeline-staged with the layer stack).
+
+    Its own Variable type, not an nnx.Param: the train state splits the model by type
+    (nnx.split(model, nnx.Param, Fp8Meta), train/state.py) and keeps these in state['fp8'],
+    beside 'params', so the optimizer never sees them (no Adam moments, no weight decay, not
+    in the gradient norm), while checkpoints, sharding, eval and sampling carry them. The
+    train step differentiates the loss with respect to them too: fp8_linear's custom VJP
+    returns each call site's updated history as its "gradient" (pallas_kernels/fp8/linear.py),
+    and that is the new state (combined over microbatches by `max_histories`)."""
 
 
 def make_fp8_meta(n_layers: int, history: int) -> Fp8Meta:
@@ -140,53 +148,20 @@ def fp8_meta_dict(meta):
     return None if meta is None else {"x": meta[0], "w": meta[1], "g": meta[2]}
 
 
-def _is_meta(path) -> bool:
-    return any(str(getattr(k, "key", getattr(k, "name", ""))).startswith("fp8_") for k in path)
+def max_histories(a, b):
+    """The new histories of two microbatches of one step (train.grad_accum) combined: their
+    elementwise maximum. Every microbatch returns the same history shifted by one with its own
+    amax in front, so the maximum records the largest amax of the step, as one big batch would
+    (a sum, or a mean, would record their average and under-scale the next steps). NaN
+    propagates through maximum, so count_nonfinite_amax still sees it."""
+    return jax.tree.map(jnp.maximum, a, b)
 
 
-is_fp8_meta_path = _is_meta  # public: for code that combines gradients (parallel/pipeline.py)
-
-
-def accumulate_grads(total, grads):
-    """Microbatch gradients combined inside one step (train.grad_accum): summed, except the
-    amax histories, whose elementwise maximum is kept. Every microbatch returns the same
-    history shifted by one with its own amax in front, so the maximum records the largest
-    amax of the step, as one big batch would (a sum, or the mean after mean_grads, would
-    record their average and under-scale the next steps). NaN propagates through maximum."""
-    return jax.tree_util.tree_map_with_path(
-        lambda p, t, g: jnp.maximum(t, g) if _is_meta(p) else t + g, total, grads)
-
-
-def mean_grads(total, n: int):
-    """accumulate_grads' sums divided by n microbatches; the histories stay as they are."""
-    return jax.tree_util.tree_map_with_path(
-        lambda p, t: t if _is_meta(p) else t / n, total)
-
-
-def count_nonfinite_amax(new_meta) -> jax.Array:
+def count_nonfinite_amax(histories) -> jax.Array:
     """int32 count of non-finite amaxes recorded this step: the newest entry ([..., 0]) of
-    every history in new_meta (split_fp8_meta's second output; other leaves are ignored).
-    scale_from_amax would turn such an amax into a unit scale for the whole history window;
-    the train step skips the step instead (train/step.py)."""
-    def newest(v):  # train.offload_params keeps the layers' histories in host memory
-        if getattr(jax.typeof(v), "memory_space", None) == jax.memory.Space.Host:
-            v = jax.device_put(v, jax.memory.Space.Device)
-        return v[..., 0]
-
-    counts = [jnp.sum(~jnp.isfinite(newest(v)), dtype=jnp.int32)
-              for path, v in jax.tree_util.tree_flatten_with_path(new_meta)[0] if _is_meta(path)]
+    every history in `histories` (the step's new fp8 state). scale_from_amax would turn such
+    an amax into a unit scale for the whole history window; the train step skips the step
+    instead (train/step.py). (The fp8 state stays in device memory under train.offload_*.)"""
+    counts = [jnp.sum(~jnp.isfinite(v[..., 0]), dtype=jnp.int32)
+              for v in jax.tree.leaves(histories)]
     return sum(counts, jnp.zeros((), jnp.int32))
-
-
-def split_fp8_meta(grads):
-    """(grads with the histories' entries zeroed, the new histories). fp8_linear returns the
-    updated histories as their 'gradient'; they must not reach the optimizer or the norm."""
-    clean = jax.tree_util.tree_map_with_path(
-        lambda p, g: jnp.zeros_like(g) if _is_meta(p) else g, grads)
-    return clean, grads
-
-
-def merge_fp8_meta(params, new_meta):
-    """params with every history replaced by its new value from split_fp8_meta."""
-    return jax.tree_util.tree_map_with_path(
-        lambda p, v, m: m.astype(v.dtype) if _is_meta(p) else v, params, new_meta)

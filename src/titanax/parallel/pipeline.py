@@ -23,6 +23,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
@@ -41,7 +42,7 @@ class PipelineSchedule:
     schedule: str = "gpipe"
 
     @classmethod
-    def from_config(cls, cfg: PipelineConfig) -> "PipelineSchedule":
+    def from_config(cls, cfg: PipelineConfig) -> PipelineSchedule:
         return cls(cfg.microbatches, cfg.resolved_virtual_stages, cfg.schedule)
 
 
@@ -93,12 +94,12 @@ def _from_last_stage(out_MbSD, s, stages: int, per: int):
 def _fork_histories(meta, busy):
     """(histories carried to the next tick, histories this tick's layers use): the identity.
 
-    fp8_delayed's amax histories (ops.Fp8Meta leaves of the layer state) get their updated
-    values as "gradients" (pallas_kernels/fp8/linear.py). Closed over by the tick loop, autodiff
-    would sum them over its ticks, idle ones included: histories scaled by the tick count on
-    every step, compounding. Threaded through the loop as a carry and forked here, the
-    backward instead keeps the elementwise maximum over the busy ticks: the step's largest
-    amax, as one unpipelined batch records it."""
+    fp8_delayed's amax histories (the layer state's Variables that are not nnx.Param:
+    ops.Fp8Meta) get their updated values as "gradients" (pallas_kernels/fp8/linear.py).
+    Closed over by the tick loop, autodiff would sum them over its ticks, idle ones included:
+    histories scaled by the tick count on every step, compounding. Threaded through the loop
+    as a carry and forked here, the backward instead keeps the elementwise maximum over the
+    busy ticks: the step's largest amax, as one unpipelined batch records it."""
     return meta, meta
 
 
@@ -114,13 +115,20 @@ def _fork_histories_bwd(busy, cts):
 _fork_histories.defvjp(_fork_histories_fwd, _fork_histories_bwd)
 
 
+def _is_history(v) -> bool:
+    """A layer-state Variable that is not a weight: fp8_delayed's amax histories (ops.Fp8Meta),
+    the only such state a layer holds (train/state.py splits the model exhaustively into
+    nnx.Param and Fp8Meta), identified by type without importing titanax.ops."""
+    return isinstance(v, nnx.Variable) and not isinstance(v, nnx.Param)
+
+
 def _split_histories(tree):
     """(the fp8_delayed history leaves of tree, merge(histories) -> tree with them put back)."""
-    from titanax.ops.linear import is_fp8_meta_path
-
-    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    is_meta = [is_fp8_meta_path(path) for path, _ in flat]
-    leaves = [leaf for _, leaf in flat]
+    leaves, treedef = jax.tree.flatten(tree)
+    # One array leaf per Variable, in the same order: a mask by Variable type lines up.
+    is_meta = jax.tree.leaves(jax.tree.map(_is_history, tree,
+                                           is_leaf=lambda x: isinstance(x, nnx.Variable)))
+    assert len(is_meta) == len(leaves), "a layer-state Variable with more than one array"
 
     def merge(histories):
         it = iter(histories)
@@ -142,9 +150,41 @@ def run_pipelined(layer_fn, layer_state, x_BSD, extras, schedule: PipelineSchedu
         raise ValueError(f"batch of {x_BSD.shape[0]} does not split into {M} microbatches")
     if V > 1 and M < stages:
         raise ValueError(f"the circular schedule needs microbatches >= stages, got {M} < {stages}")
-    ticks = M * V + stages - 1
     x_MbSD = _to_microbatches(x_BSD, M)
     extras_M = jax.tree.map(lambda a: _to_microbatches(a, M), extras)
+    scatter = M % stages == 0
+    out_MbSD, busy_P = jax.shard_map(
+        _stage_fn(layer_fn, stages, V, M, scatter), in_specs=(P(AXIS), P(), P()),
+        out_specs=(P(AXIS) if scatter else P(), P(AXIS)),
+        axis_names={AXIS})(layer_state, x_MbSD, extras_M)
+    out_BSD = _from_microbatches(out_MbSD)
+    return (out_BSD, busy_P) if with_busy else out_BSD
+
+
+def _chunk_runner(layer_fn, with_histories):
+    """run_chunk(v, x_bSD, extras_b, histories): this stage's layer chunk v. with_histories:
+    _split_histories' merge, giving the stage's rows as [V, Lc, ...] with `histories` in."""
+    def chunk_forward(v, x_bSD, extras_b, histories):
+        chunk = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, v, keepdims=False),
+                             with_histories(histories))
+
+        def one(x, layer):
+            x = checkpoint_name(x, _LAYER_INPUT)
+            return layer_fn(x, layer, extras_b), None
+
+        return jax.lax.scan(one, x_bSD, chunk)[0]
+
+    # The backward keeps each layer's input and nothing else per tick: without this the
+    # chunk of weights picked by the (traced) v would be saved on every tick, a copy of the
+    # stage's weights per tick; they are re-indexed instead (no FLOPs).
+    return jax.checkpoint(chunk_forward,
+                          policy=jax.checkpoint_policies.save_only_these_names(_LAYER_INPUT))
+
+
+def _stage_fn(layer_fn, stages: int, V: int, M: int, scatter: bool):
+    """One stage's program under shard_map: the tick loop (module docstring) over its layer
+    rows; returns (its outputs, how many ticks it was busy [1])."""
+    ticks = M * V + stages - 1
     ring = [(k, (k + 1) % stages) for k in range(stages)]
 
     def stage_fn(local_state, x_MbSD, extras_M):
@@ -153,23 +193,7 @@ def run_pipelined(layer_fn, layer_state, x_BSD, extras, schedule: PipelineSchedu
         chunks = jax.tree.map(lambda a: a.reshape(V, a.shape[0] // V, *a.shape[1:]), local_state)
         # fp8_delayed amax histories travel through the tick loop (_fork_histories).
         histories, with_histories = _split_histories(chunks)
-
-        def chunk_forward(v, x_bSD, extras_b, histories):
-            chunk = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, v, keepdims=False),
-                                 with_histories(histories))
-
-            def one(x, layer):
-                x = checkpoint_name(x, _LAYER_INPUT)
-                return layer_fn(x, layer, extras_b), None
-
-            return jax.lax.scan(one, x_bSD, chunk)[0]
-
-        # The backward keeps each layer's input and nothing else per tick: without this the
-        # chunk of weights picked by the (traced) v would be saved on every tick, a copy of the
-        # stage's weights per tick; they are re-indexed instead (no FLOPs).
-        run_chunk = jax.checkpoint(
-            chunk_forward, policy=jax.checkpoint_policies.save_only_these_names(_LAYER_INPUT))
-
+        run_chunk = _chunk_runner(layer_fn, with_histories)
         vary = lambda a: jax.lax.pcast(a, AXIS, to="varying")
         # Stage 0's inputs: the fresh microbatches, overwritten by items coming back round.
         parked_MbSD = vary(x_MbSD)
@@ -189,10 +213,9 @@ def run_pipelined(layer_fn, layer_state, x_BSD, extras, schedule: PipelineSchedu
             v, m = item // M, item % M
             x_bSD = jnp.where(s == 0, parked_MbSD[m], recv_bSD)
             extras_b = jax.tree.map(lambda a: a[m], extras_M)
+            used = histories
             if histories:
                 histories, used = _fork_histories(histories, busy)
-            else:
-                used = histories
             y_bSD = run_chunk(v, x_bSD, extras_b, used)
             done = busy & (s == stages - 1) & (v == V - 1)
             out_MbSD = jax.lax.dynamic_update_index_in_dim(
@@ -211,9 +234,4 @@ def run_pipelined(layer_fn, layer_state, x_BSD, extras, schedule: PipelineSchedu
             out_MbSD = jax.lax.psum(jnp.where(s == stages - 1, out_MbSD, 0), AXIS)
         return out_MbSD, busy_T.sum(dtype=jnp.int32)[None]
 
-    scatter = M % stages == 0
-    out_MbSD, busy_P = jax.shard_map(
-        stage_fn, in_specs=(P(AXIS), P(), P()), out_specs=(P(AXIS) if scatter else P(), P(AXIS)),
-        axis_names={AXIS})(layer_state, x_MbSD, extras_M)
-    out_BSD = _from_microbatches(out_MbSD)
-    return (out_BSD, busy_P) if with_busy else out_BSD
+    return stage_fn

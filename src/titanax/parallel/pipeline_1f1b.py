@@ -30,8 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from titanax.parallel.pipeline import (AXIS, _from_microbatches, _to_microbatches,
-                                       pipeline_stages)
+from titanax.parallel.pipeline import AXIS, _from_microbatches, _to_microbatches, pipeline_stages
 
 
 def in_flight(stages: int, microbatches: int) -> int:
@@ -68,112 +67,153 @@ def _vary(a):
     return jax.lax.pcast(a, AXIS, to="varying")
 
 
+def _pick(tree, m):
+    return jax.tree.map(lambda a: a[m], tree)
+
+
+class _Stage:
+    """One stage's view inside shard_map: its layers, the microbatches, and what a tick runs.
+    Each slot (forward, head, backward) runs under lax.cond, so an idle one costs nothing."""
+
+    def __init__(self, layer_fn, head_fn, local_state, head_params, x_MbSD, extras_M,
+                 head_extras_M, stages: int):
+        self.layer_fn, self.head_fn, self.stages = layer_fn, head_fn, stages
+        self.s = jax.lax.axis_index(AXIS)
+        self.last = self.s == stages - 1
+        self.head_params, self.x_MbSD, self.extras_M, self.head_extras_M = jax.tree.map(
+            _vary, (head_params, x_MbSD, extras_M, head_extras_M))
+        self.local_state = local_state  # on P(AXIS): varies per stage already
+        self.M = x_MbSD.shape[0]
+        self.K = in_flight(stages, self.M)
+        self.n_local = jax.tree.leaves(local_state)[0].shape[0]
+        self.zero_bSD = _vary(jnp.zeros(x_MbSD.shape[1:], x_MbSD.dtype))
+
+    def forward(self, x_bSD, m, ins):
+        # Writes each layer's input into the ring slot m % K (what the backward recomputes
+        # from), in place: no [L/PP, b, S, D] staging copy.
+        ex = _pick(self.extras_M, m)
+
+        def one(carry, l):
+            x_bSD, ins = carry
+            ins = ins.at[m % self.K, l].set(x_bSD)
+            return (self.layer_fn(x_bSD, _pick(self.local_state, l), ex), ins), None
+
+        return jax.lax.scan(one, (x_bSD, ins), jnp.arange(self.n_local))[0]
+
+    def forward_only(self, x_bSD, m):
+        ex = _pick(self.extras_M, m)
+        return jax.lax.scan(lambda x, w: (self.layer_fn(x, w, ex), None), x_bSD,
+                            self.local_state)[0]
+
+    def head(self, y_bSD, m, loss, dhead):
+        loss_b, (dh, dy_bSD) = jax.value_and_grad(self.head_fn, argnums=(0, 1))(
+            self.head_params, y_bSD, _pick(self.head_extras_M, m))
+        dhead = jax.tree.map(lambda acc, d: acc + d.astype(acc.dtype), dhead, dh)
+        return loss + loss_b.astype(jnp.float32), dhead, dy_bSD.astype(y_bSD.dtype)
+
+    def head_value(self, y_bSD, m, loss):
+        return loss + self.head_fn(self.head_params, y_bSD,
+                                   _pick(self.head_extras_M, m)).astype(jnp.float32)
+
+    def backward(self, g_bSD, ins, m, dlayers):
+        ex = _pick(self.extras_M, m)
+
+        def one(carry, l):  # layer l of this stage, last to first
+            g_bSD, dlayers = carry
+            w = _pick(self.local_state, l)
+            _, vjp = jax.vjp(lambda x, w: self.layer_fn(x, w, ex), ins[m % self.K, l], w)
+            dx_bSD, dw = vjp(g_bSD)
+            dlayers = jax.tree.map(lambda acc, d: acc.at[l].add(d.astype(acc.dtype)),
+                                   dlayers, dw)
+            return (dx_bSD, dlayers), None
+
+        return jax.lax.scan(one, (g_bSD, dlayers), jnp.arange(self.n_local - 1, -1, -1))[0]
+
+    def _forward_input(self, c, t):
+        """(tick's items, forward input): stage 0 reads its microbatch, the others what s-1
+        sent last tick."""
+        m_f, busy_f, m_b, busy_b = _tick_items(t, self.s, self.stages, self.M)
+        m_f, m_b = jnp.clip(m_f, 0, self.M - 1), jnp.clip(m_b, 0, self.M - 1)
+        x_bSD = jnp.where(self.s == 0, self.x_MbSD[m_f], c["recv_f"])
+        return (m_f, busy_f, m_b, busy_b), x_bSD
+
+    def eval_tick(self, carry, t):
+        """Forward slots only (gpipe order): the loss without gradients."""
+        c = dict(carry)
+        (m_f, busy_f, _, _), x_bSD = self._forward_input(c, t)
+        y_bSD = jax.lax.cond(busy_f, self.forward_only, lambda x, m: x, x_bSD, m_f)
+        c["loss"] = jax.lax.cond(busy_f & self.last, self.head_value, lambda y, m, l: l,
+                                 y_bSD, m_f, c["loss"])
+        c["recv_f"] = jax.lax.ppermute(y_bSD, AXIS, _to_next(self.stages))
+        return c, None
+
+    def train_tick(self, carry, t):
+        """One forward slot, the head where the last stage's forward ended, one backward
+        slot, then the sends both ways."""
+        c = dict(carry)
+        (m_f, busy_f, m_b, busy_b), x_bSD = self._forward_input(c, t)
+        # Slot m_f % K is free: its previous microbatch finished its backward here.
+        y_bSD, c["ins"] = jax.lax.cond(busy_f, self.forward, lambda x, m, ins: (x, ins),
+                                       x_bSD, m_f, c["ins"])
+        c["loss"], c["dhead"], dy_bSD = jax.lax.cond(
+            busy_f & self.last, self.head, lambda y, m, l, d: (l, d, self.zero_bSD),
+            y_bSD, m_f, c["loss"], c["dhead"])
+        # Backward slot (after the forward: on the last stage it is the same microbatch).
+        g_bSD = jnp.where(self.last, dy_bSD, c["recv_b"])
+        g_bSD, c["dlayers"] = jax.lax.cond(
+            busy_b, self.backward, lambda g, ins, m, d: (self.zero_bSD, d),
+            g_bSD, c["ins"], m_b, c["dlayers"])
+        c["dx"] = jax.lax.dynamic_update_index_in_dim(
+            c["dx"], jnp.where(busy_b & (self.s == 0), g_bSD, c["dx"][m_b]), m_b, 0)
+        # Outside every cond: all stages must reach the collectives each tick.
+        c["recv_f"] = jax.lax.ppermute(y_bSD, AXIS, _to_next(self.stages))
+        c["recv_b"] = jax.lax.ppermute(g_bSD, AXIS, _to_prev(self.stages))
+        return c, None
+
+    def initial_carry(self, train: bool) -> dict:
+        carry = {"recv_f": self.zero_bSD, "loss": _vary(jnp.zeros((), jnp.float32))}
+        if train:  # gradients accumulate in float32
+            f32 = lambda a: _vary(jnp.zeros(a.shape, jnp.float32))
+            carry.update(
+                recv_b=self.zero_bSD,
+                ins=_vary(jnp.zeros((self.K, self.n_local, *self.x_MbSD.shape[1:]),
+                                    self.x_MbSD.dtype)),
+                dhead=jax.tree.map(f32, self.head_params),
+                dlayers=jax.tree.map(f32, self.local_state),
+                dx=_vary(jnp.zeros(self.x_MbSD.shape, self.x_MbSD.dtype)))
+        return carry
+
+    def outputs(self, c: dict, train: bool):
+        loss = jax.lax.psum(c["loss"], AXIS)  # only the last stage ran the head
+        if not train:
+            return loss
+        cast = lambda acc, p: acc.astype(p.dtype)
+        return (loss, jax.tree.map(cast, c["dlayers"], self.local_state),
+                jax.tree.map(cast, jax.lax.psum(c["dhead"], AXIS), self.head_params),
+                c["dx"][None])  # stage 0's is the one; see run_1f1b
+
+
+def _to_next(stages: int):
+    return [(k, k + 1) for k in range(stages - 1)]
+
+
+def _to_prev(stages: int):
+    return [(k + 1, k) for k in range(stages - 1)]
+
+
 def _schedule(layer_fn, head_fn, layer_state, head_params, x_MbSD, extras_M, head_extras_M,
               train: bool):
     """The tick scan under shard_map. train: loss and (layer, head, x) gradients with the 1F1B
     ticks; otherwise the loss alone with forward ticks only (M + PP - 1, gpipe order)."""
     stages, M = pipeline_stages(), x_MbSD.shape[0]
-    K = in_flight(stages, M)
     ticks = ticks_1f1b(stages, M) if train else M + stages - 1
-    to_next = [(k, k + 1) for k in range(stages - 1)]
-    to_prev = [(k + 1, k) for k in range(stages - 1)]
-    f32 = lambda a: jnp.zeros(a.shape, jnp.float32)
 
     def stage_fn(local_state, head_params, x_MbSD, extras_M, head_extras_M):
-        s = jax.lax.axis_index(AXIS)
-        last = s == stages - 1
-        head_params, x_MbSD, extras_M, head_extras_M = jax.tree.map(
-            _vary, (head_params, x_MbSD, extras_M, head_extras_M))  # local_state: on P(AXIS)
-        n_local = jax.tree.leaves(local_state)[0].shape[0]
-        pick = lambda tree, m: jax.tree.map(lambda a: a[m], tree)
-        zero_bSD = _vary(jnp.zeros(x_MbSD.shape[1:], x_MbSD.dtype))
-
-        def forward(x_bSD, m, ins):
-            # Writes each layer's input into the ring slot m % K (what the backward recomputes
-            # from), in place: no [L/PP, b, S, D] staging copy.
-            ex = pick(extras_M, m)
-
-            def one(carry, l):
-                x_bSD, ins = carry
-                ins = ins.at[m % K, l].set(x_bSD)
-                return (layer_fn(x_bSD, pick(local_state, l), ex), ins), None
-
-            return jax.lax.scan(one, (x_bSD, ins), jnp.arange(n_local))[0]
-
-        def forward_only(x_bSD, m):
-            ex = pick(extras_M, m)
-            return jax.lax.scan(lambda x, w: (layer_fn(x, w, ex), None), x_bSD, local_state)[0]
-
-        def head(y_bSD, m, loss, dhead):
-            loss_b, (dh, dy_bSD) = jax.value_and_grad(head_fn, argnums=(0, 1))(
-                head_params, y_bSD, pick(head_extras_M, m))
-            dhead = jax.tree.map(lambda acc, d: acc + d.astype(acc.dtype), dhead, dh)
-            return loss + loss_b.astype(jnp.float32), dhead, dy_bSD.astype(y_bSD.dtype)
-
-        def head_value(y_bSD, m, loss):
-            return loss + head_fn(head_params, y_bSD, pick(head_extras_M, m)).astype(jnp.float32)
-
-        def backward(g_bSD, ins, m, dlayers):
-            ex = pick(extras_M, m)
-
-            def one(carry, l):  # layer l of this stage, last to first
-                g_bSD, dlayers = carry
-                w = pick(local_state, l)
-                _, vjp = jax.vjp(lambda x, w: layer_fn(x, w, ex), ins[m % K, l], w)
-                dx_bSD, dw = vjp(g_bSD)
-                dlayers = jax.tree.map(lambda acc, d: acc.at[l].add(d.astype(acc.dtype)),
-                                       dlayers, dw)
-                return (dx_bSD, dlayers), None
-
-            return jax.lax.scan(one, (g_bSD, dlayers), jnp.arange(n_local - 1, -1, -1))[0]
-
-        def tick(carry, t):
-            c = dict(carry)
-            m_f, busy_f, m_b, busy_b = _tick_items(t, s, stages, M)
-            m_f, m_b = jnp.clip(m_f, 0, M - 1), jnp.clip(m_b, 0, M - 1)
-            # Forward slot: stage 0 reads its microbatch, the others what s-1 sent last tick.
-            x_bSD = jnp.where(s == 0, x_MbSD[m_f], c["recv_f"])
-            to_head = busy_f & last
-            if not train:
-                y_bSD = jax.lax.cond(busy_f, forward_only, lambda x, m: x, x_bSD, m_f)
-                c["loss"] = jax.lax.cond(to_head, head_value, lambda y, m, l: l,
-                                         y_bSD, m_f, c["loss"])
-                c["recv_f"] = jax.lax.ppermute(y_bSD, AXIS, to_next)
-                return c, None
-            # Slot m_f % K is free: its previous microbatch finished its backward here.
-            y_bSD, c["ins"] = jax.lax.cond(busy_f, forward, lambda x, m, ins: (x, ins),
-                                           x_bSD, m_f, c["ins"])
-            c["loss"], c["dhead"], dy_bSD = jax.lax.cond(
-                to_head, head, lambda y, m, l, d: (l, d, zero_bSD),
-                y_bSD, m_f, c["loss"], c["dhead"])
-            # Backward slot (after the forward: on the last stage it is the same microbatch).
-            g_bSD = jnp.where(last, dy_bSD, c["recv_b"])
-            g_bSD, c["dlayers"] = jax.lax.cond(
-                busy_b, backward, lambda g, ins, m, d: (zero_bSD, d),
-                g_bSD, c["ins"], m_b, c["dlayers"])
-            c["dx"] = jax.lax.dynamic_update_index_in_dim(
-                c["dx"], jnp.where(busy_b & (s == 0), g_bSD, c["dx"][m_b]), m_b, 0)
-            # Outside every cond: all stages must reach the collectives each tick.
-            c["recv_f"] = jax.lax.ppermute(y_bSD, AXIS, to_next)
-            c["recv_b"] = jax.lax.ppermute(g_bSD, AXIS, to_prev)
-            return c, None
-
-        carry = {"recv_f": zero_bSD, "loss": _vary(jnp.zeros((), jnp.float32))}
-        if train:
-            carry.update(
-                recv_b=zero_bSD,
-                ins=_vary(jnp.zeros((K, n_local, *x_MbSD.shape[1:]), x_MbSD.dtype)),
-                dhead=jax.tree.map(lambda a: _vary(f32(a)), head_params),
-                dlayers=jax.tree.map(lambda a: _vary(f32(a)), local_state),
-                dx=_vary(jnp.zeros(x_MbSD.shape, x_MbSD.dtype)))
-        c = jax.lax.scan(tick, carry, jnp.arange(ticks))[0]
-        loss = jax.lax.psum(c["loss"], AXIS)  # only the last stage ran the head
-        if not train:
-            return loss
-        cast = lambda acc, p: acc.astype(p.dtype)
-        return (loss, jax.tree.map(cast, c["dlayers"], local_state),
-                jax.tree.map(cast, jax.lax.psum(c["dhead"], AXIS), head_params),
-                c["dx"][None])  # stage 0's is the one; see run_1f1b
+        stage = _Stage(layer_fn, head_fn, local_state, head_params, x_MbSD, extras_M,
+                       head_extras_M, stages)
+        tick = stage.train_tick if train else stage.eval_tick
+        c = jax.lax.scan(tick, stage.initial_carry(train), jnp.arange(ticks))[0]
+        return stage.outputs(c, train)
 
     out_specs = (P(), P(AXIS), P(), P(AXIS)) if train else P()
     return jax.shard_map(stage_fn, in_specs=(P(AXIS), P(), P(), P(), P()), out_specs=out_specs,

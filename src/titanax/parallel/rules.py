@@ -64,10 +64,6 @@ def _to_spec(names: tuple[str | None, ...], rules) -> P:
     return P(*out)
 
 
-def param_spec(names: tuple[str | None, ...]) -> P:
-    return _to_spec(names, PARAM_RULES)
-
-
 def activation_spec(names: tuple[str | None, ...]) -> P:
     return _to_spec(names, ACTIVATION_RULES)
 

@@ -117,7 +117,7 @@ def triton_kernel_names(hlo_text: str) -> set[str]:
 
 def ptxas_path() -> str:
     """The CUDA plugin's ptxas (the one XLA uses; pip's nvidia-cuda-nvcc), else one on PATH."""
-    from titanax.perf import aot
+    from pallas_kernels import aot
     for root in (str(aot.CUDA_PLUGIN_DIR), *sys.path):
         path = pathlib.Path(root or ".") / "nvidia" / "cuda_nvcc" / "bin" / "ptxas"
         if path.is_file():
@@ -131,7 +131,7 @@ def ptxas_path() -> str:
 # --- collect, check, render -------------------------------------------------------------------
 
 def _worker_env(dump_dir: str, on_device: bool) -> dict:
-    from titanax.perf import aot
+    from pallas_kernels import aot
     env = aot.cuda_plugin_env() if not on_device else dict(os.environ)
     if on_device:
         env.pop("JAX_PLATFORMS", None)  # the tests' "cpu" would hide the GPU
@@ -158,7 +158,7 @@ def collect(kind: str, head_dims=(64, 128, 256), on_device: bool = False, *,
     must be of that architecture."""
     if kind not in ARCH:
         raise ValueError(f"unknown GPU kind {kind!r}; known: {sorted(ARCH)}")
-    from titanax.perf import aot
+    from pallas_kernels import aot
     with tempfile.TemporaryDirectory(prefix=f"ptxas-{kind}-") as tmp:
         out = os.path.join(tmp, "rows.json")
         cmd = [sys.executable, "-m", "titanax.perf.ptxas_worker", kind, out,

@@ -29,14 +29,21 @@ import subprocess
 import sys
 import tempfile
 
+from pallas_kernels.flash_attention.backends import GPU_FALLBACK, generation_kernels
+from pallas_kernels.fp8.backends import MATMULS
 from titanax.perf import ptxas_report as rep
 
 # Small but real: GQA 8 q heads on 1 kv head. Sizes enter the kernels as loop bounds and grid
 # dimensions only, so registers and shared memory are those of the 70B shapes.
 B, SEQ, HQ, HKV = 1, 2048, 8, 1
 FP8_MNK = (1024, 1024, 1024)
-ATTENTION_IMPLS = {"sm_90a": ("mosaic_sm90", "triton"), "sm_100a": ("mosaic_sm100", "triton")}
-FP8_IMPLS = {"sm_90a": (("sm90", "tensorwise"),), "sm_100a": (("sm100", "mx"),)}
+# Per target: the kernels the backend tables list for its GPU generation (plus the portable
+# attention kernel; the FP8 grid kernel is no GPU kernel: fp8_matmul refuses it on GPU).
+ARCH_CC = {"sm_90a": 9, "sm_100a": 10}
+ATTENTION_IMPLS = {arch: (*(b.name for b in generation_kernels(cc)), GPU_FALLBACK)
+                   for arch, cc in ARCH_CC.items()}
+FP8_IMPLS = {arch: tuple((m.name, s) for m in MATMULS.values() if m.compute_capability == cc
+                         for s in m.scalings) for arch, cc in ARCH_CC.items()}
 
 
 @contextlib.contextmanager
@@ -94,8 +101,7 @@ def fp8_cases(arch: str):
     import jax.numpy as jnp
 
     from pallas_kernels.fp8.api import fp8_matmul
-    from pallas_kernels.fp8.config import E4M3, E8M0, MX_BLOCK, GridConfig, Sm90Config, \
-        Sm100Config
+    from pallas_kernels.fp8.config import E4M3, E8M0, MX_BLOCK, GridConfig, Sm90Config, Sm100Config
 
     m, n, k = FP8_MNK
     a, b = (jax.ShapeDtypeStruct(s, E4M3) for s in ((m, k), (k, n)))
@@ -120,7 +126,7 @@ def compile_case(kind: str, name: str, fn, args, on_device: bool, log_path: str)
         if on_device:
             jax.jit(fn).lower(*args).compile()
         else:
-            from titanax.perf import aot
+            from pallas_kernels import aot
             aot.compile_for(kind, fn, *args)
 
 

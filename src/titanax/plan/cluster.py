@@ -6,9 +6,9 @@ from __future__ import annotations
 import dataclasses
 
 from titanax.config import Config, ConfigError, apply_overrides, check_parallel_layout
+from titanax.hardware import HARDWARE, Hardware
 from titanax.parallel.mesh import resolve_degrees, split_degrees
 from titanax.parallel.rules import MESH_AXES
-from titanax.perf.hardware import HARDWARE, Hardware
 
 
 class PlanError(ValueError):
@@ -17,7 +17,7 @@ class PlanError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Cluster:
-    gpu: str  # a key of perf.hardware.HARDWARE
+    gpu: str  # a key of titanax.hardware.HARDWARE
     nodes: int
     gpus_per_node: int = 0  # 0: the GPU kind's usual node (8 on HGX, 4 on a GB200 tray)
 

@@ -3,7 +3,7 @@
 The step is the one train/loop.py runs (abstract_train_state + jit_train_step, batch sharded
 as the data pipeline delivers it), lowered with ShapeDtypeStructs, so nothing is allocated.
 Targets, best first:
-- 'gpu': compile-only CUDA devices of the GPU kind (titanax.perf.aot: the CUDA PJRT plugin
+- 'gpu': compile-only CUDA devices of the GPU kind (pallas_kernels.aot: the CUDA PJRT plugin
   with a GpuTargetConfigProto per kind), laid out as the cluster's hosts, so build_mesh cuts
   the same NVLink domains as on the real machines and XLA's GPU compiler decides fusion,
   rematerialisation and buffer assignment for that chip's memory, under the XLA flags a GPU
@@ -24,9 +24,9 @@ import subprocess
 import sys
 import time
 
+from pallas_kernels import aot
 from titanax import xla_flags
 from titanax.config import Config
-from titanax.perf import aot
 from titanax.plan.cluster import Cluster
 
 _RESULT = "PLAN_COMPILE_RESULT "

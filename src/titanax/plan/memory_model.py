@@ -48,7 +48,8 @@ class ParamSplit:
 
 def param_split(m: ModelConfig, n_params: int, deg: dict[str, int]) -> ParamSplit:
     tp, fsdp, pp = deg["tensor"], deg["fsdp"], deg["pipeline"]
-    other = 2 * m.vocab_size * m.d_model + m.d_model
+    # the parameters outside the layer stack: embedding, output layer (none when tied), norm
+    other = (1 if m.tie_embeddings else 2) * m.vocab_size * m.d_model + m.d_model
     layers = n_params - other
     return ParamSplit(layers / (fsdp * tp * pp), other / (fsdp * tp), layers / m.n_layers / tp)
 
@@ -69,32 +70,36 @@ def memory_per_device(cfg: Config, deg: dict[str, int], n_params: int
                       ) -> tuple[dict[str, float], dict[str, float]]:
     """({component: bytes in HBM, 'total'}, {component: bytes in pinned host memory, 'total'})
     per device for cfg on a mesh of degrees `deg`."""
-    m, t = cfg.model, cfg.train
-    dp, fsdp, tp, pp = deg["data"], deg["fsdp"], deg["tensor"], deg["pipeline"]
-    d, V = m.d_model, m.vocab_size
-    pbytes = 4 if m.param_dtype == "float32" else 2
-    abytes = 4 if m.dtype == "float32" else 2
-    p = param_split(m, n_params, deg)
-    offload_opt = t.offload_optimizer
-    offload_params = t.offload_params
-    offload_acts = m.remat == "full_offload"
-
+    t, dp, fsdp = cfg.train, deg["data"], deg["fsdp"]
     # Tokens of one grad-accumulation microbatch on this device (its data x fsdp share).
     tokens = t.batch_size * t.seq_len / (t.grad_accum * dp * fsdp)
-    pipelined = pp > 1
-    micro = cfg.pipeline.microbatches if pipelined else 1
-    tokens_micro = tokens / micro  # one pipeline microbatch
+    device, host = _state_bytes(cfg, deg, n_params)
+    saved = _saved_activation_bytes(cfg, deg, tokens)
+    if cfg.model.remat == "full_offload":  # the layer inputs wait in pinned host memory
+        host["saved_activations"], saved = saved, 0.0
+    device["saved_activations"] = saved
+    device["transient"] = _transient_bytes(cfg, deg, tokens, device["gradients"])
+    device["total"] = sum(device.values())
+    host["total"] = sum(host.values())
+    return device, host
 
+
+def _state_bytes(cfg: Config, deg: dict[str, int], n_params: int
+                 ) -> tuple[dict[str, float], dict[str, float]]:
+    """Weights, Adam's moments and the gradient buffer: ({HBM}, {pinned host}) per device."""
+    m, t = cfg.model, cfg.train
+    pbytes = 4 if m.param_dtype == "float32" else 2
+    p = param_split(m, n_params, deg)
     device, host = {}, {}
     weights = p.total * pbytes
     moments = p.total * 8  # Adam's two float32 moments
     grads = p.total * 4  # float32, reduce-scattered into this shard layer by layer
-    if offload_params:  # the layers' master weights and their gradients live on the host
+    if t.offload_params:  # the layers' master weights and their gradients live on the host
         host["weights"] = p.layers * pbytes
         host["gradients"] = p.layers * 4
         weights -= p.layers * pbytes
         grads -= p.layers * 4
-    if offload_opt:
+    if t.offload_optimizer:
         host["optimizer"] = moments
         moments = 0.0
     device["weights"] = weights
@@ -102,10 +107,20 @@ def memory_per_device(cfg: Config, deg: dict[str, int], n_params: int
     # With accumulation the running sum and the microbatch's own gradient buffer coexist:
     # the backward writes a fresh stacked buffer that is then added into the sum.
     device["gradients"] = grads * (2 if t.grad_accum > 1 else 1)
+    return device, host
 
-    # Saved activations: the layer inputs (or more, by remat policy) of this stage's layers
-    # for every token it holds; sequence- or head-sharded over tensor.
-    if pipelined:
+
+def _micro(cfg: Config, deg: dict[str, int]) -> int:
+    return cfg.pipeline.microbatches if deg["pipeline"] > 1 else 1
+
+
+def _saved_activation_bytes(cfg: Config, deg: dict[str, int], tokens: float) -> float:
+    """The layer inputs (or more, by remat policy) of this
+    stage's layers for every token it holds; sequence- or head-sharded over tensor."""
+    m, tp, pp = cfg.model, deg["tensor"], deg["pipeline"]
+    d, abytes = m.d_model, 4 if m.dtype == "float32" else 2
+    if pp > 1:
+        tokens_micro = tokens / _micro(cfg, deg)  # one pipeline microbatch
         # Inside the pipeline a tick keeps each layer's input only (its own checkpoint).
         saved = pipeline_in_flight(cfg, pp) * tokens_micro * d * abytes / tp
         # Whole-step activation buffers outside the layers, each tokens x d (sequence
@@ -116,11 +131,16 @@ def memory_per_device(cfg: Config, deg: dict[str, int], n_params: int
         saved += (3 if cfg.pipeline.schedule == "1f1b" else 7) * tokens * d * abytes / tp
     else:
         saved = m.n_layers * tokens * saved_elems_per_token(m, m.remat) * abytes / tp
-    if offload_acts:
-        host["saved_activations"] = saved
-        saved = 0.0
-    device["saved_activations"] = saved
+    return saved
 
+
+def _transient_bytes(cfg: Config, deg: dict[str, int], tokens: float,
+                     gradient_bytes: float) -> float:
+    """The largest buffers live for a moment: one layer's backward or the loss."""
+    m, t, tp, fsdp, pp = cfg.model, cfg.train, deg["tensor"], deg["fsdp"], deg["pipeline"]
+    d, V, abytes = m.d_model, m.vocab_size, 4 if m.dtype == "float32" else 2
+    micro = _micro(cfg, deg)
+    tokens_micro = tokens / micro
     # One layer's backward, at its largest point (the MLP, measured in the compiled buffers,
     # `launch.plan --buffers`): the gate, up and product activations and their gradient for one
     # (pipeline) microbatch, and the largest weight matrix gathered in the compute dtype twice
@@ -133,9 +153,9 @@ def memory_per_device(cfg: Config, deg: dict[str, int], n_params: int
     # keeps reduce-scattered over fsdp), and the last hidden states with their gradient.
     # gpipe/circular run it on each stage's share of the microbatches; 1f1b on one microbatch
     # at a time on the last stage.
-    if pipelined and cfg.pipeline.schedule == "1f1b":
+    if pp > 1 and cfg.pipeline.schedule == "1f1b":
         loss_tokens = tokens_micro
-    elif pipelined and micro % pp == 0:
+    elif pp > 1 and micro % pp == 0:
         loss_tokens = tokens / pp
     else:
         loss_tokens = tokens
@@ -143,7 +163,4 @@ def memory_per_device(cfg: Config, deg: dict[str, int], n_params: int
     loss_transient = (chunk * V / tp * (4 + 4 + abytes) + d * V / tp * abytes
                       + d * V / (tp * fsdp) * 4 + 2 * loss_tokens * d * abytes)
     # The loss runs before the layers' gradient buffer exists.
-    device["transient"] = max(layer_transient, loss_transient - device["gradients"])
-    device["total"] = sum(device.values())
-    host["total"] = sum(host.values())
-    return device, host
+    return max(layer_transient, loss_transient - gradient_bytes)

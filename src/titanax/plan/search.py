@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+from pallas_kernels.flash_attention.backends import BACKENDS as ATTENTION_BACKENDS
 from titanax.config import Config, ConfigError
 from titanax.plan.cluster import Cluster, layout_for
 from titanax.plan.cost_model import Estimate, estimate
@@ -82,13 +83,20 @@ def candidates(cfg: Config, cluster: Cluster):
                                  "mesh.data": rest // fsdp, "model.remat": remat,
                                  "train.grad_accum": accum, "train.offload_optimizer": offload[0],
                                  "train.offload_params": offload[1], **pipe}
-                    if pp > 1 and cfg.model.attention_impl == "cudnn":
-                        # JAX's cuDNN attention cannot be partitioned inside the pipeline's
-                        # shard_map (custom_partitioning fails to compile); 'auto' picks the
-                        # Pallas flash kernel there (Hopper) and is what such a run would use.
+                    if pp > 1 and not _runs_in_shard_map(cfg.model.attention_impl):
+                        # e.g. JAX's cuDNN attention cannot be partitioned inside the
+                        # pipeline's shard_map (custom_partitioning fails to compile); 'auto'
+                        # picks a flash kernel there and is what such a run would use.
                         overrides["model.attention_impl"] = "auto"
                         label += " attention=auto"
                     yield label, overrides
+
+
+def _runs_in_shard_map(attention_impl: str) -> bool:
+    """Whether the attention backend compiles inside a pipeline stage's jax.shard_map (the
+    backend table's capability; 'auto' chooses one that does)."""
+    b = ATTENTION_BACKENDS.get(attention_impl)
+    return b is None or b.in_shard_map
 
 
 def search(cfg: Config, cluster: Cluster) -> tuple[list[Candidate], list[Candidate]]:

@@ -16,8 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from titanax.config import ModelConfig
-from titanax.perf.hardware import lookup_device
+from titanax.hardware import lookup_device
 
 # The formula lives with the model specs (models/spec.py); re-exported for the writers here.
 from titanax.models.spec import FLOP_FORMULA, flops_per_token  # noqa: E402,F401

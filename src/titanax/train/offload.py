@@ -32,8 +32,9 @@ non-finite guard compute:
    or the device, and at most one layer's moments and weights are on the device at once. Each
    iteration clips with the global norm, runs optax's own AdamW (optim.py's chain without the
    clip, on trees whose other leaves are empty: the math is elementwise, step count and
-   learning rate are scalars), writes the fp8_delayed amax histories (their "gradients" are
-   the new values) and applies the guard, all elementwise.
+   learning rate are scalars) and applies the guard, all elementwise. (fp8_delayed's amax
+   histories are not parameters: they live in the train state's 'fp8', in device memory,
+   and the train step writes them.)
 Elementwise means the layer order is irrelevant (circular pipelines store the stack
 stage-major). With mesh.pipeline > 1 the stack is sharded on 'pipeline' along the layer axis,
 and the scans run inside a shard_map over 'pipeline', each stage over its own L/PP rows (a
@@ -47,11 +48,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from titanax import ops
 from titanax.config import Config
-from titanax.ops.linear import _is_meta
 
 HOST = "pinned_host"  # memory kind of offloaded leaves between steps
 _LAYERS = "layers"
@@ -95,8 +95,9 @@ def _host_sharding(s: NamedSharding) -> NamedSharding:
 
 
 def place_state(cfg: Config, tx, shardings):
-    """The train state's shardings ({'step', 'params', 'opt_state'}) with the leaves the
-    train.offload_* options move in pinned host memory."""
+    """The train state's shardings ({'step', 'params', 'opt_state'[, 'fp8']}) with the leaves
+    the train.offload_* options move in pinned host memory ('fp8', fp8_delayed's small amax
+    histories, stays in device memory)."""
     if not enabled(cfg):
         return shardings
     out = dict(shardings)
@@ -185,47 +186,49 @@ def _moment_kinds(tx, opt_state, params) -> list[int]:
     return jax.tree.leaves(kinds)
 
 
-def streamed_update(cfg: Config, tx, grads, fp8_meta, opt_state, params, grad_norm, finite):
-    """(new params, new opt_state), as train_step computes them without offload:
-        updates, new_state = tx.update(grads, opt_state, params)
-        new = merge_fp8_meta(optax.apply_updates(params, updates), fp8_meta)
-        both kept at their old values where not `finite`
-    with the stacked layers' leaves streamed a layer at a time. grads: with the amax histories
-    zeroed (ops.split_fp8_meta); fp8_meta: the raw gradients, whose history leaves are the
-    new histories; grad_norm: the global norm of grads; finite: a scalar bool."""
-    inner = _adamw(cfg)
-    inner_state = tuple(opt_state[-1:])  # (adamw_state,)
+def _inner_state(cfg: Config, inner, opt_state, params):
+    """opt_state's (adamw_state,), checked to be what optim.py's optimizer builds."""
+    inner_state = tuple(opt_state[-1:])
     if (len(opt_state) != (2 if cfg.optim.clip_norm > 0 else 1)
             or jax.tree.structure(inner.init(params)) != jax.tree.structure(inner_state)):
         raise ValueError("train/offload.py expects optim.py's optimizer, chain("
                          "[clip_by_global_norm,] adamw); teach streamed_update the new one")
+    return inner_state
+
+
+def streamed_update(cfg: Config, tx, grads, opt_state, params, grad_norm, finite):
+    """(new params, new opt_state), as train_step computes them without offload:
+        updates, new_state = tx.update(grads, opt_state, params)
+        new = optax.apply_updates(params, updates)
+        both kept at their old values where not `finite`
+    with the stacked layers' leaves streamed a layer at a time. grad_norm: the global norm of
+    grads; finite: a scalar bool. (fp8_delayed's histories are not parameters: the train step
+    writes them, train/step.py.)"""
+    inner = _adamw(cfg)
+    inner_state = _inner_state(cfg, inner, opt_state, params)
     clip = _clip_fn(cfg.optim.clip_norm, grad_norm)
     keep = lambda new, old: jnp.where(finite, new, old)
 
     p_flat, p_def = jax.tree_util.tree_flatten_with_path(params)
     p_leaves = [x for _, x in p_flat]
     p_layer = [is_layer_path(path) for path, _ in p_flat]
-    p_meta = [_is_meta(path) for path, _ in p_flat]
     g_leaves = p_def.flatten_up_to(grads)
-    m_leaves = p_def.flatten_up_to(fp8_meta)
     s_leaves, s_def = jax.tree.flatten(inner_state)
     s_kind = _moment_kinds(inner, inner_state, params)
 
-    def update(p, g, m, s):
+    def update(p, g, s):
         """optax's AdamW on flat leaf lists of the full trees (the part at hand real, the
-        rest _empty): (new params leaves, new state leaves), fp8 histories written."""
+        rest _empty): (new params leaves, new state leaves)."""
         p_tree = jax.tree.unflatten(p_def, p)
         updates, new_s = inner.update(jax.tree.unflatten(p_def, [clip(x) for x in g]),
                                       jax.tree.unflatten(s_def, s), p_tree)
-        new_p = ops.merge_fp8_meta(optax.apply_updates(p_tree, updates),
-                                   jax.tree.unflatten(p_def, m))
-        return p_def.flatten_up_to(new_p), jax.tree.leaves(new_s)
+        return p_def.flatten_up_to(optax.apply_updates(p_tree, updates)), jax.tree.leaves(new_s)
 
     # --- outside the layer stack: whole leaves ------------------------------------------------
     rest = lambda leaves: [_empty(x) if l else _to_device(x) for x, l in zip(leaves, p_layer)]
     s_rest = [_empty(x) if k == _LAYER_MOMENT else _to_device(x)
               for x, k in zip(s_leaves, s_kind)]
-    new_p_rest, new_s_rest = update(rest(p_leaves), rest(g_leaves), rest(m_leaves), s_rest)
+    new_p_rest, new_s_rest = update(rest(p_leaves), rest(g_leaves), s_rest)
     new_p = [x if l else keep(n, x) for x, n, l in zip(p_leaves, new_p_rest, p_layer)]
     new_s = [x if k == _LAYER_MOMENT else _like(keep(n, _to_device(x)), x)
              for x, n, k in zip(s_leaves, new_s_rest, s_kind)]
@@ -233,50 +236,52 @@ def streamed_update(cfg: Config, tx, grads, fp8_meta, opt_state, params, grad_no
     # --- the layer stack: one layer at a time ---------------------------------------------
     lp = [i for i, l in enumerate(p_layer) if l]  # its leaves among params
     ls = [i for i, k in enumerate(s_kind) if k == _LAYER_MOMENT]  # ... among the moments
-    new_tree = lambda: (jax.tree.unflatten(p_def, new_p),
-                        (*opt_state[:-1], *jax.tree.unflatten(s_def, new_s)))
-    if not lp:
-        return new_tree()
-    lm = [i for i in lp if p_meta[i]]  # the fp8 histories among them
+    if lp:
+        counts = {k: x for k, (x, kind) in enumerate(zip(s_leaves, s_kind)) if kind == _OTHER}
+        scan = _layer_scan(update, keep, lp, ls, p_leaves, s_leaves)
+        new_lp, new_ls = _per_stage(
+            scan, ([p_leaves[k] for k in lp], [s_leaves[k] for k in ls],
+                   [g_leaves[k] for k in lp]), counts)
+        for k, x in zip(lp, new_lp):
+            new_p[k] = x
+        for k, x in zip(ls, new_ls):
+            new_s[k] = x
+    return (jax.tree.unflatten(p_def, new_p),
+            (*opt_state[:-1], *jax.tree.unflatten(s_def, new_s)))
 
-    def layer_scan(stacked, replicated):
-        ps, ss, gs, ms = stacked
-        counts = replicated  # the _OTHER leaves of the state (step counts): all layers share them
+
+def _layer_scan(update, keep, lp, ls, p_leaves, s_leaves):
+    """layer_scan((params rows, moment rows, gradient rows), counts) for _per_stage: a
+    lax.scan over the stacked layers, updating each layer's rows in place. lp / ls: indices of
+    the stacked leaves among the params / state leaves; counts: {index: the _OTHER state
+    leaves (step counts), which all layers share}."""
+    def layer_scan(stacked, counts):
+        ps, ss, gs = stacked
 
         def body(carry, xs):
             ps, ss = carry
-            i, g, m = xs
+            i, g = xs
             row = lambda x: _to_device(jax.lax.dynamic_index_in_dim(x, i, keepdims=False))
             p_i, s_i = [row(x) for x in ps], [row(x) for x in ss]
-            p, gv, mv = ([_empty(x) for x in p_leaves] for _ in range(3))
+            p, gv = [_empty(x) for x in p_leaves], [_empty(x) for x in p_leaves]
             for j, k in enumerate(lp):
                 p[k], gv[k] = p_i[j], _to_device(g[j])
-            for j, k in enumerate(lm):
-                mv[k] = _to_device(m[j])
             s = [_empty(x) for x in s_leaves]
             for k, c in counts.items():
                 s[k] = c
             for j, k in enumerate(ls):
                 s[k] = s_i[j]
-            new_p_all, new_s_all = update(p, gv, mv, s)
+            new_p_all, new_s_all = update(p, gv, s)
             write = lambda x, new, old: jax.lax.dynamic_update_index_in_dim(
                 x, _like(keep(new, old), x), i, 0)
             ps = [write(x, new_p_all[k], p_i[j]) for j, (k, x) in enumerate(zip(lp, ps))]
             ss = [write(x, new_s_all[k], s_i[j]) for j, (k, x) in enumerate(zip(ls, ss))]
             return (ps, ss), None
 
-        (ps, ss), _ = jax.lax.scan(body, (ps, ss), (jnp.arange(ps[0].shape[0]), gs, ms))
+        (ps, ss), _ = jax.lax.scan(body, (ps, ss), (jnp.arange(ps[0].shape[0]), gs))
         return ps, ss
 
-    counts = {k: x for k, (x, kind) in enumerate(zip(s_leaves, s_kind)) if kind == _OTHER}
-    new_lp, new_ls = _per_stage(
-        layer_scan, ([p_leaves[k] for k in lp], [s_leaves[k] for k in ls],
-                     [g_leaves[k] for k in lp], [m_leaves[k] for k in lm]), counts)
-    for k, x in zip(lp, new_lp):
-        new_p[k] = x
-    for k, x in zip(ls, new_ls):
-        new_s[k] = x
-    return new_tree()
+    return layer_scan
 
 
 def _like(value, where):

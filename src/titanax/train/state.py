@@ -8,12 +8,14 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from titanax.config import Config
 from titanax.models.registry import model_spec
-from titanax.parallel.mesh import check_layout
+from titanax.ops.linear import Fp8Meta
 from titanax.parallel.layer_order import to_storage_order
+from titanax.parallel.mesh import check_layout
 from titanax.parallel.rules import activation_spec, model_context
 from titanax.train import offload
 
@@ -32,12 +34,18 @@ def _make_init(cfg: Config, tx: optax.GradientTransformation, mesh):
 
     def init():
         model = model_spec(cfg.model).build(cfg.model, rngs=nnx.Rngs(params=cfg.train.seed))
-        graphdef, params = nnx.split(model, nnx.Param)
+        # Split by type: the weights (the optimizer's) and fp8_delayed's amax histories (no
+        # one's but the train step's; exhaustive, so any other state would be an error here).
+        graphdef, params, fp8 = nnx.split(model, nnx.Param, Fp8Meta)
         # The same logical weights whatever the layout; only their order in the stack differs.
         params["layers"] = to_storage_order(params["layers"], stages, virtual)
         box["graphdef"] = graphdef
-        return {"step": jnp.zeros((), jnp.int32), "params": params,
-                "opt_state": tx.init(params)}
+        state = {"step": jnp.zeros((), jnp.int32), "params": params,
+                 "opt_state": tx.init(params)}
+        if jax.tree.leaves(fp8):  # fp8_delayed only: stacked like the layers they scale
+            fp8["layers"] = to_storage_order(fp8["layers"], stages, virtual)
+            state["fp8"] = fp8
+        return state
 
     return init, box
 
@@ -60,7 +68,9 @@ def abstract_train_state(cfg: Config, mesh, tx):
 
 
 def create_train_state(cfg: Config, mesh, tx):
-    """(graphdef, state, shardings); state = {'step', 'params', 'opt_state'}, on device."""
+    """(graphdef, state, shardings) on device; state = {'step', 'params', 'opt_state'} and,
+    under fp8_delayed, 'fp8': the amax histories (ops.Fp8Meta), outside params and so outside
+    the optimizer (no moments, no weight decay, not in the gradient norm)."""
     graphdef, _, shardings = abstract_train_state(cfg, mesh, tx)
     init, _ = _make_init(cfg, tx, mesh)
     with model_context(mesh):
@@ -76,3 +86,23 @@ def jit_train_step(cfg: Config, mesh, graphdef, shardings, tx, schedule):
     return jax.jit(make_train_step(cfg, graphdef, tx, schedule),
                    in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None),
                    donate_argnums=(0,))
+
+
+def jit_eval_step(cfg: Config, mesh, graphdef, shardings):
+    """eval_fn(state, batch) -> (summed NLL, token count): the eval step jitted as the loop
+    runs it, on the train state's params and, under fp8_delayed, its amax histories (the
+    forward pass scales its FP8 casts by them). Nothing is donated."""
+    from titanax.train.step import make_eval_step
+
+    batch_sharding = NamedSharding(mesh, activation_spec(("batch", "seq")))
+    fn = jax.jit(make_eval_step(cfg, graphdef),
+                 in_shardings=(shardings["params"], batch_sharding, shardings.get("fp8")))
+    return lambda state, batch: fn(state["params"], batch, state.get("fp8"))
+
+def fresh_fp8_state(abstract_state) -> dict:
+    """{'fp8': the amax histories at zero, as a new run starts them} under fp8_delayed, else
+    {}: for code that builds a train state around other parameters (HF import)."""
+    if "fp8" not in abstract_state:
+        return {}
+    return {"fp8": jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding),
+                                abstract_state["fp8"])}

@@ -10,30 +10,31 @@ from flax import nnx
 from pallas_kernels.target import target_platform
 from titanax import ops
 from titanax.config import Config
-from titanax.ops.linear import accumulate_grads, count_nonfinite_amax, mean_grads
 from titanax.parallel.pipeline import PipelineSchedule
 from titanax.train import offload
 
 
 def nll_sum(graphdef, params, batch, *, document_masking: bool, loss_chunk: int,
-            pipeline: PipelineSchedule | None = None):
+            pipeline: PipelineSchedule | None = None, fp8=None):
     """Sum of the per-token negative log-likelihood over the batch, float32 (the output layer
     and cross-entropy fused and chunked: no [B, S, V] logits). pipeline: stage the layers over
-    the mesh's 'pipeline' axis when it is > 1."""
-    model = nnx.merge(graphdef, params)
+    the mesh's 'pipeline' axis when it is > 1. fp8: the train state's 'fp8' (fp8_delayed's
+    amax histories, ops.Fp8Meta); None when the model has none."""
+    model = nnx.merge(graphdef, params, nnx.State({}) if fp8 is None else fp8)
     segment_ids = batch["segment_ids"] if document_masking else None
     return model.loss_sum(batch["inputs"], batch["targets"], batch["positions"], segment_ids,
                           pipeline=pipeline, loss_chunk=loss_chunk)
 
 
 def make_loss_fn(cfg: Config, graphdef):
-    """mean_loss(params, batch): the scalar the train step differentiates."""
+    """mean_loss(params, batch, fp8=None): the scalar the train step differentiates, with
+    respect to params and fp8 (whose "gradient" is its updated value)."""
     masking, chunk = cfg.data.document_masking, cfg.train.loss_chunk
     pipeline = PipelineSchedule.from_config(cfg.pipeline)
 
-    def mean_loss(params, batch):
+    def mean_loss(params, batch, fp8=None):
         total = nll_sum(graphdef, params, batch, document_masking=masking, loss_chunk=chunk,
-                        pipeline=pipeline)
+                        pipeline=pipeline, fp8=fp8)
         return total / batch["targets"].size
 
     return mean_loss
@@ -51,41 +52,50 @@ def _keep_if_finite(finite, new, old):
     return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
 
 
-def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation, schedule):
+def _grads(cfg: Config, grad_fn, params, fp8, batch):
+    """(mean loss, parameter gradients, new fp8 histories) of the batch; with train.grad_accum
+    its microbatches' gradients averaged and their histories combined by max_histories."""
     accum = cfg.train.grad_accum
+    if accum == 1:
+        loss, (grads, new_fp8) = grad_fn(params, batch, fp8)
+        return loss, grads, new_fp8
+    # Microbatches summed inside one step: [B, S] -> [accum, B/accum, S], one scan.
+    # Microbatch i takes rows i, i + accum, ...: every device keeps B/accum/devices of
+    # its own rows in each, so the batch sharding stays on the row axis (a leading
+    # [accum] split would put it on the scanned axis and reshard every microbatch).
+    micro = jax.tree.map(lambda x: x.reshape(-1, accum, *x.shape[1:]).swapaxes(0, 1), batch)
+
+    def add(carry, mb):
+        loss, (grads, new_fp8) = grad_fn(params, mb, fp8)
+        total_loss, total, histories = carry
+        # fp8_delayed histories: the maximum over microbatches, not the sum (TE records the
+        # step's amax; ops.max_histories)
+        return (total_loss + loss, jax.tree.map(jnp.add, total, grads),
+                ops.max_histories(histories, new_fp8)), None
+
+    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params),
+             jax.tree.map(jnp.zeros_like, fp8))
+    (loss, grads, new_fp8), _ = jax.lax.scan(add, zeros, micro)
+    return loss / accum, jax.tree.map(lambda g: g / accum, grads), new_fp8
+
+
+def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation, schedule):
+    """train_step(state, batch) -> (new state, metrics). state: {'step', 'params', 'opt_state'}
+    and, under fp8_delayed, 'fp8' (train/state.py); the optimizer sees 'params' alone."""
     offload_update = offload.enabled(cfg)
-    grad_fn = jax.value_and_grad(make_loss_fn(cfg, graphdef))
+    # d/d(params) and d/d(fp8): fp8_linear's custom VJP returns the updated amax histories as
+    # the "gradient" of the histories it was given; they are the step's new fp8 state.
+    grad_fn = jax.value_and_grad(make_loss_fn(cfg, graphdef), argnums=(0, 2))
 
     def train_step(state, batch):
-        params = state["params"]
-        if accum == 1:
-            loss, grads = grad_fn(params, batch)
-        else:
-            # Microbatches summed inside one step: [B, S] -> [accum, B/accum, S], one scan.
-            # Microbatch i takes rows i, i + accum, ...: every device keeps B/accum/devices of
-            # its own rows in each, so the batch sharding stays on the row axis (a leading
-            # [accum] split would put it on the scanned axis and reshard every microbatch).
-            micro = jax.tree.map(
-                lambda x: x.reshape(-1, accum, *x.shape[1:]).swapaxes(0, 1), batch)
-
-            def add(carry, mb):
-                loss, grads = grad_fn(params, mb)
-                # fp8_delayed histories: the maximum over microbatches, not the sum (TE records
-                # the step's amax; accumulate_grads in ops/linear.py)
-                return (carry[0] + loss, accumulate_grads(carry[1], grads)), None
-
-            zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-            (loss, grads), _ = jax.lax.scan(add, zeros, micro)
-            loss, grads = loss / accum, mean_grads(grads, accum)
-        # fp8_delayed: the amax histories (ops.Fp8Meta, inside params) get their updated values
-        # as "gradients"; they bypass the optimizer and the norm and are written back below.
-        grads, fp8_meta = ops.split_fp8_meta(grads)
+        params, fp8 = state["params"], state.get("fp8", nnx.State({}))
+        loss, grads, new_fp8 = _grads(cfg, grad_fn, params, fp8, batch)
         # (offload_params: the layers' gradients are in host memory, read a layer at a time)
         grad_norm = offload.global_norm(grads) if offload_update else optax.tree.norm(grads)
         # A non-finite amax (inf/NaN in an FP8 operand, e.g. an overflowing gradient that the
         # saturating cast hid from the loss) would sit in its history for model.fp8_amax_history
         # steps, each of them scaled by 1.0: the step is skipped instead, histories included.
-        nonfinite_amax = count_nonfinite_amax(fp8_meta)
+        nonfinite_amax = ops.count_nonfinite_amax(new_fp8)
         # One NaN/inf (an overflow, a broken batch) would poison the weights and Adam's moments
         # for good: such a step keeps the old ones. 'step' still advances (a batch was consumed;
         # the data position and the step count stay in lockstep) and the loop counts the skip.
@@ -94,14 +104,17 @@ def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation, sch
             # Host-resident moments / layer weights: the same update, streamed one layer at a
             # time through the device (train/offload.py), the guard folded in.
             new_params, new_opt_state = offload.streamed_update(
-                cfg, tx, grads, fp8_meta, state["opt_state"], params, grad_norm, finite)
+                cfg, tx, grads, state["opt_state"], params, grad_norm, finite)
+            new_fp8 = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_fp8, fp8)
         else:
             updates, opt_state = tx.update(grads, state["opt_state"], params)
-            new_params = ops.merge_fp8_meta(optax.apply_updates(params, updates), fp8_meta)
-            new_params, new_opt_state = _keep_if_finite(
-                finite, (new_params, opt_state), (params, state["opt_state"]))
+            new_params, new_opt_state, new_fp8 = _keep_if_finite(
+                finite, (optax.apply_updates(params, updates), opt_state, new_fp8),
+                (params, state["opt_state"], fp8))
         new_state = {"step": state["step"] + 1, "params": new_params,
                      "opt_state": new_opt_state}
+        if "fp8" in state:
+            new_state["fp8"] = new_fp8
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]),
                    "skipped": (~finite).astype(jnp.int32), "fp8_nonfinite_amax": nonfinite_amax}
         return new_state, metrics
@@ -113,9 +126,11 @@ def make_eval_step(cfg: Config, graphdef):
     masking, chunk = cfg.data.document_masking, cfg.train.loss_chunk
     pipeline = PipelineSchedule.from_config(cfg.pipeline)
 
-    def eval_step(params, batch):
+    def eval_step(params, batch, fp8=None):
+        """fp8: the train state's 'fp8' (needed under fp8_delayed: the histories scale the
+        forward pass)."""
         total = nll_sum(graphdef, params, batch, document_masking=masking, loss_chunk=chunk,
-                        pipeline=pipeline)
+                        pipeline=pipeline, fp8=fp8)
         return total, jnp.asarray(batch["targets"].size, jnp.float32)
 
     return eval_step

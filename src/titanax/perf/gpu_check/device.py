@@ -10,15 +10,16 @@ import subprocess
 
 import jax
 
+from pallas_kernels.flash_attention.backends import GPU_FALLBACK, generation_kernels
 from pallas_kernels.target import compute_capability
-from titanax.perf.hardware import HARDWARE, lookup_device
+from titanax.hardware import HARDWARE, lookup_device
 
 # ptxas_report targets: GB200 carries the B200's chip (compute capability 10.0, sm_100a code).
 _PTXAS_KIND = {"h100": "h100", "h200": "h200", "b200": "b200", "gb200": "b200"}
 
 
 def gpu_key(device_kind: str) -> str | None:
-    """'h100', 'h200', 'b200' or 'gb200' (perf/hardware.py's keys) for a jax device_kind."""
+    """'h100', 'h200', 'b200' or 'gb200' (hardware.py's keys) for a jax device_kind."""
     hw = lookup_device(device_kind)
     return next((k for k, v in HARDWARE.items() if v is hw), None) if hw else None
 
@@ -27,7 +28,8 @@ def our_attention_impl() -> str:
     """The flash attention kernel written for this GPU: named explicitly, never 'auto' (whose
     choice may change), so the numbers say which kernel they are."""
     major = (compute_capability() or (0, 0))[0]
-    return {9: "mosaic_sm90", 10: "mosaic_sm100"}.get(major, "triton")
+    ours = generation_kernels(major)
+    return ours[0].name if ours else GPU_FALLBACK
 
 
 def _version(dist: str) -> str | None:

@@ -23,7 +23,8 @@ import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.flash_attention import attention_reference, flash_attention
-from pallas_kernels.flash_attention.api import mosaic_unsupported
+from pallas_kernels.flash_attention.backends import GPU_FALLBACK, GPU_VENDOR, KERNEL_IMPLS, backend
+from pallas_kernels.flash_attention.resolve import unsupported
 from pallas_kernels.fp8 import fp8_matmul, quantize_mxfp8, quantize_tensorwise
 from pallas_kernels.fp8.config import E4M3, Sm90Config, Sm100Config
 from pallas_kernels.fp8.matmul_sm90 import supported as sm90_supported
@@ -33,7 +34,9 @@ from pallas_kernels.target import compute_capability
 
 ATTN_TOL = 2e-2  # bf16, flash_attention_test.py TOL
 FP8_TOL = 8e-3  # bf16 output, test_sm90.py / test_matmul.py
-ATTN_IMPLS = ("mosaic_sm90", "mosaic_sm100", "triton", "cudnn")
+# Every GPU generation's kernel (n/a off its generation), the portable one, and cuDNN.
+ATTN_IMPLS = (*(n for n in KERNEL_IMPLS if backend(n).compute_capability), GPU_FALLBACK,
+              GPU_VENDOR)
 HEAD_DIMS = (128, 64, 256)  # 70B's first: a budget that runs short drops the others
 # (B, S, Hq, Hkv): S off the block grid, so padding and key tails are checked too.
 ATTN_SHAPE = {False: (2, 1000, 16, 2), True: (1, 100, 2, 1)}
@@ -62,10 +65,10 @@ def _packed(B, S):
 
 def _attn_na(impl: str, D: int, segments: bool, major: int, dry: bool) -> str | None:
     """Why impl cannot run this case here (recorded as n/a), or None."""
-    why = mosaic_unsupported(impl, jnp.bfloat16, D) if impl.startswith("mosaic") else None
+    why = unsupported(impl, jnp.bfloat16, D)
     if why:
         return why
-    need = {"mosaic_sm90": 9, "mosaic_sm100": 10}.get(impl)
+    need = backend(impl).compute_capability
     if dry:
         if need and (D != 64 or not segments):
             return ("dry run: the Mosaic GPU interpreter (~5 s a case) runs the training case "

@@ -1,5 +1,6 @@
 """Sections 4 and 5: attention and FP8 GEMM throughput at Llama-3-70B shapes, measured by the
-benchmarks' own code (launch/bench_attention.py, launch/bench_fp8.py), so gpu_check and
+benchmarks' own code (pallas_kernels/flash_attention/bench.py, pallas_kernels/fp8/bench.py,
+which launch/bench_attention.py and launch/bench_fp8.py run), so gpu_check and
 `python -m launch.bench` report the same numbers for the same case.
 
 Attention (FlashAttention papers' count): fwd FLOPs = 4*B*S^2*Hq*D / 2 (causal), bwd = 2.5 x
@@ -13,11 +14,9 @@ GEMMs: FLOPs = 2*M*N*K at M = 8192 tokens and (K, N) = (8192, 8192), (8192, 2867
 
 from __future__ import annotations
 
-import json
-import pathlib
-import tempfile
-
-from launch import bench_attention, bench_fp8
+from pallas_kernels.flash_attention import bench as bench_attention
+from pallas_kernels.fp8 import bench as bench_fp8
+from pallas_kernels.fp8.backends import SCALINGS, generation_kernels
 from pallas_kernels.target import compute_capability
 from titanax.perf.gpu_check.device import our_attention_impl
 
@@ -56,21 +55,18 @@ def _fp8_impls(dry: bool) -> list[str]:
     if dry:
         return ["bf16", "xla_fp8", "xla_mx", "pallas_grid"]  # the grid kernel, interpreted
     major = (compute_capability() or (0, 0))[0]
-    ours = {9: ["sm90"], 10: ["sm100"]}.get(major, [])
+    ours = [m.name for s in SCALINGS for m in generation_kernels(major, s)]
     # Hopper has no MX hardware: xla_mx there is XLA's own lowering, kept for the record.
     return ["bf16", "xla_fp8", "xla_mx"] + ours
 
 
 def fp8_section(ctx) -> None:
     impls = _fp8_impls(ctx.dry_run)
-    argv = ["--tokens", "8192", "--iters", "2" if ctx.dry_run else "20", "--impls", *impls]
-    if ctx.dry_run:
-        argv += ["--scale", "64"]
-    ctx.note(impls=impls, argv=" ".join(argv), flops="2*M*N*K; TFLOP/s = FLOPs / median time")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = pathlib.Path(tmp) / "fp8.json"
-        bench_fp8.main(argv + ["--out", str(out)])
-        data = json.loads(out.read_text())
+    kw = dict(tokens=8192, scale=64 if ctx.dry_run else 1, iters=2 if ctx.dry_run else 20)
+    argv = (f"--tokens {kw['tokens']} --iters {kw['iters']} --impls {' '.join(impls)}"
+            + (f" --scale {kw['scale']}" if ctx.dry_run else ""))  # the launch.bench fp8 twin
+    ctx.note(impls=impls, argv=argv, flops="2*M*N*K; TFLOP/s = FLOPs / median time")
+    data = bench_fp8.run(impls=impls, **kw)
     ctx.note(device=data["device"], scale=data["scale"])
     by_shape: dict[tuple, dict] = {}
     for r in data["rows"]:

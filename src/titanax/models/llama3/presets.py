@@ -1,12 +1,8 @@
 """Llama 3 dimensions, one table. Parameter counts (untied output layer) from
-titanax.models.llama.count_params: llama3_8b 8,030,261,248; llama3_70b 70,553,706,496;
+model_spec('llama3').count_params: llama3_8b 8,030,261,248; llama3_70b 70,553,706,496;
 llama3_405b 405,853,388,800 (tested)."""
 
 from __future__ import annotations
-
-import dataclasses
-
-from titanax.config import ModelConfig
 
 _LLAMA3_COMMON = dict(rope_theta=500000.0, rope_scaling="llama3", rope_factor=8.0,
                       rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
@@ -25,9 +21,3 @@ PRESETS: dict[str, dict] = {
     "llama3_405b": dict(_LLAMA3_COMMON, d_model=16384, n_layers=126, n_heads=128, n_kv_heads=8,
                         ffn_dim=53248),
 }
-
-
-def preset(name: str, **overrides) -> ModelConfig:
-    if name not in PRESETS:
-        raise KeyError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}")
-    return dataclasses.replace(ModelConfig(**PRESETS[name]), **overrides)

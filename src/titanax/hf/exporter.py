@@ -1,8 +1,10 @@
-"""A titanax checkpoint -> a Hugging Face Llama folder (config.json, generation_config.json,
-safetensors shards with model.safetensors.index.json, tokenizer files).
+"""A titanax checkpoint -> a Hugging Face folder (config.json, generation_config.json,
+safetensors shards with model.safetensors.index.json, tokenizer files), for whichever
+architecture the checkpoint's model.arch names (its tensor table and config.json from
+models/*/hf.py).
 
 Streaming: tensors are read from the orbax checkpoint a slice at a time (checkpoint/reader.py)
-and written into one shard at a time (checkpoint/safetensors_io.py), so host memory holds at
+and written into one shard at a time (hf/safetensors_io.py), so host memory holds at
 most one block of layers of one parameter (no more than --max-shard-size) plus one converted
 tensor, never the model.
 """
@@ -20,10 +22,11 @@ import shutil
 import ml_dtypes
 import numpy as np
 
-from titanax.checkpoint import hf
 from titanax.checkpoint.reader import CheckpointReader
-from titanax.checkpoint.safetensors_io import StreamingWriter, dtype_name
 from titanax.config import Config
+from titanax.hf.safetensors_io import StreamingWriter, dtype_name
+from titanax.hf.tokenizer import write_tokenizer
+from titanax.models.registry import model_spec
 from titanax.parallel.layer_order import stored_position
 
 EXPORT_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32),
@@ -91,7 +94,7 @@ def _plan_shards(table, itemsize: int, max_bytes: int) -> list[list]:
 
 def _check_params(reader: CheckpointReader, cfg: Config) -> None:
     stored = reader.params()
-    for t in hf.tensor_table(cfg.model):
+    for t in model_spec(cfg.model).hf.tensor_table(cfg.model):
         want = t.shape if t.layer is None else (cfg.model.n_layers, *t.shape)
         got = stored.get(t.param, (None,))[0]
         if got != want:
@@ -99,33 +102,58 @@ def _check_params(reader: CheckpointReader, cfg: Config) -> None:
                              f"shape {got}, but its config implies {want}")
 
 
-def _write_tokenizer(tok_path: pathlib.Path, out: pathlib.Path, max_len: int):
-    from titanax.data.tokenizer import Tokenizer
+def _write_shards(reader: CheckpointReader, cfg: Config, shards, tmp: pathlib.Path,
+                  out_dtype, max_shard_bytes: int, bar) -> int:
+    """Writes every shard and the index into tmp; returns the tensor bytes written."""
+    stored = reader.params()
+    position = stored_position(cfg)  # circular-pipeline runs store layers stage-major
+    blocks = _LayerBlocks(reader, max_shard_bytes)
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        plan = [(t.name, t.hf_shape, dtype_name(out_dtype)) for t in shard]
+        with StreamingWriter(tmp / name, plan, metadata={"format": "pt"}) as writer:
+            for t in shard:
+                if t.layer is None:
+                    ours = reader.read(t.param)
+                else:
+                    per_layer = math.prod(t.shape) * stored[t.param][1].itemsize
+                    ours = blocks.get(t.param, int(position[t.layer]), cfg.model.n_layers,
+                                      per_layer)
+                writer.write(t.name, t.to_hf(ours).astype(out_dtype))
+                weight_map[t.name] = name
+                total += math.prod(t.hf_shape) * out_dtype.itemsize
+                if bar is not None:
+                    bar.update(1)
+    blocks.block = None
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return total
 
-    tok = Tokenizer.load(tok_path)
-    shutil.copyfile(tok_path, out / "tokenizer.json")
-    shipped = tok_path.with_name("tokenizer_config.json")
-    if shipped.is_file():  # an imported HF tokenizer keeps its own (chat template, ...)
-        shutil.copyfile(shipped, out / "tokenizer_config.json")
-    else:
-        from tokenizers import Tokenizer as HFTokenizer
 
-        hf_tok = HFTokenizer.from_file(str(tok_path))
-        config = {"tokenizer_class": "PreTrainedTokenizerFast",
-                  "bos_token": hf_tok.id_to_token(tok.bos_id) if tok.bos_id is not None else None,
-                  "eos_token": hf_tok.id_to_token(tok.eos_id),
-                  "model_max_length": max_len, "clean_up_tokenization_spaces": False}
-        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return tok.bos_id, tok.eos_id
+def _write_configs(cfg: Config, workdir: pathlib.Path, tmp: pathlib.Path, dtype: str):
+    """Tokenizer files, config.json (the architecture's) and generation_config.json; returns
+    the tokenizer's path (None when the run has none)."""
+    from titanax.generate import find_tokenizer
+
+    tok_path = find_tokenizer(cfg, workdir)
+    bos_id = eos_id = None
+    if tok_path is not None:
+        bos_id, eos_id = write_tokenizer(tok_path, tmp, cfg.model.max_seq_len)
+    config = model_spec(cfg.model).hf.to_config(cfg.model, dtype=dtype, bos_id=bos_id,
+                                                 eos_id=eos_id)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation = {"bos_token_id": bos_id, "eos_token_id": eos_id}
+    (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    return tok_path
 
 
 def export_hf(workdir: str | pathlib.Path, out: str | pathlib.Path, *, step: int | None = None,
               dtype: str = "bfloat16", max_shard_bytes: int = 5 * 10**9,
               progress: bool = True) -> ExportResult:
-    """Writes the run's checkpoint (latest, or `step`) to `out` as an HF LlamaForCausalLM folder.
-    `out` must not exist or be empty; the folder appears complete or not at all."""
-    from titanax.generate import find_tokenizer
-
+    """Writes the run's checkpoint (latest, or `step`) to `out` as an HF folder of its
+    architecture (e.g. LlamaForCausalLM). `out` must not exist or be empty;
+    the folder appears complete or not at all."""
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"dtype {dtype!r}: choose one of {list(EXPORT_DTYPES)}")
     out = pathlib.Path(out)
@@ -134,12 +162,12 @@ def export_hf(workdir: str | pathlib.Path, out: str | pathlib.Path, *, step: int
     workdir = pathlib.Path(workdir)
     reader = CheckpointReader(workdir / "checkpoints", step)
     cfg = Config.from_dict(reader.config_dict)
+    if model_spec(cfg.model).hf is None:
+        raise ValueError(f"model.arch={cfg.model.arch!r} has no Hugging Face export")
     _check_params(reader, cfg)
     out_dtype = EXPORT_DTYPES[dtype]
-    table = hf.tensor_table(cfg.model)
+    table = model_spec(cfg.model).hf.tensor_table(cfg.model)
     shards = _plan_shards(table, out_dtype.itemsize, max_shard_bytes)
-    stored = reader.params()
-    position = stored_position(cfg)  # circular-pipeline runs store layers stage-major
 
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -150,38 +178,10 @@ def export_hf(workdir: str | pathlib.Path, out: str | pathlib.Path, *, step: int
             from tqdm import tqdm
 
             bar = tqdm(total=len(table), desc="export", unit="tensor", dynamic_ncols=True)
-        blocks = _LayerBlocks(reader, max_shard_bytes)
-        weight_map, total = {}, 0
-        for i, shard in enumerate(shards):
-            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            plan = [(t.name, t.hf_shape, dtype_name(out_dtype)) for t in shard]
-            with StreamingWriter(tmp / name, plan, metadata={"format": "pt"}) as writer:
-                for t in shard:
-                    if t.layer is None:
-                        ours = reader.read(t.param)
-                    else:
-                        per_layer = math.prod(t.shape) * stored[t.param][1].itemsize
-                        ours = blocks.get(t.param, int(position[t.layer]), cfg.model.n_layers,
-                                          per_layer)
-                    writer.write(t.name, t.to_hf(ours).astype(out_dtype))
-                    weight_map[t.name] = name
-                    total += math.prod(t.hf_shape) * out_dtype.itemsize
-                    if bar is not None:
-                        bar.update(1)
+        total = _write_shards(reader, cfg, shards, tmp, out_dtype, max_shard_bytes, bar)
         if bar is not None:
             bar.close()
-        blocks.block = None
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-
-        tok_path = find_tokenizer(cfg, workdir)
-        bos_id = eos_id = None
-        if tok_path is not None:
-            bos_id, eos_id = _write_tokenizer(tok_path, tmp, cfg.model.max_seq_len)
-        config = hf.hf_config(cfg.model, dtype=dtype, bos_id=bos_id, eos_id=eos_id)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        generation = {"bos_token_id": bos_id, "eos_token_id": eos_id}
-        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        tok_path = _write_configs(cfg, workdir, tmp, dtype)
         if out.exists():
             out.rmdir()  # empty, checked above
         os.replace(tmp, out)

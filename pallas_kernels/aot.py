@@ -13,6 +13,9 @@ The target configs are XLA's GpuTargetConfigProto text: the chip's SM count, sha
 (the 227 KiB opt-in per block is what a Pallas/Mosaic kernel may use, so an over-budget kernel
 fails the compile as it would on the chip), registers, clocks, and the compute capability that
 picks sm_90a / sm_100a code generation.
+
+Here in pallas_kernels (not titanax) because the kernels' own tests compile with it, and the
+kernel package imports nothing from titanax; titanax's planner and perf tools import it too.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import os
 import pathlib
 import sys
 
-REPO = pathlib.Path(__file__).resolve().parents[3]
+REPO = pathlib.Path(__file__).resolve().parents[1]
 CUDA_PLUGIN_DIR = REPO / ".venv" / "cuda-plugin"
 
 _DEVICE_INFO = """\

@@ -80,7 +80,7 @@ class PreemptionWatch:
         self.received: int | None = None  # the first signal's number
         self._previous: dict[int, object] = {}
 
-    def __enter__(self) -> "PreemptionWatch":
+    def __enter__(self) -> PreemptionWatch:
         STOPPING.reset(watching=True)  # a run in this process (tests run several) starts afresh
         # Python delivers signals to the main thread only; a loop running in another thread
         # (a notebook worker, a test harness) keeps the default behaviour.

@@ -1,0 +1,80 @@
+"""What the Mosaic GPU attention kernels of both generations share (kernel_sm90*.py for Hopper,
+kernel_sm100*.py for Blackwell): the mask value, log2 units, the interpreter switch, the causal
+launch order, mask and column-slice helpers, and the grid-kernel backward the Mosaic forwards
+fall back to where their own backward does not fit. One module every kernel file imports, so
+no kernel file imports another (no private cross-imports, no import cycles).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from . import kernel_bwd
+from .config import default_config
+
+# Finite and small enough that (score * log2(e)) cannot overflow to -inf in float32.
+MASK = -1e30
+# The Mosaic kernels run the softmax in log2 units (exp2) and save the log-sum-exp in them.
+LOG2E = math.log2(math.e)
+# Columns per TMEM -> SMEM epilogue piece: one 128-byte swizzle tile of a bf16 output.
+COLUMN_SLICE = 64
+
+
+def interpret_ctx(interpret: bool):
+    # The Mosaic GPU interpreter (CPU) models SMEM, mbarriers, TMA and wgmma.
+    return plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()) if interpret \
+        else contextlib.nullcontext()
+
+
+def q_block(name: str, n_blocks: int, causal: bool):
+    """This CTA's query block. Causal: the last (longest: it sees the most keys) launch first,
+    so the short diagonal-only blocks fill the tail of the grid instead of leaving SMs idle
+    behind one long block (FlashAttention-3's scheduling)."""
+    i = lax.axis_index(name)
+    return n_blocks - 1 - i if causal else i
+
+
+def tile_mask(q_base, k_base, shape, *, causal, kv_len, q_seg=None, k_seg=None, q_dim=0):
+    """Visibility of a [rows, cols] WGMMA tile; q_dim says which axis indexes queries. Built
+    from one id vector per axis, broadcast only in the comparisons: two full-tile int32 iotas
+    cost 2 x (tile / 128) registers per thread, enough to make the dkv kernel spill."""
+    def ids(axis, base):
+        vec = plgpu.broadcasted_iota(jnp.int32, (shape[axis],), 0,
+                                     layout=plgpu.Layout.WGMMA.reduce(1 - axis))
+        return vec + base
+    k_dim = 1 - q_dim
+    k_ids = ids(k_dim, k_base)
+    mask = lax.broadcast_in_dim(k_ids < kv_len, shape, [k_dim])
+    if causal:
+        q_ids = ids(q_dim, q_base)
+        mask &= (lax.broadcast_in_dim(k_ids, shape, [k_dim])
+                 <= lax.broadcast_in_dim(q_ids, shape, [q_dim]))
+    if q_seg is not None:
+        mask &= (lax.broadcast_in_dim(q_seg, shape, [q_dim])
+                 == lax.broadcast_in_dim(k_seg, shape, [k_dim]))
+    return mask
+
+
+def column_slices(d: int, width: int = COLUMN_SLICE):
+    """O's columns in `width`-wide pieces: a warpgroup holding all of O in registers (D
+    floats per thread: 256 at head_dim 256) spills."""
+    return [pl.ds(c, min(width, d - c)) for c in range(0, d, width)]
+
+
+def grid_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, *, scale, causal, kv_len, config, interpret):
+    """A Mosaic forward's backward on the grid kernels (kernel_bwd.py) with their own tiles for
+    this head_dim (the Mosaic config's 64-row ones overflow SMEM at 256), from the forward's
+    log2-unit log-sum-exp."""
+    tri = default_config("triton", q.shape[-1])
+    grid_cfg = dataclasses.replace(config, block_q_bwd=tri.block_q_bwd,
+                                   block_kv_bwd=tri.block_kv_bwd, num_warps=tri.num_warps,
+                                   num_stages_bwd=tri.num_stages_bwd)
+    return kernel_bwd.flash_bwd(q, k, v, o, lse2 / LOG2E, do, q_seg, kv_seg, config=grid_cfg,
+                                scale=scale, causal=causal, kv_len=kv_len, interpret=interpret)

@@ -1,0 +1,101 @@
+"""What flash_attention(impl='auto') means here, read from the backend table (backends.py).
+
+On GPU 'auto' takes the vendor path (cuDNN's fused attention) unless a benchmark recorded in
+docs/ shows our kernel for this GPU generation faster (measured.py) or the vendor path cannot
+take the call: packed documents (segment ids: cuDNN would need a dense [S, T] mask) and
+shard_map bodies (its partitioning rule fails to compile there). Off a GPU: the XLA reference;
+with interpret=True: the grid kernel in interpret mode. The choice and its reason are logged
+once.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+
+from .. import measured
+from ..target import compute_capability, target_platform
+from .backends import (
+    CPU_DEFAULT,
+    GPU_FALLBACK,
+    GPU_VENDOR,
+    IMPLS,
+    INTERPRET_DEFAULT,
+    KERNEL_IMPLS,
+    backend,
+    generation_kernels,
+)
+
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def _log_once(msg: str) -> None:
+    log.warning(msg)
+
+
+def unsupported(impl: str, dtype, head_dim: int) -> str | None:
+    """Why backend `impl` cannot take inputs of this dtype and head_dim, or None when it can."""
+    return backend(impl).unsupported(jnp.dtype(dtype).name, head_dim)
+
+
+def in_manual_axes() -> bool:
+    """Tracing inside jax.shard_map over some mesh axis (a pipeline stage, per-shard code)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh is not None and not mesh.empty and bool(mesh.manual_axes)
+
+
+def our_kernel(cc, dtype, head_dim: int) -> str | None:
+    """Our kernel for this GPU generation when it takes these inputs, else None."""
+    fits = [b.name for b in generation_kernels(cc[0]) if not unsupported(b.name, dtype, head_dim)]
+    return fits[0] if fits else None
+
+
+def resolve_impl(impl: str, dtype, head_dim: int, *, interpret: bool = False,
+                 segment_ids: bool = False, manual: bool | None = None) -> str:
+    """The backend 'auto' means here, by platform, compute capability, dtype, head_dim, whether
+    there are segment ids, and whether we trace inside jax.shard_map (`manual`; None: look).
+    Any other name is checked against the table and returned as it is."""
+    if impl not in IMPLS:
+        raise ValueError(f"unknown flash attention impl {impl!r}; use one of {IMPLS}")
+    if impl != "auto":
+        return impl
+    if interpret:
+        return INTERPRET_DEFAULT
+    platform = target_platform()
+    if platform != "gpu":
+        _log_once(f"flash_attention auto: platform {platform!r} has no Pallas GPU kernels; "
+                  f"using {CPU_DEFAULT!r} (pass interpret=True or impl='triton' to run the "
+                  "kernels)")
+        return CPU_DEFAULT
+    cc = compute_capability() or (0, 0)
+    manual = in_manual_axes() if manual is None else manual
+    return _on_gpu(cc, dtype, head_dim, segment_ids, manual)
+
+
+def _on_gpu(cc, dtype, head_dim: int, segment_ids: bool, manual: bool) -> str:
+    vendor = backend(GPU_VENDOR)
+    ours = our_kernel(cc, dtype, head_dim)
+    won = ours is not None and measured.ours_won("attention", cc, ours)
+    # Why the vendor path cannot take this call, if it cannot.
+    vendor_out = ("packed documents (segment ids) need a dense mask in cuDNN"
+                  if segment_ids and vendor.dense_segment_mask else
+                  "cuDNN attention does not compile inside jax.shard_map"
+                  if manual and not vendor.in_shard_map else None)
+    if ours is not None and (won or vendor_out):
+        why = (f"{measured.WHERE} records it beating cuDNN on compute capability {cc[0]}.{cc[1]}"
+               if won else vendor_out)
+        _log_once(f"flash_attention auto: using {ours!r}: {why}")
+        return ours
+    if vendor_out:
+        _log_once(f"flash_attention auto: no titanax kernel for compute capability "
+                  f"{cc[0]}.{cc[1]}, {jnp.dtype(dtype).name}, head_dim {head_dim}; using "
+                  f"{GPU_FALLBACK!r} (cuDNN cannot take segment ids or shard_map bodies here)")
+        return GPU_FALLBACK
+    _log_once(f"flash_attention auto: using {GPU_VENDOR!r} on compute capability "
+              f"{cc[0]}.{cc[1]}: no benchmark in {measured.WHERE} shows a titanax kernel faster "
+              f"there (ours stay one impl= away: {', '.join(KERNEL_IMPLS)})")
+    return GPU_VENDOR

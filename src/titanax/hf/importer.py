@@ -1,0 +1,244 @@
+"""A Hugging Face folder (sharded index or a single model.safetensors) -> a titanax checkpoint
+at step 0 that `launch.train` resumes from (fine-tuning from published weights).
+
+Everything is checked before anything is written: config.json against the titanax config
+(model.arch from its model_type, the dimensions from the architecture's hf.py), every file's
+header against its size (truncation), and every tensor's name, shape and dtype against the
+architecture's tensor table. Then the sharded train state is filled tensor by tensor: each HF
+tensor is read from disk, converted to the titanax layout and placed on the devices that own
+it, a stacked [L, ...] parameter one layer at a time, so host memory holds one layer.
+Only safetensors are read; nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from titanax.config import Config
+from titanax.hf.folder import HFImportError, locate, read_config
+from titanax.hf.safetensors_io import SafetensorsError, TensorInfo, read_header, read_tensor
+from titanax.hf.tokenizer import tokenizer_files
+from titanax.models.hf_interop import HFTensor
+from titanax.models.registry import model_spec, spec_for_hf
+from titanax.parallel.layer_order import stored_position
+
+__all__ = ["HFImportError", "ImportResult", "import_hf", "plan_import"]
+
+FLOAT_DTYPES = ("F32", "BF16", "F16")
+_TORCH_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+# Buffers older transformers versions saved although they are recomputed from the config.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+MAX_REPORTED = 8  # problems listed in one error
+
+
+@dataclasses.dataclass
+class ImportResult:
+    workdir: pathlib.Path
+    step: int
+    tensors: int
+    tokenizer: pathlib.Path | None
+
+
+@dataclasses.dataclass
+class _Source:  # where one titanax tensor comes from
+    file: pathlib.Path
+    info: TensorInfo
+
+
+def _config_problems(hf_dir: pathlib.Path, hf_cfg: dict, cfg: Config) -> list[str]:
+    """config.json against cfg: the architecture its model_type names, then its fields."""
+    where = hf_dir / "config.json"
+    try:
+        arch = spec_for_hf(hf_cfg.get("model_type")).arch
+    except ValueError as e:
+        raise HFImportError(f"{where}: {e}") from None
+    if arch != cfg.model.arch:
+        return [f"model.arch={cfg.model.arch!r} but config.json's model_type "
+                f"{hf_cfg.get('model_type')!r} is {arch!r} (--set model.arch={arch})"]
+    try:
+        return model_spec(cfg.model).hf.mismatches(hf_cfg, cfg.model)
+    except (ValueError, KeyError) as e:
+        raise HFImportError(f"{where}: {e if isinstance(e, ValueError) else f'no {e}'}") from None
+
+
+def _headers(names: dict[str, pathlib.Path], problems: list[str]) -> dict:
+    headers = {}
+    for f in sorted(set(names.values())):
+        try:
+            headers[f] = read_header(f)[0]
+        except SafetensorsError as e:
+            raise HFImportError(str(e)) from None
+    for name, f in names.items():
+        if name not in headers[f]:
+            problems.append(f"tensor {name}: listed in the index for {f.name} but not in that file")
+    return headers
+
+
+def _fail(hf_dir, problems: list[str], what: str = "does not match the config"):
+    more = f"\n  ... and {len(problems) - MAX_REPORTED} more" if len(problems) > MAX_REPORTED else ""
+    raise HFImportError(f"{hf_dir} {what} ({len(problems)} problems):\n  "
+                        + "\n  ".join(problems[:MAX_REPORTED]) + more)
+
+
+def plan_import(hf_dir: str | pathlib.Path, cfg: Config) -> dict[str, _Source]:
+    """Checks the HF folder against cfg and returns where each tensor comes from; raises
+    HFImportError naming every problem found (up to MAX_REPORTED)."""
+    hf_dir = pathlib.Path(hf_dir)
+    names = locate(hf_dir)
+    hf_cfg = read_config(hf_dir)
+    if hf_cfg is not None and (problems := _config_problems(hf_dir, hf_cfg, cfg)):
+        raise HFImportError(f"{hf_dir} does not match the config:\n  " + "\n  ".join(problems))
+    declared = hf_cfg and (hf_cfg.get("torch_dtype") or hf_cfg.get("dtype"))
+    want_dtype = _TORCH_DTYPES.get(declared) if isinstance(declared, str) else None
+    problems = []
+    headers = _headers(names, problems)
+
+    interop = model_spec(cfg.model).hf
+    table = interop.tensor_table(cfg.model)
+    lm_head, embedding = interop.tied_names
+    # A tied checkpoint into an untied config: the output layer starts as the embedding.
+    tied = bool(hf_cfg and hf_cfg.get("tie_word_embeddings")) and lm_head not in names
+    sources = {}
+    for t in table:
+        src_name = embedding if t.name == lm_head and tied else t.name
+        f = names.get(src_name)
+        info = headers[f].get(src_name) if f is not None else None
+        if info is None:
+            problems.append(f"tensor {src_name} is missing (expected shape {list(t.hf_shape)})")
+            continue
+        if info.shape != t.hf_shape:
+            problems.append(f"tensor {src_name}: expected shape {list(t.hf_shape)} from the config, "
+                            f"found {list(info.shape)} in {f.name}")
+        if info.dtype not in FLOAT_DTYPES or (want_dtype and info.dtype != want_dtype):
+            want = want_dtype or " or ".join(FLOAT_DTYPES)
+            src = f" (config.json torch_dtype {declared})" if want_dtype else ""
+            problems.append(f"tensor {src_name}: expected dtype {want}{src}, found {info.dtype} "
+                            f"in {f.name}")
+        sources[t.name] = _Source(f, info)
+    # A tied config ignores an lm_head the checkpoint carries anyway (a copy of the embedding).
+    expected = {t.name for t in table} | ({lm_head} if cfg.model.tie_embeddings else set())
+    extra = sorted(n for n in names if n not in expected and not n.endswith(_IGNORED_SUFFIXES))
+    problems += [f"unexpected tensor {n} in {names[n].name} (not part of a {cfg.model.arch} "
+                 "model with this config)" for n in extra]
+    if problems:
+        _fail(hf_dir, problems)
+    return sources
+
+
+def _load(src: _Source, t: HFTensor, dtype) -> np.ndarray:
+    return np.ascontiguousarray(t.from_hf(read_tensor(src.file, src.info)).astype(dtype))
+
+
+def _put(x: np.ndarray, sharding) -> jax.Array:
+    """A host array onto the devices of `sharding`, each device taking only its slice."""
+    return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+
+def _set_layer(stacked_sharding):
+    # train.offload_params keeps the stack in pinned host memory: the layer goes there first.
+    space = (jax.memory.Space.Host if getattr(stacked_sharding, "memory_kind", None) == "pinned_host"
+             else jax.memory.Space.Device)
+    return jax.jit(lambda stacked, layer, i: jax.lax.dynamic_update_index_in_dim(
+        stacked, jax.device_put(layer.astype(stacked.dtype), space), i, 0),
+        out_shardings=stacked_sharding, donate_argnums=0)
+
+
+def _param_path(keypath) -> tuple[str, ...]:
+    keys = (getattr(k, "key", getattr(k, "name", None)) for k in keypath)
+    return tuple(str(k) for k in keys if k != "value")
+
+
+def _build_params(sources, cfg: Config, mesh, abstract_params, bar):
+    """The sharded params tree, each leaf filled from its HF tensors (a stacked one a layer
+    at a time, so host memory holds one layer)."""
+    position = stored_position(cfg)  # circular-pipeline runs store layers stage-major
+    by_param: dict[tuple[str, ...], list[HFTensor]] = {}
+    for t in model_spec(cfg.model).hf.tensor_table(cfg.model):
+        by_param.setdefault(t.param, []).append(t)
+    tick = (lambda: bar.update(1)) if bar is not None else (lambda: None)
+
+    def build(keypath, target):
+        tensors = by_param[_param_path(keypath)]
+        if tensors[0].layer is None:
+            tick()
+            return _put(_load(sources[tensors[0].name], tensors[0], target.dtype),
+                        target.sharding)
+        spec = target.sharding.spec
+        layer_sharding = NamedSharding(mesh, P(*spec[1:]) if len(spec) else P())
+        set_layer = _set_layer(target.sharding)
+        out = jax.jit(lambda: jnp.zeros(target.shape, target.dtype),
+                      out_shardings=target.sharding)()
+        for t in tensors:
+            layer = _put(_load(sources[t.name], t, target.dtype), layer_sharding)
+            out = set_layer(out, layer, jnp.int32(position[t.layer]))
+            tick()
+        return out
+
+    return jax.tree_util.tree_map_with_path(build, abstract_params)
+
+
+def _train_state(sources, cfg: Config, devices, progress: bool) -> dict:
+    """Step 0: the imported params and a freshly initialised optimizer state, sharded."""
+    from titanax.parallel.mesh import build_mesh
+    from titanax.parallel.rules import model_context
+    from titanax.train.optim import make_optimizer
+    from titanax.train.state import abstract_train_state, fresh_fp8_state
+
+    mesh = build_mesh(cfg.mesh, devices)
+    tx = make_optimizer(cfg)
+    _, abstract, shardings = abstract_train_state(cfg, mesh, tx)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(sources), desc="import", unit="tensor", dynamic_ncols=True)
+    with model_context(mesh):
+        params = _build_params(sources, cfg, mesh, abstract["params"], bar)
+        opt_state = jax.jit(tx.init, out_shardings=shardings["opt_state"])(params)
+        state = {"step": jax.device_put(np.int32(0), shardings["step"]), "params": params,
+                 "opt_state": opt_state, **fresh_fp8_state(abstract)}  # fp8_delayed: zeros
+    if bar is not None:
+        bar.close()
+    return state
+
+
+def import_hf(hf_dir: str | pathlib.Path, cfg: Config, workdir: str | pathlib.Path, *,
+              devices=None, progress: bool = True, log=print) -> ImportResult:
+    """Writes WORKDIR/checkpoints/0: the HF weights, a freshly initialised optimizer state and
+    the config (no data iterator state). The HF tokenizer, if any, goes to
+    WORKDIR/hf_tokenizer/ and the saved config's data.tokenizer points at it."""
+    from titanax.checkpoint.orbax_io import Checkpointer
+
+    hf_dir, workdir = pathlib.Path(hf_dir), pathlib.Path(workdir)
+    ckpt_dir = workdir / "checkpoints"
+    if ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir()):
+        raise HFImportError(f"{ckpt_dir} already holds checkpoints; import into a new --workdir")
+    sources = plan_import(hf_dir, cfg)
+    tok_files = tokenizer_files(hf_dir)
+    state = _train_state(sources, cfg, devices, progress)
+
+    saved_cfg, tok_dir = cfg, None
+    if tok_files:
+        tok_dir = workdir / "hf_tokenizer"
+        if not cfg.data.tokenizer:
+            saved_cfg = dataclasses.replace(cfg, data=dataclasses.replace(
+                cfg.data, tokenizer=str((tok_dir / "tokenizer.json").absolute())))
+    ckpt = Checkpointer(ckpt_dir, cfg.checkpoint)
+    ckpt.save(0, state, data_state=None, config=saved_cfg.to_dict())
+    ckpt.close()
+    if tok_dir is not None and jax.process_index() == 0:
+        tok_dir.mkdir(parents=True, exist_ok=True)
+        for f in tok_files:
+            shutil.copyfile(f, tok_dir / f.name)
+    log(f"imported {len(sources)} tensors from {hf_dir} into {ckpt_dir}/0"
+        + (f"; tokenizer in {tok_dir} (fine-tune with --set data.tokenizer="
+           f"{tok_dir / 'tokenizer.json'})" if tok_dir else ""))
+    return ImportResult(workdir, 0, len(sources), tok_dir)

@@ -1,0 +1,32 @@
+"""The quantities of one train step that the memory, compute and communication models all read:
+mesh degrees, accumulation and pipeline microbatching, tokens, activation width in bytes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from titanax.config import Config
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    deg: dict[str, int]  # mesh degree per axis: data, fsdp, tensor, pipeline
+    accum: int  # train.grad_accum
+    micro: int  # pipeline microbatches (1 without a pipeline)
+    virtual: int  # virtual stages per device (1 without a pipeline)
+    tokens: int  # per step, whole cluster
+    act_bytes: int  # bytes of one activation value in the compute dtype
+
+    @classmethod
+    def of(cls, cfg: Config, deg: dict[str, int]) -> StepShape:
+        pp = deg["pipeline"]
+        return cls(deg=deg, accum=cfg.train.grad_accum,
+                   micro=cfg.pipeline.microbatches if pp > 1 else 1,
+                   virtual=cfg.pipeline.resolved_virtual_stages if pp > 1 else 1,
+                   tokens=cfg.train.batch_size * cfg.train.seq_len,
+                   act_bytes=4 if cfg.model.dtype == "float32" else 2)
+
+    @property
+    def tokens_pipe_micro(self) -> float:
+        """Tokens of one (accumulation, pipeline) microbatch on one data x fsdp shard."""
+        return self.tokens / (self.accum * self.deg["data"] * self.deg["fsdp"] * self.micro)

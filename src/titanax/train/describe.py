@@ -1,0 +1,22 @@
+"""Lines the run log opens with: parameters, FLOPs, processes, mesh, data, memory."""
+
+from __future__ import annotations
+
+import jax
+
+from titanax.train import metrics as M
+
+
+def describe_processes() -> str:
+    n = jax.process_count()
+    if n == 1:
+        return "1 process"
+    return (f"{n} processes (jax.distributed), {jax.local_device_count()} local device(s) "
+            "each; this log is process 0's")
+
+
+def describe_memory(compiled) -> str:
+    try:
+        return M.describe_compiled_memory(compiled)
+    except Exception as e:  # noqa: BLE001 - a backend without the analysis still trains
+        return f"memory analysis unavailable ({type(e).__name__})"

@@ -1,0 +1,171 @@
+"""The code's shape, checked from the source (no imports, a second or two): no import cycles
+between modules or between titanax's subpackages, layering (kernels know nothing of titanax,
+the library nothing of its launchers), no function outside the kernels over 80 lines, and the
+files the packaging declares exist. docs/architecture.md says why each rule is there."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+import tomllib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGES = {"titanax": ROOT / "src" / "titanax", "pallas_kernels": ROOT / "pallas_kernels",
+            "launch": ROOT / "launch"}
+MAX_FUNCTION_LINES = 80
+# Kernel bodies: a Pallas kernel is one function whose closures share the SMEM/TMEM refs and
+# barriers it allocates; splitting it would thread a dozen refs through every piece.
+KERNEL_FILES = ("pallas_kernels/flash_attention/kernel_*.py", "pallas_kernels/fp8/matmul_*.py")
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    mods = {}
+    for pkg, root in PACKAGES.items():
+        for path in root.rglob("*.py"):
+            parts = [pkg, *path.relative_to(root).with_suffix("").parts]
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            mods[".".join(parts)] = path
+    return mods
+
+
+MODULES = _modules()
+
+
+def _resolve(name: str) -> str | None:
+    """The module of ours `name` lives in (an attribute import names its module)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(module: str, path: pathlib.Path) -> set[str]:
+    """Every module of ours that `module` imports, at the top or inside a function (a lazy
+    import hides a cycle; it does not remove it)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module if path.name == "__init__.py" else module.rpartition(".")[0]
+                for _ in range(node.level - 1):
+                    base = base.rpartition(".")[0]
+                prefix = base + ("." + node.module if node.module else "")
+            else:
+                prefix = node.module
+            names = [f"{prefix}.{a.name}" for a in node.names]
+        else:
+            continue
+        out |= {t for t in map(_resolve, names) if t and t != module}
+    return out
+
+
+GRAPH = {m: _imports(m, p) for m, p in MODULES.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one node (Tarjan, iterative)."""
+    index, low, stack, on_stack, found, counter = {}, {}, [], set(), [], [0]
+
+    def visit(root):
+        work = [(root, iter(sorted(graph.get(root, ()))))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, children = work[-1]
+            w = next(children, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = counter[0]
+                    counter[0] += 1
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph.get(w, ())))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _subpackage(module: str) -> str:
+    """titanax.train.loop -> titanax.train; titanax.config -> titanax.config."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_no_module_import_cycles():
+    assert _cycles(GRAPH) == []
+
+
+def test_no_import_cycles_between_titanax_subpackages():
+    graph: dict[str, set[str]] = {}
+    for m, targets in GRAPH.items():
+        if not m.startswith("titanax."):
+            continue
+        for t in targets:
+            a, b = _subpackage(m), _subpackage(t)
+            if t.startswith("titanax.") and a != b:
+                graph.setdefault(a, set()).add(b)
+    assert _cycles(graph) == []
+
+
+def test_layering_kernels_know_no_titanax_and_the_library_no_launcher():
+    wrong = [f"{m} -> {t}" for m, targets in GRAPH.items() for t in targets
+             if m.startswith("pallas_kernels") and not t.startswith("pallas_kernels")
+             or m.startswith("titanax") and t.startswith("launch")]
+    assert wrong == []
+
+
+def _long_functions(path: pathlib.Path) -> list[str]:
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            n = node.end_lineno - node.lineno + 1
+            if n > MAX_FUNCTION_LINES:
+                out.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({n} lines)")
+    return out
+
+
+def test_no_function_outside_the_kernels_is_longer_than_80_lines():
+    kernels = {p for pattern in KERNEL_FILES for p in ROOT.glob(pattern)}
+    files = [p for root in [*PACKAGES.values(), ROOT / "tests", ROOT / "configs"]
+             for p in root.rglob("*.py") if p not in kernels]
+    assert [f for p in sorted(files) for f in _long_functions(p)] == []
+
+
+def test_declared_package_data_exists():
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"].get("package-data", {})
+    missing = [f"{pkg}/{f}" for pkg, files in data.items() for f in files
+               if not list((PACKAGES[pkg]).glob(f))]
+    assert missing == []
+
+
+def test_config_validates_backend_names_without_jax():
+    """Config checks read the kernels' backend tables (plain data): validating a config must
+    not pay for importing jax (launchers print config errors in a fraction of a second)."""
+    probe = ("import sys, titanax.config as c; "
+             "assert 'jax' not in sys.modules, 'titanax.config loaded jax'; "
+             "assert 'mosaic_sm90' in c.ATTENTION_IMPLS and 'mxfp8' in c.MATMUL_PRECISIONS")
+    r = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
