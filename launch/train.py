@@ -4,7 +4,8 @@
 
 Exit status: 0 when train.steps are done, 75 (EX_TEMPFAIL) when stopped by SIGTERM/SIGUSR1
 after saving a checkpoint (rerun the same command, or requeue the job, to resume), 1 when
-training diverged or a process was lost, 2 for a configuration error."""
+training diverged or a process was lost, 2 for a configuration error (a train step that
+does not fit the devices' memory is one: the error names the --set that fits)."""
 
 from __future__ import annotations
 
@@ -45,10 +46,11 @@ def main(argv=None) -> None:
     setup_jax(args.host_devices, args)
 
     from titanax.checkpoint.orbax_io import NoGoodCheckpoint
+    from titanax.plan.fit import fit_to_devices
     from titanax.train.loop import TrainingDiverged, train
 
-    try:
-        result = train(cfg, workdir)
+    try:  # fit: the step's memory checked against the devices' before the first step
+        result = train(cfg, workdir, fit=fit_to_devices)
     except ConfigError as e:
         fail(str(e))
     except (TrainingDiverged, NoGoodCheckpoint) as e:  # each names the steps and what to do

@@ -15,6 +15,7 @@ import importlib.util
 import math
 import pathlib
 import re
+import types
 import typing
 from dataclasses import dataclass, field
 
@@ -56,8 +57,12 @@ def _check_types(section: str, obj) -> None:
             object.__setattr__(obj, f.name, float(value))
             continue
         if isinstance(value, bool) and typ is not bool or not isinstance(value, typ):
-            _fail(f"{section}.{f.name}", f"expected {typ.__name__}, got "
+            _fail(f"{section}.{f.name}", f"expected {_type_name(typ)}, got "
                   f"{type(value).__name__} {value!r}")
+
+
+def _type_name(typ) -> str:
+    return getattr(typ, "__name__", None) or str(typ)  # 'int | str' for a union
 
 
 def _check_positive(section: str, obj, *names: str) -> None:
@@ -78,8 +83,25 @@ DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "full_offload")
 ROPE_SCALINGS = ("none", "llama3")
 GRAD_REDUCE_DTYPES = ("compute", "float32")
+GRAD_ACCUM_AUTO = "auto"  # train.grad_accum: the smallest count that fits (launch.train)
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b")
 LR_SCHEDULES = ("cosine", "linear", "constant")
+
+
+def parse_bytes(value: int | str) -> int:
+    """A size in bytes from 123, '123', '80GB' (10^9) or '76.5GiB' (2^30); '' is 0."""
+    if isinstance(value, int):
+        n = value
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]?i?b?)\s*", value.lower())
+        if value.strip() and (not m or m[2] not in _SIZE_UNITS):
+            raise ValueError(f"{value!r} is not a size: give bytes or e.g. '80GB', '76.5GiB'")
+        n = int(float(m[1]) * _SIZE_UNITS[m[2]]) if value.strip() else 0
+    if n < 0:
+        raise ValueError(f"must be >= 0 (0: the devices' own), got {value!r}")
+    return n
 
 
 @dataclass(frozen=True)
@@ -228,7 +250,14 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 50  # 0: only at the start and end
     eval_batches: int = 8
-    grad_accum: int = 1  # microbatches per optimizer step, summed inside the step
+    # Microbatches per optimizer step, summed inside the step. 'auto': launch.train compiles
+    # the step for its devices and takes the smallest count whose memory fits them (the same
+    # result: the step's gradient is the mean over the whole batch either way), and logs it.
+    grad_accum: int | str = 1
+    # The memory per device the compiled train step must fit in; launch.train checks it
+    # before the first step and names the --set that fits. '' or 0: the devices' own (the
+    # GPU allocator's limit; none on a CPU); else bytes or a size, '80GB', '76.5GiB'.
+    device_memory_limit: int | str = ""
     # Tokens per device whose output-layer logits exist at once: the output layer and the
     # cross-entropy run fused, chunked over the sequence (ops/cross_entropy.py), so no
     # [batch, seq, vocab] float32 tensor is ever held. 0: one chunk per step (microbatch).
@@ -267,8 +296,32 @@ class TrainConfig:
         start, end = self.profile_steps.split(":")
         return int(start), int(end)
 
+    @property
+    def grad_accum_auto(self) -> bool:
+        return self.grad_accum == GRAD_ACCUM_AUTO
+
+    @property
+    def known_grad_accum(self) -> int:
+        """grad_accum, or 1 for 'auto' (what checks needing a number assume; auto's choice is
+        validated again once made)."""
+        return 1 if self.grad_accum_auto else self.grad_accum
+
+    @property
+    def device_memory_limit_bytes(self) -> int:
+        """device_memory_limit in bytes; 0: the devices' own."""
+        return parse_bytes(self.device_memory_limit)
+
     def __post_init__(self):
         _check_types("train", self)
+        if isinstance(self.grad_accum, str):
+            object.__setattr__(self, "grad_accum", self.grad_accum.strip().lower())
+            if not self.grad_accum_auto:
+                _fail("train.grad_accum", f"expected a positive integer or 'auto', got "
+                      f"{self.grad_accum!r}")
+        try:
+            parse_bytes(self.device_memory_limit)
+        except ValueError as e:
+            _fail("train.device_memory_limit", str(e))
         if self.profile_steps:
             m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", self.profile_steps)
             if not m or int(m[1]) >= int(m[2]):
@@ -276,7 +329,9 @@ class TrainConfig:
                       "START < END (e.g. '10:15': the steps after 10 up to 15), or ''")
             object.__setattr__(self, "profile_steps", f"{int(m[1])}:{int(m[2])}")
         _check_positive("train", self, "steps", "batch_size", "seq_len", "log_every",
-                        "eval_batches", "grad_accum", "max_bad_steps")
+                        "eval_batches", "max_bad_steps")
+        if self.known_grad_accum <= 0:
+            _fail("train.grad_accum", f"must be > 0 or 'auto', got {self.grad_accum}")
         if self.eval_every < 0:
             _fail("train.eval_every", "must be >= 0")
         if self.peak_flops < 0:
@@ -284,10 +339,10 @@ class TrainConfig:
         if self.loss_chunk < 0:
             _fail("train.loss_chunk", "must be >= 0 (tokens per device per chunk; 0: no "
                   "chunking)")
-        if self.batch_size % self.grad_accum:
+        if self.batch_size % self.known_grad_accum:
             _fail("train.grad_accum", f"train.batch_size={self.batch_size} must be divisible "
                   f"by train.grad_accum={self.grad_accum}")
-        if self.offload_params and self.grad_accum > 1:
+        if self.offload_params and (self.grad_accum_auto or self.grad_accum > 1):
             _fail("train.offload_params", f"does not work with train.grad_accum="
                   f"{self.grad_accum}: the offloaded layers' gradients come out in host "
                   "memory, where the microbatch sum cannot run; set train.grad_accum=1 (the "
@@ -428,7 +483,7 @@ def check_parallel_layout(cfg: Config, degrees: dict[str, int]) -> None:
                   f"stages x pipeline.virtual_stages={v} equal chunks; make n_layers a multiple "
                   f"of {pp * v}")
         micro = cfg.pipeline.microbatches
-        rows = cfg.train.batch_size // cfg.train.grad_accum
+        rows = cfg.train.batch_size // cfg.train.known_grad_accum
         if rows % micro:
             _fail("pipeline.microbatches", f"{micro} does not divide the {rows} sequences of a "
                   "step (train.batch_size / train.grad_accum)")
@@ -442,7 +497,7 @@ def check_parallel_layout(cfg: Config, degrees: dict[str, int]) -> None:
     if degrees["data"] > 0 and degrees["fsdp"] > 0:
         ways = degrees["data"] * degrees["fsdp"]
         micro = cfg.pipeline.microbatches if pp > 1 else 1
-        rows = cfg.train.batch_size // (cfg.train.grad_accum * micro)
+        rows = cfg.train.batch_size // (cfg.train.known_grad_accum * micro)
         if cfg.train.batch_size % ways or rows % ways:
             _fail("train.batch_size", f"{cfg.train.batch_size} sequences in microbatches of "
                   f"{rows} (grad_accum={cfg.train.grad_accum}, pipeline microbatches={micro}) "
@@ -482,6 +537,16 @@ def _closest_key(key: str) -> str:
 
 def _coerce(key: str, raw, typ: type):
     """Turns an override value (a string from the command line, or a Python value) into typ."""
+    if isinstance(typ, types.UnionType):  # int | str (train.grad_accum=4 or auto): a number
+        if isinstance(raw, str):          # when it reads as one, else the text
+            try:
+                return _coerce(key, raw, int)
+            except ConfigError:
+                return raw.strip()
+        if isinstance(raw, bool) or not isinstance(raw, typ):
+            raise ConfigError(f"{key}: expected {_type_name(typ)}, got {type(raw).__name__} "
+                              f"{raw!r}")
+        return raw
     if isinstance(raw, str):
         text = raw.strip()
         if typ is bool:

@@ -36,13 +36,10 @@ def compile_train_step(cfg: Config, cluster: Cluster, target: str, buffers: int 
     """In this process (already set up for `target`): lower and compile; memory per device.
     buffers > 0: also the largest buffers live at the memory peak (titanax.plan.buffers)."""
     import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding
 
     from titanax.parallel.mesh import build_mesh, describe_mesh
-    from titanax.parallel.rules import activation_spec, model_context
-    from titanax.train.optim import lr_schedule, make_optimizer
-    from titanax.train.state import abstract_train_state, jit_train_step
+    from titanax.parallel.rules import model_context
+    from titanax.train.memory_fit import compiled_memory, lower_train_step
 
     t0 = time.perf_counter()
     if target == "gpu":
@@ -50,16 +47,9 @@ def compile_train_step(cfg: Config, cluster: Cluster, target: str, buffers: int 
     else:
         devices = jax.devices()[:cluster.n_gpus]
     mesh = build_mesh(cfg.mesh, devices)
-    tx = make_optimizer(cfg)
-    graphdef, abstract_state, shardings = abstract_train_state(cfg, mesh, tx)
-    step = jit_train_step(cfg, mesh, graphdef, shardings, tx, lr_schedule(cfg))
-    batch_sharding = NamedSharding(mesh, activation_spec(("batch", "seq")))
-    shape = (cfg.train.batch_size, cfg.train.seq_len)
-    batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding)
-             for k in ("inputs", "targets", "segment_ids", "positions")}
     with model_context(mesh):
-        t1 = time.perf_counter()
-        lowered = step.lower(abstract_state, batch)
+        t1 = time.perf_counter()  # (lowering includes building the abstract state)
+        lowered = lower_train_step(cfg, mesh)
         t2 = time.perf_counter()
         if buffers:     # XLA dumps its buffer assignment into a temporary folder
             from titanax.plan.buffers import compile_with_buffers
@@ -67,15 +57,6 @@ def compile_train_step(cfg: Config, cluster: Cluster, target: str, buffers: int 
         else:
             compiled = lowered.compile()
         t3 = time.perf_counter()
-    mem = compiled.memory_analysis()
-    get = lambda name: int(getattr(mem, name, 0) or 0)
-    args, out, alias, temp = (get("argument_size_in_bytes"), get("output_size_in_bytes"),
-                              get("alias_size_in_bytes"), get("temp_size_in_bytes"))
-    # Pinned host memory (train.offload_*, remat full_offload): XLA reports it apart.
-    h_args, h_out, h_alias, h_temp = (get("host_argument_size_in_bytes"),
-                                      get("host_output_size_in_bytes"),
-                                      get("host_alias_size_in_bytes"),
-                                      get("host_temp_size_in_bytes"))
     return {
         "target": target,
         "device_kind": devices[0].device_kind,
@@ -83,11 +64,7 @@ def compile_train_step(cfg: Config, cluster: Cluster, target: str, buffers: int 
         "processes": len({d.process_index for d in devices}),
         "mesh": describe_mesh(mesh),
         "setup_s": t1 - t0, "lower_s": t2 - t1, "compile_s": t3 - t2,
-        "memory": {"arguments": args, "outputs": out, "aliased": alias, "temporaries": temp,
-                   # donated state: outputs that alias an argument take no new memory
-                   "total": args + out - alias + temp,
-                   "host_arguments": h_args, "host_outputs": h_out, "host_aliased": h_alias,
-                   "host_temporaries": h_temp, "host_total": h_args + h_out - h_alias + h_temp},
+        "memory": compiled_memory(compiled),
         "collectives": collective_dtypes(compiled.as_text()),
         **({"peak_buffers": peak_buffers} if buffers else {}),
     }
@@ -128,11 +105,17 @@ def _error_summary(stderr: str) -> str:
 
 
 def compile_in_subprocess(cfg: Config, cluster: Cluster, *, timeout_s: float = 600,
-                          buffers: int = 0) -> dict:
-    """compile_train_step in a fresh process: {'ok': True, ...} or {'ok': False, 'error'}."""
+                          buffers: int = 0, fit: dict | None = None) -> dict:
+    """compile_train_step in a fresh process: {'ok': True, ...} or {'ok': False, 'error'}.
+    fit {'capacity': bytes, 'where': text}: on the GPU target, when the step exceeds the
+    capacity, also the smallest grad_accum / remat change that fits ('fit': plan.fit's
+    answer; each candidate is one more compile, so the time limit grows with them)."""
     env, target = _worker_env(cluster)
     spec = {"config": cfg.to_dict(), "gpu": cluster.gpu, "nodes": cluster.nodes,
-            "gpus_per_node": cluster.gpus_per_node, "target": target, "buffers": buffers}
+            "gpus_per_node": cluster.gpus_per_node, "target": target, "buffers": buffers,
+            "fit": fit if target == "gpu" else None}
+    if spec["fit"]:
+        timeout_s *= 8
     t0 = time.perf_counter()
     try:
         proc = subprocess.run([sys.executable, "-m", "titanax.plan.compile", json.dumps(spec)],
@@ -159,7 +142,23 @@ def main(argv: list[str]) -> None:
     cfg = Config.from_dict(spec["config"])
     cluster = Cluster(spec["gpu"], spec["nodes"], spec["gpus_per_node"])
     result = compile_train_step(cfg, cluster, spec["target"], spec.get("buffers", 0))
+    if spec.get("fit"):
+        result["fit"] = _fit(cfg, cluster, spec["target"], spec["fit"], result["memory"])
     print(_RESULT + json.dumps(result), flush=True)
+
+
+def _fit(cfg: Config, cluster: Cluster, target: str, fit: dict, need: dict) -> dict:
+    """plan.fit's answer for cfg on the cluster, candidates compiled here, one by one."""
+    from titanax.plan.cluster import layout_for
+    from titanax.plan.fit import search_fit
+
+    degrees = layout_for(cfg, cluster).degrees
+    answer = search_fit(cfg, lambda c: compile_train_step(c, cluster, target), fit["capacity"],
+                        fit["where"], degrees["data"] * degrees["fsdp"], need=need,
+                        log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    return {"line": answer.line(), "fits": answer.fits, "overrides": answer.overrides,
+            "bytes": answer.fit_bytes, "tried": answer.tried, "set_flags": answer.set_flags(),
+            "result": answer.fit_result}
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from titanax.config import Config, ConfigError
+from titanax.config import Config, ConfigError, apply_overrides
 from titanax.parallel.rules import MESH_AXES
 from titanax.plan import compile as plan_compile
 from titanax.plan import search as plan_search
@@ -39,9 +39,36 @@ def evaluate(cfg: Config, cluster: Cluster, *, compile_step: bool, buffers: int 
         raise PlanError(f"the config's layout does not work on {cluster.n_gpus} GPUs: {e}. "
                         "Change it with --set mesh.*=... or try --search") from None
     est = estimate(cfg, cluster, layout)
-    compiled = (plan_compile.compile_in_subprocess(cfg, cluster, buffers=buffers)
-                if compile_step else None)
-    return _plan_dict(cfg, cluster, layout, est, compiled)
+    if not compile_step:
+        return _plan_dict(cfg, cluster, layout, est, None)
+    hw = cluster.hardware
+    fit = {"capacity": int(est.usable_memory_bytes),
+           "where": f"{est.usable_memory_bytes / hw.hbm_bytes:.0%} of the {hw.name}'s "
+                    f"{hw.hbm_bytes / 1e9:.1f} GB"}
+    compiled = plan_compile.compile_in_subprocess(cfg, cluster, buffers=buffers, fit=fit)
+    plan = _plan_dict(cfg, cluster, layout, est, compiled)
+    if compiled.get("fit"):  # the line to copy when it does not fit
+        plan["fit"] = {k: v for k, v in compiled["fit"].items() if k != "result"}
+    return plan
+
+
+def evaluate_auto(cfg: Config, cluster: Cluster, *, compile_step: bool, buffers: int = 0):
+    """evaluate() for train.grad_accum=auto: planned at 1, then at the smallest count whose
+    compiled step fits (what launch.train would choose on those GPUs), when one does."""
+    cfg = apply_overrides(cfg, {"train.grad_accum": 1})
+    plan = evaluate(cfg, cluster, compile_step=compile_step, buffers=buffers)
+    fit = (plan.get("compile") or {}).get("fit") or {}
+    if fit.get("fits"):
+        plan["grad_accum_auto"] = "train.grad_accum=auto -> 1"
+    elif fit.get("overrides") and set(fit["overrides"]) == {"train.grad_accum"}:
+        n = fit["overrides"]["train.grad_accum"]
+        chosen = apply_overrides(cfg, fit["overrides"])
+        layout = layout_for(chosen, cluster)
+        result = {**fit["result"], "ok": True}
+        plan = {**_plan_dict(chosen, cluster, layout, estimate(chosen, cluster, layout), result),
+                "fit": plan["fit"],
+                "grad_accum_auto": f"train.grad_accum=auto -> {n} ({fit['bytes'] / 1e9:.1f} GB)"}
+    return plan
 
 
 def _plan_dict(cfg: Config, cluster: Cluster, layout: Layout, est: Estimate,
@@ -151,8 +178,9 @@ def overrides_for(cfg: Config) -> list[str]:
 def make_plan(cfg: Config, cluster: Cluster, *, compile_step: bool = True,
               search: bool = False, verify: int = 1, buffers: int = 0) -> dict:
     cfg = plan_config(cfg, cluster)
+    plan_one = evaluate_auto if cfg.train.grad_accum_auto else evaluate
     try:
-        plan = evaluate(cfg, cluster, compile_step=compile_step, buffers=buffers)
+        plan = plan_one(cfg, cluster, compile_step=compile_step, buffers=buffers)
     except PlanError as e:
         if not search:
             raise

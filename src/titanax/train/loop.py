@@ -62,11 +62,15 @@ class RunResult:
     preempted: bool = False  # stopped early by SIGTERM/SIGUSR1 after saving a checkpoint
 
 
-def train(cfg: Config, workdir: str | pathlib.Path, *, log=print, devices=None) -> RunResult:
-    """Runs (or resumes) training in workdir; devices defaults to all of jax.devices()."""
+def train(cfg: Config, workdir: str | pathlib.Path, *, log=print, devices=None,
+          fit=None) -> RunResult:
+    """Runs (or resumes) training in workdir; devices defaults to all of jax.devices().
+    fit(cfg, mesh, log) -> (cfg, compiled step or None): checks the step's memory before
+    anything is built and resolves train.grad_accum=auto (launch.train passes
+    titanax.plan.fit.fit_to_devices)."""
     workdir = pathlib.Path(workdir)
     with compilation_cache(cfg.train.compilation_cache, workdir):
-        return Trainer(cfg, workdir, log, devices).run()
+        return Trainer(cfg, workdir, log, devices, fit).run()
 
 
 def _build_data_in_turn(cfg: Config, workdir: pathlib.Path, rows: slice):
@@ -85,21 +89,30 @@ class Trainer:
     """One run in one workdir. Building it restores (or initialises) the state and compiles
     nothing yet; run() trains to train.steps, or to a preemption, and returns a RunResult."""
 
-    def __init__(self, cfg: Config, workdir: pathlib.Path, log=print, devices=None):
+    def __init__(self, cfg: Config, workdir: pathlib.Path, log=print, devices=None,
+                 fit=None):
         self.t_begin = time.perf_counter()
-        self.cfg, self.workdir = cfg, workdir
+        self.workdir = workdir
         self.is_main = jax.process_index() == 0
         # One process speaks for the run; errors still raise everywhere.
         self.log = log if self.is_main else (lambda *_a, **_k: None)
-        if self.is_main:
-            workdir.mkdir(parents=True, exist_ok=True)
-            (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-
         self.mesh = build_mesh(cfg.mesh, devices)
         batch_ways = math.prod(self.mesh.shape[a] for a in ("data", "fsdp"))
         if cfg.train.batch_size % batch_ways:
             raise ConfigError(f"train.batch_size={cfg.train.batch_size} must be divisible by "
                               f"mesh data x fsdp = {batch_ways}")
+        # Before any state or data exists: a step that cannot fit stops here, in seconds.
+        # The step compiled for the check is the one the first step runs (jax reuses it).
+        self.checked_step = None  # the step the check compiled, run as is (no second compile)
+        if fit is not None:
+            cfg, self.checked_step = fit(cfg, self.mesh, self.log)
+        elif cfg.train.grad_accum_auto:
+            raise ConfigError("train.grad_accum=auto is chosen by a memory check: run "
+                              "launch.train, or pass fit=titanax.plan.fit.fit_to_devices")
+        self.cfg = cfg
+        if self.is_main:  # the config as it runs (grad_accum=auto as chosen)
+            workdir.mkdir(parents=True, exist_ok=True)
+            (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
         self.batch_sharding = NamedSharding(self.mesh, activation_spec(("batch", "seq")))
         self.data = _build_data_in_turn(cfg, workdir, process_rows(
             self.batch_sharding, cfg.train.batch_size, cfg.train.seq_len))
@@ -238,10 +251,14 @@ class Trainer:
 
     def _compile(self, batch) -> None:
         t0 = time.perf_counter()
-        compiled = self.step_fn.lower(self.state, batch).compile()
+        if self.checked_step is not None:  # compiled for the same state and batch shardings
+            compiled = self.step_fn = self.checked_step
+        else:
+            compiled = self.step_fn.lower(self.state, batch).compile()
         now = time.perf_counter()
-        self.log(f"train step compiled in {now - t0:.1f} s, {now - self.t_begin:.1f} s after "
-                 f"the run started; {describe_memory(compiled)}")
+        when = ("by the memory check" if self.checked_step is not None else
+                f"in {now - t0:.1f} s, {now - self.t_begin:.1f} s after the run started")
+        self.log(f"train step compiled {when}; {describe_memory(compiled)}")
 
     def log_metrics(self, step: int, progress: Progress) -> None:
         """Waits for this step, then writes its metrics.jsonl row and shows it."""

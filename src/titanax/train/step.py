@@ -9,7 +9,7 @@ from flax import nnx
 
 from pallas_kernels.target import target_platform
 from titanax import ops
-from titanax.config import Config
+from titanax.config import Config, ConfigError
 from titanax.parallel.pipeline import PipelineSchedule
 from titanax.train import offload
 
@@ -82,6 +82,9 @@ def _grads(cfg: Config, grad_fn, params, fp8, batch):
 def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation, schedule):
     """train_step(state, batch) -> (new state, metrics). state: {'step', 'params', 'opt_state'}
     and, under fp8_delayed, 'fp8' (train/state.py); the optimizer sees 'params' alone."""
+    if cfg.train.grad_accum_auto:  # a number by now: titanax.plan.fit chooses it
+        raise ConfigError("train.grad_accum=auto must be resolved before the step is built "
+                          "(launch.train's memory check does it)")
     offload_update = offload.enabled(cfg)
     # d/d(params) and d/d(fp8): fp8_linear's custom VJP returns the updated amax histories as
     # the "gradient" of the histories it was given; they are the step's new fp8 state.
