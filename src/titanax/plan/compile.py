@@ -47,10 +47,12 @@ def compile_train_step(cfg: Config, cluster: Cluster, target: str, buffers: int 
     else:
         devices = jax.devices()[:cluster.n_gpus]
     mesh = build_mesh(cfg.mesh, devices)
+    # (lowering includes building the abstract state, which must happen outside the mesh
+    # context: train.offload_* find the optimizer moments with an eager tx.init on no device)
+    t1 = time.perf_counter()
+    lowered = lower_train_step(cfg, mesh)
+    t2 = time.perf_counter()
     with model_context(mesh):
-        t1 = time.perf_counter()  # (lowering includes building the abstract state)
-        lowered = lower_train_step(cfg, mesh)
-        t2 = time.perf_counter()
         if buffers:     # XLA dumps its buffer assignment into a temporary folder
             from titanax.plan.buffers import compile_with_buffers
             compiled, peak_buffers = compile_with_buffers(lowered, top=buffers)

@@ -45,7 +45,9 @@ def compiled_memory(compiled) -> dict[str, int]:
 def lower_train_step(cfg: Config, mesh):
     """The train step as the loop runs it (state donated, batch sharded as the data pipeline
     delivers it), lowered for abstract inputs on this mesh: what the loop's first step would
-    compile, so the loop runs the executable the check compiled (no second compile)."""
+    compile, so the loop runs the executable the check compiled (no second compile). Call it
+    outside the mesh context: abstract_train_state sets its own, and train.offload_* need
+    optax's eager tx.init to run outside it."""
     tx = make_optimizer(cfg)
     graphdef, abstract_state, shardings = abstract_train_state(cfg, mesh, tx)
     step = jit_train_step(cfg, mesh, graphdef, shardings, tx, lr_schedule(cfg))
@@ -60,8 +62,9 @@ def lower_train_step(cfg: Config, mesh):
 def compile_train_step(cfg: Config, mesh):
     """cfg's train step compiled for mesh (not run): the executable the loop can run as is
     (its inputs are the state and batch with the shardings lower_train_step gave them)."""
+    lowered = lower_train_step(cfg, mesh)  # (builds the abstract state outside the mesh)
     with model_context(mesh):
-        return lower_train_step(cfg, mesh).compile()
+        return lowered.compile()
 
 
 def step_memory(cfg: Config, mesh) -> dict[str, int]:
