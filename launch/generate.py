@@ -40,20 +40,28 @@ def main(argv=None) -> None:
     if tok_path is None:
         fail(f"no tokenizer.json for the run in {args.workdir} (synthetic data has none); "
              "generation needs text")
+    from titanax.hf.source import eos_ids
+
     tok = Tokenizer.load(tok_path)
-    ids = tok.encode(args.prompt)
+    # A run trained with BOS at each document start is prompted the same way.
+    ids = ([tok.bos_id] if cfg.data.bos and tok.bos_id is not None else []) + tok.encode(args.prompt)
+    stop_ids = eos_ids(args.workdir, tok.eos_id)  # an imported Instruct model's whole eos list
     try:
-        new = []
+        new, printed = [], 0
         sys.stdout.write(args.prompt)
         for t in generate(cfg, graphdef, params, ids, max_new_tokens=args.max_new_tokens,
-                          temperature=args.temperature, seed=args.seed, eos_id=tok.eos_id):
+                          temperature=args.temperature, seed=args.seed, eos_id=stop_ids):
             new.append(t)
             # Decode the whole continuation each time: byte-level BPE tokens are not always
-            # whole characters, so printing token by token would garble them.
+            # whole characters. A trailing U+FFFD may be a character still incomplete: it is
+            # held back until the next token completes it (or the end), so what is printed
+            # is exactly the decoded continuation.
             text = tok.decode(new)
-            sys.stdout.write(text[len(tok.decode(new[:-1])):])
-            sys.stdout.flush()
-        sys.stdout.write("\n")
+            if not text.endswith("\ufffd"):
+                sys.stdout.write(text[printed:])
+                sys.stdout.flush()
+                printed = len(text)
+        sys.stdout.write(tok.decode(new)[printed:] + "\n")
     except ValueError as e:
         fail(str(e))
     print(f"[{len(new)} tokens from step {step} of {args.workdir}]", file=sys.stderr)

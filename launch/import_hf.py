@@ -1,8 +1,13 @@
-"""python -m launch.import_hf --hf DIR --config FILE [--set section.field=value ...] --workdir DIR
-Reads a local Hugging Face folder (safetensors only; the model_type of any registered architecture), checks every
-tensor against the config, and writes WORKDIR/checkpoints/0, which `python -m launch.train --config FILE
---workdir DIR` resumes from (fine-tuning from published weights). model.arch comes from
-config.json's model_type unless --set model.arch=... says otherwise."""
+"""python -m launch.import_hf --hf DIR [--config FILE] [--set section.field=value ...] --workdir DIR
+Reads a local Hugging Face folder (safetensors only; the model_type of any registered
+architecture), checks every tensor, and writes WORKDIR/checkpoints/0 and WORKDIR/config.json,
+which `python -m launch.train --workdir DIR` fine-tunes (published weights).
+
+Without --config every model.* field comes from the folder's config.json and the rest are
+titanax's defaults; with --config, that file's train/optim/mesh/data sections apply and its
+model.* must agree with config.json. The folder's tokenizer becomes the run's (data.tokenizer),
+a Llama 3 tokenizer turns data.bos on, and the folder's generation_config.json, chat template
+and config.json keys titanax does not use are kept for launch.export_hf. --set wins over all."""
 
 from __future__ import annotations
 
@@ -19,17 +24,12 @@ def main(argv=None) -> None:
     add_host_devices_flag(p)
     p.add_argument("--workdir", required=True, help="new run folder for the imported checkpoint")
     args = p.parse_args(argv)
-    if args.config is None:
-        fail("--config is required: the titanax config (model dimensions, mesh, optimizer) the "
-             "imported checkpoint will be trained with, e.g. configs/llama3_8b.py")
 
-    from titanax.config import ConfigError, load_config
-    from titanax.hf.folder import HFImportError, hf_arch
+    from titanax.config import ConfigError
+    from titanax.hf.run_config import HFImportError, import_config
 
     try:
-        arch = hf_arch(args.hf)  # the folder's architecture; a later --set still wins
-        picked = [f"model.arch={arch}"] if arch else []
-        cfg = load_config(args.config, picked + args.overrides)
+        cfg = import_config(args.hf, args.config, args.overrides)
     except (ConfigError, HFImportError) as e:
         fail(str(e))
     setup_jax(args.host_devices)

@@ -2,11 +2,16 @@
 
     python -m launch.prepare_data --tokenizer tok/tokenizer.json --input corpus/ --out shards/
     python -m launch.prepare_data --tokenizer tok/tokenizer.json --input data.jsonl --out shards/
+    python -m launch.prepare_data --tokenizer tok/tokenizer.json --input fineweb/ --out web/ --bos
 
---input is a .jsonl file (one JSON object per line, the text under --text-key) or a folder:
-every file under it (recursively, sorted) ending in .txt .md .rst .py or .jsonl, or those
-matching --glob (e.g. '*.html'). Interrupted runs resume: re-run the same command.
-The work itself lives in titanax.data.shards.prepare_shards.
+--input is one file, a folder, or a Hugging Face dataset saved with `save_to_disk` (read
+with pyarrow; `datasets` is not needed). Files: .jsonl, .jsonl.gz, .jsonl.zst (one JSON
+object per line, the text under --text-key), .parquet and .arrow (the text in column
+--text-key), anything else one document per file. A folder: every file under it
+(recursively, sorted) ending in .txt .md .rst .py .jsonl .jsonl.gz .jsonl.zst .parquet or
+.arrow, or those matching --glob (e.g. '*.html'). --bos starts each document with the
+tokenizer's BOS token (as in Llama 3 pretraining; train with data.bos=true). Interrupted runs
+resume: re-run the same command. The work itself lives in titanax.data.shards.prepare_shards.
 """
 
 from __future__ import annotations
@@ -22,11 +27,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m launch.prepare_data", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokenizer", required=True, help="tokenizer.json (HF tokenizers)")
-    p.add_argument("--input", required=True, help="a folder of text files or a .jsonl file")
+    p.add_argument("--input", required=True, help="a file (.jsonl[.gz|.zst], .parquet, .arrow, text), a folder of "
+                   "them, or a saved Hugging Face dataset folder")
     p.add_argument("--out", required=True, help="output shard folder (resumed if it exists)")
     p.add_argument("--shard-tokens", type=int, default=50_000_000,
                    help="about this many tokens per shard (default 50M)")
-    p.add_argument("--text-key", default="text", help="JSON field holding the text (.jsonl)")
+    p.add_argument("--text-key", default="text",
+                   help="JSON field (.jsonl) or column (.parquet, .arrow) holding the text")
+    p.add_argument("--bos", action="store_true",
+                   help="start each document with the tokenizer's BOS (train with data.bos=true)")
     p.add_argument("--glob", default=None,
                    help="only files matching this pattern (name or relative path)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -34,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         meta = prepare_shards(args.tokenizer, args.input, args.out,
                               shard_tokens=args.shard_tokens, text_key=args.text_key,
-                              glob=args.glob, progress=not args.no_progress)
+                              glob=args.glob, progress=not args.no_progress, bos=args.bos)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -42,8 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     n_docs = sum(s["n_docs"] for s in meta["shards"])
     # max_id (in meta.json) lets training check model.vocab_size without reading the tokens
     max_ids = [s["max_id"] for s in meta["shards"] if "max_id" in s]
+    bos_note = f", bos {meta['bos_id']} per document" if meta.get("bos") else ""
     print(f"{args.out}: {len(meta['shards'])} shards, {n_docs} documents, {n_tokens:,} tokens "
           f"(vocab {meta['vocab_size']}, eos {meta['eos_id']}"
+          f"{bos_note}"
           f"{f', largest id {max(max_ids)}' if max_ids else ''})")
     return 0
 

@@ -2,6 +2,9 @@
                           [--workdir DIR] [--host-devices N]
                           [--coordinator HOST:PORT --num-processes N --process-id I]
 
+Without --config: the config saved in WORKDIR/config.json when there is one (an import or an
+earlier run), else configs/tiny.py; --set applies on top either way.
+
 Exit status: 0 when train.steps are done, 75 (EX_TEMPFAIL) when stopped by SIGTERM/SIGUSR1
 after saving a checkpoint (rerun the same command, or requeue the job, to resume), 1 when
 training diverged or a process was lost, 2 for a configuration error (a train step that
@@ -10,6 +13,7 @@ does not fit the devices' memory is one: the error names the --set that fits).""
 from __future__ import annotations
 
 import argparse
+import json
 import pathlib
 
 from launch.common import (
@@ -25,21 +29,36 @@ EXIT_PREEMPTED = 75  # EX_TEMPFAIL: a checkpoint is saved, run again to resume
 DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parent.parent / "configs" / "tiny.py"
 
 
+def _base_config(args):
+    """--config with --set; without --config, the workdir's own config.json (written by
+    launch.import_hf or an earlier run: `launch.train --workdir W` continues W as it was
+    configured) or configs/tiny.py for a new run."""
+    from titanax.config import Config, ConfigError, apply_overrides, load_config
+
+    saved = pathlib.Path(args.workdir) / "config.json" if args.workdir else None
+    if args.config is not None or saved is None or not saved.is_file():
+        return load_config(args.config or DEFAULT_CONFIG, args.overrides)
+    try:
+        return apply_overrides(Config.from_dict(json.loads(saved.read_text())), args.overrides)
+    except (json.JSONDecodeError, TypeError) as e:
+        raise ConfigError(f"{saved}: not a titanax config ({e}); give --config FILE") from None
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m launch.train", description=__doc__)
-    add_config_flags(p, default_config=str(DEFAULT_CONFIG))
+    add_config_flags(p, default_config=None)
     add_host_devices_flag(p)
     add_distributed_flags(p)
     p.add_argument("--workdir", default=None, help="run folder (default runs/<config name>)")
     args = p.parse_args(argv)
 
-    from titanax.config import ConfigError, load_config
+    from titanax.config import ConfigError
 
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = _base_config(args)
     except ConfigError as e:
         fail(str(e))
-    workdir = args.workdir or f"runs/{pathlib.Path(args.config).stem}"
+    workdir = args.workdir or f"runs/{pathlib.Path(args.config or DEFAULT_CONFIG).stem}"
     from titanax import xla_flags
 
     xla_flags.apply_for_run(args.host_devices)  # GPU only; XLA reads them when it starts

@@ -29,7 +29,8 @@ setup() {
   local py; py=$(find_python)
   [ -x .venv/bin/python ] || "$py" -m venv .venv
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -c constraints.txt -e ".[test]"
+  # eval: lm-evaluation-harness for launch.eval and tests/test_eval.py (no torch: its core needs none).
+  .venv/bin/python -m pip install -q -c constraints.txt -e ".[test,eval]"
   touch "$stamp"
 }
 
@@ -46,7 +47,9 @@ setup_torch() {
     return 0
   fi
   [ -x .venv-torch/bin/python ] || "$py" -m venv .venv-torch
-  .venv-torch/bin/python -m pip install -q -c constraints-torch.txt torch transformers safetensors numpy
+  # lm_eval + accelerate: lm-eval's own `hf` model, the reference tests/test_eval.py compares with.
+  .venv-torch/bin/python -m pip install -q -c constraints-torch.txt torch transformers safetensors numpy \
+    lm_eval==0.4.13 accelerate
   touch "$stamp"
 }
 

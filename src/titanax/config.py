@@ -380,21 +380,80 @@ class OptimConfig:
 @dataclass(frozen=True)
 class DataConfig:
     # 'embedded' (the Python standard library's sources), 'synthetic' (random tokens, for
-    # benchmarks) or a folder of token shards written by `python -m launch.prepare_data`.
+    # benchmarks), a folder of token shards written by `python -m launch.prepare_data`, or a
+    # weighted mixture of such folders: 'a:0.7,b:0.3' (a Python config may give
+    # [("a", 0.7), ("b", 0.3)]; it is stored as the string, so checkpoints and --set agree).
     source: str = "embedded"
     tokenizer: str = ""  # tokenizer.json; '' with embedded: trained on first use, cached
     val_fraction: float = 0.02  # held-out share of documents (embedded) or tokens (shards)
     embedded_max_bytes: int = 24_000_000  # cap on the embedded corpus read from disk
     document_masking: bool = True  # attention never crosses packed document boundaries
     shuffle: bool = True
+    # Each document starts with the tokenizer's BOS token (as in Llama 3 pretraining); a shard
+    # folder records whether it was written with `prepare_data --bos`, and must agree.
+    bos: bool = False
 
     def __post_init__(self):
+        if isinstance(self.source, (list, tuple, dict)):
+            object.__setattr__(self, "source", _mixture_string(self.source))
         _check_types("data", self)
         if not self.source:
             _fail("data.source", "must be 'embedded', 'synthetic' or a folder of token shards")
+        self.folders()  # a malformed mixture fails here, before anything is built
         if not 0.0 < self.val_fraction < 0.5:
             _fail("data.val_fraction", f"must lie in (0, 0.5), got {self.val_fraction}")
         _check_positive("data", self, "embedded_max_bytes")
+
+    def folders(self) -> list[tuple[str, float]]:
+        """(folder, weight) per shard folder of data.source: [] for embedded/synthetic, one
+        entry (weight 1.0) for a plain folder, several for a mixture (weights as written)."""
+        return parse_source(self.source)
+
+
+def _mixture_string(pairs) -> str:
+    """[("a", 0.7), ("b", 0.3)] or {"a": 0.7, "b": 0.3} -> 'a:0.7,b:0.3' (data.source)."""
+    items = list(pairs.items()) if isinstance(pairs, dict) else list(pairs)
+    parts = []
+    for item in items:
+        if (not isinstance(item, (list, tuple)) or len(item) != 2
+                or not isinstance(item[0], str) or isinstance(item[1], bool)
+                or not isinstance(item[1], (int, float))):
+            _fail("data.source", f"mixture entry {item!r} is not a (folder, weight) pair; write "
+                  "e.g. [('shards/web', 0.7), ('shards/code', 0.3)]")
+        parts.append(f"{item[0]}:{float(item[1])!r}")
+    return ",".join(parts)
+
+
+def _weight(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def parse_source(source: str) -> list[tuple[str, float]]:
+    """data.source -> [(folder, weight), ...]; see DataConfig.folders."""
+    if source in ("embedded", "synthetic"):
+        return []
+    items = [item.strip() for item in source.split(",")]
+    split = [item.rpartition(":") for item in items]
+    weighted = [sep and _weight(w) is not None for _, sep, w in split]
+    if not any(weighted):  # no 'folder:weight' at all: one folder (its name may hold ',')
+        return [(source, 1.0)]
+    pairs = []
+    for item, (folder, _, w), ok in zip(items, split, weighted):
+        weight = _weight(w) if ok else None
+        if not ok or not folder or weight is None or not math.isfinite(weight) or weight <= 0:
+            _fail("data.source", f"mixture entry {item!r} is not folder:weight with a weight "
+                  "> 0; write e.g. data.source=shards/web:0.7,shards/code:0.3")
+        if folder in ("embedded", "synthetic"):
+            _fail("data.source", f"a mixture is of token shard folders, not {folder!r}; write "
+                  "the text with `python -m launch.prepare_data` and mix the folder")
+        if folder in [f for f, _ in pairs]:
+            _fail("data.source", f"{folder!r} appears twice in the mixture; give it once, "
+                  "with the sum of its weights")
+        pairs.append((folder, weight))
+    return pairs
 
 
 @dataclass(frozen=True)

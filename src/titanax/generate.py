@@ -51,8 +51,8 @@ def find_tokenizer(cfg: Config, workdir) -> pathlib.Path | None:
     candidates = [pathlib.Path(workdir) / "tokenizer.json"]
     if cfg.data.tokenizer:
         candidates.append(pathlib.Path(cfg.data.tokenizer))
-    if cfg.data.source not in ("embedded", "synthetic"):
-        candidates.append(pathlib.Path(cfg.data.source) / "tokenizer.json")
+    # a shard folder's own copy (a mixture's folders all share one tokenizer)
+    candidates += [pathlib.Path(folder) / "tokenizer.json" for folder, _ in cfg.data.folders()]
     return next((p for p in candidates if p.is_file()), None)
 
 
@@ -70,8 +70,9 @@ def _sample(logits_BV, key, temperature: float):
 
 
 def generate(cfg: Config, graphdef, params, prompt_ids: list[int], *, max_new_tokens: int,
-             temperature: float = 0.0, seed: int = 0, eos_id: int | None = None):
-    """Yields new token ids one at a time (stops at eos or max_new_tokens)."""
+             temperature: float = 0.0, seed: int = 0, eos_id=None):
+    """Yields new token ids one at a time (stops at eos or max_new_tokens). eos_id: one id or
+    several (an Instruct model ends a turn with <|eot_id|> as well as <|end_of_text|>)."""
     if not prompt_ids:
         raise ValueError("the prompt encodes to no tokens; give a non-empty prompt")
     if temperature < 0:
@@ -85,10 +86,11 @@ def generate(cfg: Config, graphdef, params, prompt_ids: list[int], *, max_new_to
     logits, cache = _forward(graphdef, params, jnp.asarray([prompt_ids], jnp.int32), cache,
                              jnp.int32(0))
     pos = len(prompt_ids)
+    stop = set() if eos_id is None else {eos_id} if isinstance(eos_id, int) else set(eos_id)
     for _ in range(max_new_tokens):
         key, sub = jax.random.split(key)
         token = int(_sample(logits, sub, temperature)[0])
-        if eos_id is not None and token == eos_id:
+        if token in stop:
             return
         yield token
         logits, cache = _forward(graphdef, params, jnp.asarray([[token]], jnp.int32), cache,

@@ -4,7 +4,13 @@ Every source is reduced to two window sets (train and held-out validation) that 
 any window by index; grain then shuffles window indices per epoch, batches them into global
 batches and each process gathers only its own contiguous rows. Because the order is a pure
 function of (train.seed, step), the iterator state is a single index: resuming from it
-yields exactly the batches an uninterrupted run would have seen.
+yields exactly the batches an uninterrupted run would have seen. A mixture of shard folders
+(data/mixture.py) is one more grain MapDataset in front of the batching, so the same holds.
+
+data.bos: every document starts with the tokenizer's BOS (then its text, then eos), so the
+packed stream reads ... eos | bos doc eos | bos ...; packing starts a segment (position 0)
+right after each eos, i.e. at each BOS. Shard folders record whether they were written so;
+a folder that disagrees with data.bos, or a mixture whose folders disagree, is refused.
 """
 
 from __future__ import annotations
@@ -17,8 +23,9 @@ import numpy as np
 
 from titanax.config import Config, ConfigError
 from titanax.data import corpus, shards
+from titanax.data.errors import DataError
+from titanax.data.mixture import MixtureWindows
 from titanax.data.packing import StreamWindows, TokenStream, pack
-from titanax.data.shards import DataError
 from titanax.data.tokenizer import Tokenizer, load_or_train
 
 # Seed streams of the synthetic source, so validation never repeats training tokens.
@@ -67,12 +74,16 @@ class Data:
         train = self.cfg.train
         rows = self._local_rows()
         windows = self.train_windows
-        ds = grain.MapDataset.range(len(windows))
-        if self.cfg.data.shuffle and not isinstance(windows, SyntheticWindows):
-            # Shuffle then repeat: grain folds the epoch into the seed, so every epoch gets
-            # its own (deterministic) order.
-            ds = ds.shuffle(seed=train.seed % 2**32)
-        ds = ds.repeat().batch(train.batch_size, drop_remainder=True)
+        if isinstance(windows, MixtureWindows):  # each folder shuffled, then interleaved
+            ds = windows.train_order(train.seed, self.cfg.data.shuffle)
+        else:
+            ds = grain.MapDataset.range(len(windows))
+            if self.cfg.data.shuffle and not isinstance(windows, SyntheticWindows):
+                # Shuffle then repeat: grain folds the epoch into the seed, so every epoch
+                # gets its own (deterministic) order.
+                ds = ds.shuffle(seed=train.seed % 2**32)
+            ds = ds.repeat()
+        ds = ds.batch(train.batch_size, drop_remainder=True)
         # Every process draws the same global index batch and gathers only its own rows.
         ds = ds.map(lambda idx: self._pack(windows.rows(idx[rows])))
         read = grain.ReadOptions(num_threads=2, prefetch_buffer_size=4)
@@ -115,11 +126,13 @@ def build_data(cfg: Config, workdir: str | pathlib.Path, process_index: int = 0,
         parts = _synthetic(cfg)
     elif source == "embedded":
         parts = _embedded(cfg, workdir)
+    elif len(cfg.data.folders()) == 1:
+        parts = _shard_folder(cfg, pathlib.Path(cfg.data.folders()[0][0]))
     else:
-        parts = _shard_folder(cfg, pathlib.Path(source))
+        parts = _mixture(cfg)
     tokenizer, train_stream, val_stream, eos_id, summary = parts
     seq_len = cfg.train.seq_len
-    if isinstance(train_stream, SyntheticWindows):
+    if not isinstance(train_stream, TokenStream):  # already windows: synthetic, a mixture
         train_w, val_w = train_stream, val_stream
     else:
         train_w, val_w = StreamWindows(train_stream, seq_len), StreamWindows(val_stream, seq_len)
@@ -159,20 +172,25 @@ def _embedded(cfg: Config, workdir: pathlib.Path):
                         "for a train/validation split; raise it")
     workdir.mkdir(parents=True, exist_ok=True)
     tok = load_or_train(data, cfg.model, workdir, docs=docs)
+    bos_id = tok.require_bos() if data.bos else None
     train_docs, val_docs = split_documents(docs, data.val_fraction)
     n_val = len(val_docs)
-    key = hashlib.sha256(f"{fingerprint}:{shards.file_sha256(tok.path)}:{n_val}:strided".encode())
+    # ':bos' only when on: caches written before data.bos existed keep their names
+    key = (f"{fingerprint}:{shards.file_sha256(tok.path)}:{n_val}:strided"
+           f"{':bos' if data.bos else ''}")
+    key = hashlib.sha256(key.encode())
     key = key.hexdigest()[:16]
     paths = [workdir / f"embedded_tokens_{key}_{split}.npy" for split in ("train", "val")]
     streams = _load_cached(paths)
     if streams is None:
-        streams = [_tokenize(train_docs, tok), _tokenize(val_docs, tok)]
+        streams = [_tokenize(train_docs, tok, bos_id), _tokenize(val_docs, tok, bos_id)]
         for path, arr in zip(paths, streams):
             shards.save_npy_atomic(path, arr)
     train, val = streams
     summary = (f"data: embedded (Python stdlib sources, {len(docs)} documents: "
                f"{len(docs) - n_val} train / {n_val} val), train {len(train):,} tokens, "
-               f"val {len(val):,} tokens, vocab {tok.vocab_size} ({tok.path})")
+               f"val {len(val):,} tokens, vocab {tok.vocab_size} ({tok.path})"
+               f"{', bos per document' if data.bos else ''}")
     return tok, TokenStream([train]), TokenStream([val]), tok.eos_id, summary
 
 
@@ -185,28 +203,100 @@ def _load_cached(paths) -> list[np.ndarray] | None:
         return None
 
 
-def _tokenize(docs: list[str], tok: Tokenizer, chunk: int = 1024) -> np.ndarray:
-    """Documents -> one uint32 stream, each document followed by eos."""
+def _tokenize(docs: list[str], tok: Tokenizer, bos_id: int | None = None,
+              chunk: int = 1024) -> np.ndarray:
+    """Documents -> one uint32 stream, each document followed by eos (and preceded by bos_id
+    when given)."""
     pieces = []
+    head = [] if bos_id is None else [np.asarray([bos_id], dtype=np.uint32)]
     # Chunks keep the Python int lists small; encode_batch still uses every core per chunk.
     for i in range(0, len(docs), chunk):
         for ids in tok.encode_batch(docs[i:i + chunk]):
+            pieces.extend(head)
             pieces.append(np.asarray(ids, dtype=np.uint32))
             pieces.append(np.asarray([tok.eos_id], dtype=np.uint32))
     return np.concatenate(pieces)
 
 
-def _shard_folder(cfg: Config, folder: pathlib.Path):
+def _open_folder(cfg: Config, folder: pathlib.Path):
+    """(meta, train stream, val stream) of one shard folder. The last val_fraction of its
+    token stream is held out (shards are written in input order: the tail of the inputs)."""
     meta, arrays = shards.open_shards(folder, cfg.model.vocab_size)
-    # data.tokenizer, else the folder's own copy; a folder without one trains fine (no decode).
-    has_tok = cfg.data.tokenizer or (folder / "tokenizer.json").is_file()
-    tok = load_or_train(cfg.data, cfg.model, folder) if has_tok else None
     stream = TokenStream(arrays)
     n = len(stream)
-    # The last val_fraction of the token stream is held out (shards are written in input
-    # order, so this is the tail of the inputs).
     n_val = max(1, int(n * cfg.data.val_fraction))
+    return meta, stream.view(0, n - n_val), stream.view(n - n_val, n)
+
+
+def _check_bos(cfg: Config, metas: dict) -> None:
+    """Refuses folders written with and without BOS per document together, or against
+    data.bos (folders from before meta.json recorded it were written without)."""
+    flags = {folder: bool(meta.get("bos", False)) for folder, meta in metas.items()}
+    if len(set(flags.values())) > 1:
+        with_ = [str(f) for f, b in flags.items() if b]
+        without = [str(f) for f, b in flags.items() if not b]
+        raise DataError(f"data.source: the mixture's folders disagree on BOS per document "
+                        f"(with: {with_}, without: {without}); re-run `python -m "
+                        "launch.prepare_data` for one side (with or without --bos) so they "
+                        "agree")
+    flag = next(iter(flags.values()))
+    if flag != cfg.data.bos:
+        how = "with" if flag else "without"
+        what = (f"{next(iter(flags))} was" if len(flags) == 1 else
+                f"every folder of data.source ({', '.join(map(str, flags))}) was")
+        raise DataError(f"data.bos={str(cfg.data.bos).lower()}: {what} written {how} "
+                        f"BOS per document (meta.json bos: {str(flag).lower()}); set "
+                        f"data.bos={str(flag).lower()}, or re-run `python -m launch.prepare_data"
+                        f"{'' if flag else ' --bos'}` into a fresh --out folder")
+
+
+def _folder_tokenizer(cfg: Config, folder: pathlib.Path) -> Tokenizer | None:
+    # data.tokenizer, else the folder's own copy; a folder without one trains fine (no decode).
+    has_tok = cfg.data.tokenizer or (folder / "tokenizer.json").is_file()
+    return load_or_train(cfg.data, cfg.model, folder) if has_tok else None
+
+
+def _shard_folder(cfg: Config, folder: pathlib.Path):
+    meta, train, val = _open_folder(cfg, folder)
+    _check_bos(cfg, {folder: meta})
+    tok = _folder_tokenizer(cfg, folder)
     n_docs = sum(s.get("n_docs", 0) for s in meta["shards"])
-    summary = (f"data: shards {folder} ({len(arrays)} shards, {n_docs} documents), train "
-               f"{n - n_val:,} tokens, val {n_val:,} tokens, vocab {meta.get('vocab_size')}")
-    return tok, stream.view(0, n - n_val), stream.view(n - n_val, n), meta.get("eos_id"), summary
+    summary = (f"data: shards {folder} ({len(meta['shards'])} shards, {n_docs} documents), "
+               f"train {len(train):,} tokens, val {len(val):,} tokens, vocab "
+               f"{meta.get('vocab_size')}{', bos per document' if cfg.data.bos else ''}")
+    return tok, train, val, meta.get("eos_id"), summary
+
+
+def _mixture(cfg: Config):
+    """data.source=a:0.7,b:0.3: each folder split on its own, then mixed (data/mixture.py)."""
+    folders = [(pathlib.Path(f), w) for f, w in cfg.data.folders()]
+    opened = {folder: _open_folder(cfg, folder) for folder, _ in folders}
+    metas = {folder: meta for folder, (meta, _, _) in opened.items()}
+    _check_bos(cfg, metas)
+    first, meta0 = next(iter(metas.items()))
+    for folder, meta in metas.items():
+        for key in ("tokenizer_sha256", "eos_id"):
+            if meta.get(key) != meta0.get(key):
+                raise DataError(f"data.source: {folder} and {first} were written with "
+                                f"different tokenizers ({key} differs); tokenize every folder "
+                                "of a mixture with the same tokenizer.json")
+    seq_len, total = cfg.train.seq_len, sum(w for _, w in folders)
+    train, val, lines = [], [], []
+    for folder, w in folders:
+        _, t, v = opened[folder]
+        t, v = StreamWindows(t, seq_len), StreamWindows(v, seq_len)
+        for split, windows, fix in (("training", t, "use more data"),
+                                    ("validation", v, "raise data.val_fraction")):
+            if len(windows) == 0:
+                raise DataError(f"data.source: the {split} split of {folder} holds no window of "
+                                f"train.seq_len+1={seq_len + 1} tokens; lower train.seq_len or "
+                                f"{fix}")
+        train.append(t)
+        val.append(v)
+        lines.append(f"{folder} {w / total:.0%} ({len(t):,} train / {len(v):,} val windows)")
+    weights = [w for _, w in folders]
+    mix = MixtureWindows(train, weights)
+    summary = (f"data: mixture of {len(folders)} shard folders: {', '.join(lines)}, vocab "
+               f"{meta0.get('vocab_size')}{', bos per document' if cfg.data.bos else ''}")
+    return (_folder_tokenizer(cfg, first), mix, MixtureWindows(val, weights).val_windows(),
+            meta0.get("eos_id"), summary)

@@ -1,11 +1,13 @@
 """Token shard folders: the on-disk format, its validation, and the resumable writer.
 
 A folder holds
-  meta.json            format/version, vocab_size, eos_id, bos_id, tokenizer_sha256, source,
-                       shards [{file, n_tokens, n_docs, max_id}], done_inputs (inputs whose
-                       documents are all in listed shards), partial_input ({path, records} or
-                       null: how far into one input the listed shards reach)
-  shard_00000.npy ...  uint32 1-D, documents concatenated, each followed by eos
+  meta.json            format/version, vocab_size, eos_id, bos_id, bos (whether each document
+                       starts with bos_id; absent in older folders: false), tokenizer_sha256,
+                       source, shards [{file, n_tokens, n_docs, max_id}], done_inputs (inputs
+                       whose documents are all in listed shards), partial_input ({path,
+                       records} or null: how far into one input the listed shards reach)
+  shard_00000.npy ...  uint32 1-D, documents concatenated, each followed by eos (and, with
+                       bos, preceded by bos)
   tokenizer.json       a copy of the tokenizer that wrote them
 
 A shard only exists under its final name once completely written (temp name, then rename),
@@ -18,7 +20,6 @@ is written with it; a folder from before max_id is read once and meta.json updat
 
 from __future__ import annotations
 
-import fnmatch
 import hashlib
 import json
 import os
@@ -28,19 +29,15 @@ import sys
 
 import numpy as np
 
-from titanax.config import ConfigError
+from titanax.data.errors import DataError
+from titanax.data.readers import list_inputs, records
+
+__all__ = ["DataError", "list_inputs", "prepare_shards", "open_shards", "read_meta"]
 
 FORMAT = "titanax-token-shards"
 VERSION = 1
 META = "meta.json"
-# Plain-text extensions read from an input folder by default (override with glob). .jsonl
-# files are read line by line, the text under text_key; everything else is one document.
-TEXT_EXTENSIONS = (".txt", ".md", ".rst", ".py", ".jsonl")
 _FIX = "re-run `python -m launch.prepare_data` into a fresh --out folder"
-
-
-class DataError(ConfigError):
-    """A data file is missing or malformed; the message names the file and the fix."""
 
 
 def shard_name(index: int) -> str:
@@ -181,61 +178,13 @@ def _open_shard(folder: pathlib.Path, entry: dict) -> np.ndarray:
 
 # --- writing (launch/prepare_data.py) ----------------------------------------------------------
 
-def list_inputs(input_path: str | pathlib.Path, glob: str | None = None
-                ) -> tuple[pathlib.Path, list[str]]:
-    """(root, sorted relative paths) of the files to tokenize: one .jsonl file, or a folder."""
-    p = pathlib.Path(input_path)
-    if p.is_file():
-        return p.parent, [p.name]
-    if not p.is_dir():
-        raise DataError(f"--input {str(p)!r}: no such file or folder")
-    rels = []
-    for dirpath, dirnames, filenames in os.walk(p):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]  # .git and friends
-        for name in filenames:
-            rel = (pathlib.Path(dirpath) / name).relative_to(p).as_posix()
-            if glob:
-                if fnmatch.fnmatch(rel, glob) or fnmatch.fnmatch(name, glob):
-                    rels.append(rel)
-            elif name.endswith(TEXT_EXTENSIONS) and not name.startswith("."):
-                rels.append(rel)
-    if not rels:
-        what = f"matching {glob!r}" if glob else f"with extensions {list(TEXT_EXTENSIONS)}"
-        raise DataError(f"--input {str(p)!r}: no files {what} (use --glob to choose others)")
-    return p, sorted(rels)
-
-
-def _records(root: pathlib.Path, rel: str, text_key: str, skip: int):
-    """Yields (records consumed so far, text, bytes read) for one input file, after `skip`."""
-    path = root / rel
-    if not rel.endswith(".jsonl"):
-        if skip < 1:
-            raw = path.read_bytes()
-            yield 1, raw.decode("utf-8", errors="replace"), len(raw)
-        return
-    with open(path, "rb") as f:
-        for lineno, line in enumerate(f, 1):
-            if lineno <= skip:
-                continue
-            text = ""
-            if line.strip():
-                try:
-                    obj = json.loads(line)
-                except ValueError as e:
-                    raise DataError(f"{path}:{lineno}: not valid JSON ({e})") from None
-                if not isinstance(obj, dict) or text_key not in obj:
-                    keys = list(obj) if isinstance(obj, dict) else type(obj).__name__
-                    raise DataError(f"{path}:{lineno}: no {text_key!r} field (found {keys}); "
-                                    "pass --text-key")
-                text = str(obj[text_key])
-            yield lineno, text, len(line)
-
-
 def prepare_shards(tokenizer_path: str | pathlib.Path, input_path: str | pathlib.Path,
                    out_dir: str | pathlib.Path, shard_tokens: int = 50_000_000,
                    text_key: str = "text", glob: str | None = None, progress: bool = True,
-                   batch_chars: int = 4_000_000) -> dict:
-    """Tokenizes input into a shard folder, resuming an interrupted run. Returns meta."""
+                   batch_chars: int = 4_000_000, bos: bool = False) -> dict:
+    """Tokenizes input into a shard folder, resuming an interrupted run. Returns meta.
+
+    bos: each document starts with the tokenizer's BOS token (meta.json records it)."""
     from tqdm import tqdm
 
     from titanax.data.tokenizer import Tokenizer
@@ -244,10 +193,12 @@ def prepare_shards(tokenizer_path: str | pathlib.Path, input_path: str | pathlib
         raise DataError(f"--shard-tokens must be > 0, got {shard_tokens}")
     out = pathlib.Path(out_dir)
     tok = Tokenizer.load(tokenizer_path)
+    if bos:
+        tok.require_bos("--bos")
     root, rels = list_inputs(input_path, glob)
     identity = {"tokenizer_sha256": file_sha256(tokenizer_path),
                 "source": str(pathlib.Path(input_path).resolve()), "text_key": text_key,
-                "glob": glob}
+                "glob": glob, "bos": bos}
     meta = _start_or_resume(out, tok, identity)
     shutil.copyfile(tokenizer_path, _tmp_name(out / "tokenizer.json"))
     os.replace(_tmp_name(out / "tokenizer.json"), out / "tokenizer.json")
@@ -258,12 +209,12 @@ def prepare_shards(tokenizer_path: str | pathlib.Path, input_path: str | pathlib
     total_bytes = sum((root / r).stat().st_size for r in todo)
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing",
                disable=not progress)
-    writer = _ShardWriter(out, meta, shard_tokens, tok.eos_id)
+    writer = _ShardWriter(out, meta, shard_tokens, tok.eos_id, tok.bos_id if bos else None)
 
     def events():
         for rel in todo:
             skip = partial["records"] if partial and partial["path"] == rel else 0
-            for consumed, text, nbytes in _records(root, rel, text_key, skip):
+            for consumed, text, nbytes in records(root, rel, text_key, skip):
                 bar.update(nbytes)
                 if text.strip():
                     yield ("doc", rel, consumed, text)
@@ -286,8 +237,10 @@ def _start_or_resume(out: pathlib.Path, tok, identity: dict) -> dict:
     if (out / META).is_file():
         meta = read_meta(out)
         for key, value in identity.items():
-            if meta.get(key) != value:
-                raise DataError(f"{out}: was written with {key}={meta.get(key)!r}, this run has "
+            # bos: folders from before it was recorded were written without
+            was = meta.get(key, False) if key == "bos" else meta.get(key)
+            if was != value:
+                raise DataError(f"{out}: was written with {key}={was!r}, this run has "
                                 f"{value!r}; use a fresh --out folder (or delete {out})")
         for stale in out.glob(".shard_*.npy.tmp*"):
             stale.unlink()  # a shard whose writer was killed mid-write: never counted
@@ -303,8 +256,10 @@ def _start_or_resume(out: pathlib.Path, tok, identity: dict) -> dict:
 class _ShardWriter:
     """Buffers tokenized documents; writes a shard (then meta.json) every ~shard_tokens."""
 
-    def __init__(self, out: pathlib.Path, meta: dict, shard_tokens: int, eos_id: int):
+    def __init__(self, out: pathlib.Path, meta: dict, shard_tokens: int, eos_id: int,
+                 bos_id: int | None):
         self.out, self.meta, self.shard_tokens, self.eos_id = out, meta, shard_tokens, eos_id
+        self.head = [] if bos_id is None else [bos_id]
         self.pieces: list[np.ndarray] = []
         self.n_tokens = 0
         self.n_docs = 0
@@ -320,9 +275,9 @@ class _ShardWriter:
                 if self.partial and self.partial["path"] == rel:
                     self.partial = None
                 continue
-            ids = next(encoded)
-            self.pieces.append(np.asarray(ids + [self.eos_id], dtype=np.uint32))
-            self.n_tokens += len(ids) + 1
+            ids = self.head + next(encoded) + [self.eos_id]
+            self.pieces.append(np.asarray(ids, dtype=np.uint32))
+            self.n_tokens += len(ids)
             self.n_docs += 1
             self.partial = {"path": rel, "records": consumed}
             if self.n_tokens >= self.shard_tokens:

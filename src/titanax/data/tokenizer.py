@@ -42,6 +42,14 @@ class Tokenizer:
             raise ConfigError(f"data.tokenizer: {self.path} has no end-of-document token (looked "
                               f"for {list(_EOS_CANDIDATES)}); add one as a special token")
 
+    def require_bos(self, setting: str = "data.bos=true") -> int:
+        """The BOS id, or a clear error when this tokenizer has none."""
+        if self.bos_id is None:
+            raise ConfigError(f"{setting}: the tokenizer {self.path} has no beginning-of-"
+                              f"document token (looked for {list(_BOS_CANDIDATES)}); add one "
+                              "as a special token, or turn BOS off")
+        return self.bos_id
+
     @classmethod
     def load(cls, path: str | pathlib.Path) -> Tokenizer:
         from tokenizers import Tokenizer as HFTokenizer
@@ -134,7 +142,8 @@ def load_or_train(data_cfg: DataConfig, model_cfg: ModelConfig,
         raise ConfigError("data.tokenizer: data.source='synthetic' has no tokenizer; set "
                           "data.tokenizer to a tokenizer.json if one is needed")
     if data_cfg.source != "embedded":  # a shard folder carries the tokenizer that wrote it
-        shipped = pathlib.Path(data_cfg.source) / "tokenizer.json"
+        # (a mixture: its first folder's; the pipeline checks they all used the same one)
+        shipped = pathlib.Path(data_cfg.folders()[0][0]) / "tokenizer.json"
         if not shipped.is_file():
             raise ConfigError(f"data.tokenizer: {shipped} does not exist; set data.tokenizer "
                               "to the tokenizer.json the shards were written with")

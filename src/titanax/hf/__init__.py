@@ -1,6 +1,7 @@
 """Hugging Face folders in and out of titanax: importer.py (HF folder -> a step-0 checkpoint),
 exporter.py (checkpoint -> HF folder), folder.py (reading a folder's files and config.json),
-tokenizer.py, safetensors_io.py (streaming safetensors).
+tokenizer.py, safetensors_io.py (streaming safetensors), source.py (what an import keeps of the
+source folder and export writes back), run_config.py (the config an import trains with).
 
 Architecture-generic: the tensor table and config.json come from the model's spec
 (`model_spec(cfg.model).hf`, models/*/hf.py). This package sits above train, checkpoint and

@@ -25,6 +25,7 @@ import numpy as np
 from titanax.checkpoint.reader import CheckpointReader
 from titanax.config import Config
 from titanax.hf.safetensors_io import StreamingWriter, dtype_name
+from titanax.hf.source import merge_config, source_config, source_file
 from titanax.hf.tokenizer import write_tokenizer
 from titanax.models.registry import model_spec
 from titanax.parallel.layer_order import stored_position
@@ -132,19 +133,25 @@ def _write_shards(reader: CheckpointReader, cfg: Config, shards, tmp: pathlib.Pa
 
 
 def _write_configs(cfg: Config, workdir: pathlib.Path, tmp: pathlib.Path, dtype: str):
-    """Tokenizer files, config.json (the architecture's) and generation_config.json; returns
-    the tokenizer's path (None when the run has none)."""
+    """Tokenizer files, config.json (the architecture's keys over an imported source's, see
+    hf/source.py) and generation_config.json (an imported one as it was); returns the
+    tokenizer's path (None when the run has none)."""
     from titanax.generate import find_tokenizer
 
     tok_path = find_tokenizer(cfg, workdir)
     bos_id = eos_id = None
     if tok_path is not None:
         bos_id, eos_id = write_tokenizer(tok_path, tmp, cfg.model.max_seq_len)
-    config = model_spec(cfg.model).hf.to_config(cfg.model, dtype=dtype, bos_id=bos_id,
-                                                 eos_id=eos_id)
+    ours = model_spec(cfg.model).hf.to_config(cfg.model, dtype=dtype, bos_id=bos_id,
+                                               eos_id=eos_id)
+    config = merge_config(ours, source_config(workdir), cfg.model.max_seq_len)
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    generation = {"bos_token_id": bos_id, "eos_token_id": eos_id}
-    (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    kept = source_file(workdir, "generation_config.json")
+    if kept is not None:
+        shutil.copyfile(kept, tmp / "generation_config.json")
+    else:
+        generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     return tok_path
 
 

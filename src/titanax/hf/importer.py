@@ -13,6 +13,7 @@ Only safetensors are read; nothing is unpickled.
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
 import shutil
 
@@ -25,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 from titanax.config import Config
 from titanax.hf.folder import HFImportError, locate, read_config
 from titanax.hf.safetensors_io import SafetensorsError, TensorInfo, read_header, read_tensor
+from titanax.hf.source import keep_source
 from titanax.hf.tokenizer import tokenizer_files
 from titanax.models.hf_interop import HFTensor
 from titanax.models.registry import model_spec, spec_for_hf
@@ -213,8 +215,11 @@ def _train_state(sources, cfg: Config, devices, progress: bool) -> dict:
 def import_hf(hf_dir: str | pathlib.Path, cfg: Config, workdir: str | pathlib.Path, *,
               devices=None, progress: bool = True, log=print) -> ImportResult:
     """Writes WORKDIR/checkpoints/0: the HF weights, a freshly initialised optimizer state and
-    the config (no data iterator state). The HF tokenizer, if any, goes to
-    WORKDIR/hf_tokenizer/ and the saved config's data.tokenizer points at it."""
+    the config (no data iterator state), also as WORKDIR/config.json, the config
+    `launch.train --workdir` trains with when given no --config. The HF tokenizer, if any,
+    goes to WORKDIR/hf_tokenizer/ and the saved config's data.tokenizer points at it; the
+    source's config.json and generation_config.json go to WORKDIR/hf_source/ (hf/source.py),
+    for export to write back."""
     from titanax.checkpoint.orbax_io import Checkpointer
 
     hf_dir, workdir = pathlib.Path(hf_dir), pathlib.Path(workdir)
@@ -234,11 +239,14 @@ def import_hf(hf_dir: str | pathlib.Path, cfg: Config, workdir: str | pathlib.Pa
     ckpt = Checkpointer(ckpt_dir, cfg.checkpoint)
     ckpt.save(0, state, data_state=None, config=saved_cfg.to_dict())
     ckpt.close()
-    if tok_dir is not None and jax.process_index() == 0:
-        tok_dir.mkdir(parents=True, exist_ok=True)
-        for f in tok_files:
-            shutil.copyfile(f, tok_dir / f.name)
+    if jax.process_index() == 0:
+        if tok_dir is not None:
+            tok_dir.mkdir(parents=True, exist_ok=True)
+            for f in tok_files:
+                shutil.copyfile(f, tok_dir / f.name)
+        keep_source(hf_dir, workdir)
+        (workdir / "config.json").write_text(json.dumps(saved_cfg.to_dict(), indent=2))
     log(f"imported {len(sources)} tensors from {hf_dir} into {ckpt_dir}/0"
-        + (f"; tokenizer in {tok_dir} (fine-tune with --set data.tokenizer="
-           f"{tok_dir / 'tokenizer.json'})" if tok_dir else ""))
+        + (f"; tokenizer in {tok_dir}" if tok_dir else "")
+        + f"; fine-tune with python -m launch.train --workdir {workdir}")
     return ImportResult(workdir, 0, len(sources), tok_dir)

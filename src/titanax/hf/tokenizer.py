@@ -7,7 +7,10 @@ import json
 import pathlib
 import shutil
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# chat_template.jinja: where transformers 5 saves the chat template (4.x kept it in
+# tokenizer_config.json); both are kept, byte for byte.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja")
 
 
 def tokenizer_files(hf_dir: pathlib.Path) -> list[pathlib.Path]:
@@ -25,16 +28,17 @@ def tokenizer_files(hf_dir: pathlib.Path) -> list[pathlib.Path]:
 
 
 def write_tokenizer(tok_path: pathlib.Path, out: pathlib.Path, max_len: int):
-    """Copies tok_path (and a shipped tokenizer_config.json, or writes one) into `out`;
-    returns (bos_id, eos_id) for config.json."""
+    """Copies tok_path and the tokenizer files beside it (an imported HF tokenizer's own
+    tokenizer_config.json, special tokens and chat template), or writes a tokenizer_config.json,
+    into `out`; returns (bos_id, eos_id) for config.json."""
     from titanax.data.tokenizer import Tokenizer
 
     tok = Tokenizer.load(tok_path)
     shutil.copyfile(tok_path, out / "tokenizer.json")
-    shipped = tok_path.with_name("tokenizer_config.json")
-    if shipped.is_file():  # an imported HF tokenizer keeps its own (chat template, ...)
-        shutil.copyfile(shipped, out / "tokenizer_config.json")
-    else:
+    for name in TOKENIZER_FILES[1:]:
+        if tok_path.with_name(name).is_file():
+            shutil.copyfile(tok_path.with_name(name), out / name)
+    if not (out / "tokenizer_config.json").is_file():
         from tokenizers import Tokenizer as HFTokenizer
 
         hf_tok = HFTokenizer.from_file(str(tok_path))

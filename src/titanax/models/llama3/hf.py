@@ -90,7 +90,8 @@ def common_config(cfg: ModelConfig, *, dtype: str, bos_id, eos_id) -> dict:
         "use_cache": True,
         "bos_token_id": bos_id,
         "eos_token_id": eos_id,
-        "torch_dtype": dtype,
+        "torch_dtype": dtype,  # transformers 4.x and vLLM read this one
+        "dtype": dtype,  # transformers 5 writes (and prefers) this one
     }
 
 

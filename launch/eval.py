@@ -1,0 +1,61 @@
+"""python -m launch.eval --workdir DIR --tasks NAME [NAME ...] [--include-path DIR ...]
+                        [--step N] [--batch-size B] [--limit N] [--num-fewshot K] [--log-samples]
+Evaluates a run's checkpoint with lm-evaluation-harness (the `eval` extra) through titanax's
+adapter of its LM interface: parameters only, sharded over this machine's devices. Writes
+DIR/eval/step<N>-<time>.json and prints lm-eval's table. Offline tasks shipped with titanax:
+titanax_tiny_mc, titanax_tiny_ppl, titanax_tiny_gen; lm-eval's own (hellaswag, arc_easy, mmlu,
+...) need its dataset hub."""
+
+from __future__ import annotations
+
+import argparse
+
+from launch.common import fail, stop
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m launch.eval", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workdir", required=True, help="run folder holding checkpoints/")
+    p.add_argument("--tasks", required=True, nargs="+",
+                   help="task names (space- or comma-separated)")
+    p.add_argument("--include-path", action="append", default=[],
+                   help="a folder of lm-eval task YAML (repeatable)")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--limit", type=int, default=None, help="at most this many documents a task")
+    p.add_argument("--num-fewshot", type=int, default=None)
+    p.add_argument("--log-samples", action="store_true",
+                   help="also write every request's inputs and scores to the JSON")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    tasks = [t for arg in args.tasks for t in arg.split(",") if t]
+    if args.batch_size < 1:
+        fail("--batch-size must be >= 1")
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        fail("lm-evaluation-harness is not installed: pip install -c constraints.txt -e '.[eval]'")
+
+    from lm_eval.utils import make_table
+
+    from titanax.checkpoint.params_only import UnreadableCheckpoint
+    from titanax.eval.run import evaluate
+
+    try:
+        results, path = evaluate(args.workdir, tasks, include_paths=args.include_path,
+                                 step=args.step, batch_size=args.batch_size, limit=args.limit,
+                                 num_fewshot=args.num_fewshot, log_samples=args.log_samples,
+                                 seed=args.seed)
+    except (FileNotFoundError, ValueError) as e:  # ConfigError is a ValueError
+        fail(str(e))
+    except UnreadableCheckpoint as e:
+        stop(str(e))
+    print(make_table(results))
+    if "groups" in results:
+        print(make_table(results, "groups"))
+    print(f"[step {results['titanax']['step']} of {args.workdir}; results in {path}]")
+
+
+if __name__ == "__main__":
+    main()

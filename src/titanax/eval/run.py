@@ -1,0 +1,83 @@
+"""One evaluation of a run's checkpoint: restore the parameters (sharded over the local devices,
+as launch.generate does), wrap them in TitanaxLM, run lm-eval's simple_evaluate on the named
+tasks, and write the results to WORKDIR/eval/step<N>-<time>.json."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import time
+
+TASKS_DIR = pathlib.Path(__file__).resolve().parent / "tasks"
+
+
+def task_manager(include_paths=(), tasks=()):
+    """lm-eval's TaskManager over titanax's offline tasks and `include_paths`; lm-eval's own
+    task catalogue (thousands of YAML files, seconds to index) only when a requested task is
+    not found in those folders."""
+    from lm_eval.tasks import TaskManager
+
+    paths = [str(TASKS_DIR), *(str(p) for p in include_paths)]
+    for p in paths[1:]:
+        if not pathlib.Path(p).is_dir():
+            raise FileNotFoundError(f"--include-path {p}: no such folder")
+    local = TaskManager(include_path=paths, include_defaults=False)
+    if all(t in local.all_tasks for t in tasks):
+        return local
+    manager = TaskManager(include_path=paths)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        raise ValueError(f"unknown task(s) {unknown}; titanax's offline tasks: "
+                         f"{sorted(local.all_tasks)}; add folders of task YAML with "
+                         f"--include-path")
+    return manager
+
+
+def load_model(workdir, *, step=None, batch_size=16, devices=None, seed=0):
+    """(TitanaxLM, step) for the run in `workdir`."""
+    import jax
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from titanax.data.tokenizer import Tokenizer
+    from titanax.eval.lm import TitanaxLM
+    from titanax.generate import find_tokenizer, load_for_inference
+
+    cfg, graphdef, params, step = load_for_inference(
+        workdir, step, devices=jax.local_devices() if devices is None else devices)
+    tok_path = find_tokenizer(cfg, workdir)
+    if tok_path is None:
+        raise FileNotFoundError(f"no tokenizer.json for the run in {workdir} (synthetic data has "
+                                "none); evaluation needs text")
+    ids = Tokenizer.load(tok_path)  # the run's eos/bos, found as training found them
+    # A plain tokenizers.Tokenizer, as transformers loads it: special tokens written in the text
+    # are recognised, and the post-processor adds BOS where the tokenizer says so.
+    lm = TitanaxLM(cfg, graphdef, params, HFTokenizer.from_file(str(tok_path)),
+                   eos_id=ids.eos_id, bos_id=ids.bos_id, batch_size=batch_size, seed=seed)
+    return lm, step
+
+
+def evaluate(workdir, tasks: list[str], *, include_paths=(), step=None, batch_size=16,
+             limit=None, num_fewshot=None, log_samples=False, devices=None, seed=0):
+    """(results as lm-eval returns them, path of the JSON written). The JSON holds lm-eval's
+    results, configs and versions, the checkpoint step, and (log_samples) every request's
+    scores."""
+    from lm_eval import evaluator
+    from lm_eval.utils import handle_non_serializable
+
+    if not tasks:
+        raise ValueError("name at least one task (--tasks)")
+    manager = task_manager(include_paths, tasks)
+    lm, step = load_model(workdir, step=step, batch_size=batch_size, devices=devices, seed=seed)
+    results = evaluator.simple_evaluate(
+        model=lm, tasks=list(tasks), task_manager=manager, limit=limit, num_fewshot=num_fewshot,
+        log_samples=log_samples, random_seed=seed, numpy_random_seed=seed,
+        torch_random_seed=seed, fewshot_random_seed=seed)
+    results["titanax"] = {"workdir": str(pathlib.Path(workdir).absolute()), "step": step}
+    out_dir = pathlib.Path(workdir) / "eval"
+    out_dir.mkdir(exist_ok=True)
+    path = out_dir / f"step{step}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(results, indent=2, default=handle_non_serializable) + "\n")
+    os.replace(tmp, path)  # a crash mid-write never leaves half a results file
+    return results, path

@@ -1,0 +1,70 @@
+"""The titanax config an import trains with. config.json says everything about the model, so
+without a --config every model.* field comes from it (the architecture's hf.py from_config);
+with one, its train/optim/mesh/data sections apply and its model.* is checked against
+config.json by the importer. Either way the user's --set wins."""
+
+from __future__ import annotations
+
+import pathlib
+
+from titanax.config import Config, ConfigError, apply_overrides, load_config, parse_override
+from titanax.hf.folder import HFImportError, hf_arch, read_config
+
+
+def _derived_model(hf_dir: pathlib.Path, arch: str) -> dict[str, object]:
+    from titanax.models.registry import model_spec
+
+    hf_cfg = read_config(hf_dir)
+    try:
+        derived = {"model.arch": arch, **model_spec(arch).hf.from_config(hf_cfg)}
+    except (ValueError, KeyError) as e:
+        raise HFImportError(f"{hf_dir / 'config.json'}: "
+                            f"{e if isinstance(e, ValueError) else f'no {e}'}") from None
+    # The longest sequence the model supports; only a bound on train.seq_len and sampling.
+    if isinstance(hf_cfg.get("max_position_embeddings"), int):
+        derived["model.max_seq_len"] = hf_cfg["max_position_embeddings"]
+    return derived
+
+
+def _is_llama3_tokenizer(hf_dir: pathlib.Path) -> bool:
+    """A tokenizer.json with Llama 3's <|begin_of_text|>, which Llama 3 starts every document
+    with (so data.bos defaults on for it)."""
+    from titanax.data.tokenizer import BOS
+    from titanax.hf.tokenizer import tokenizer_files
+
+    if not tokenizer_files(hf_dir):
+        return False
+    from tokenizers import Tokenizer as HFTokenizer
+
+    return HFTokenizer.from_file(str(hf_dir / "tokenizer.json")).token_to_id(BOS) is not None
+
+
+def import_config(hf_dir, config_path=None, overrides=()) -> Config:
+    """The run's config: `config_path` (or titanax's defaults with every model.* field from
+    config.json), model.arch from config.json's model_type, data.bos on for a Llama 3
+    tokenizer, then `overrides` (--set strings). Raises HFImportError or ConfigError."""
+    hf_dir = pathlib.Path(hf_dir)
+    user = dict(parse_override(o) for o in overrides)
+    arch = hf_arch(hf_dir)  # None without a config.json
+    if config_path is None and arch is None:
+        raise HFImportError(f"{hf_dir} has no config.json to take the model from; give "
+                            "--config FILE with the model's dimensions")
+    picked = {"model.arch": arch} if arch else {}
+    if config_path is None:
+        picked = _derived_model(hf_dir, arch)
+        # titanax's default train.seq_len may exceed a small model's context.
+        longest = user.get("model.max_seq_len", picked.get("model.max_seq_len", 1 << 30))
+        try:
+            picked["train.seq_len"] = min(Config().train.seq_len, int(longest))
+        except ValueError:
+            pass  # a malformed --set model.max_seq_len: apply_overrides names it
+    if _is_llama3_tokenizer(hf_dir):
+        picked["data.bos"] = True
+    try:
+        if config_path is not None:
+            return load_config(config_path, {**picked, **user})
+        return apply_overrides(Config(), {**picked, **user})
+    except TypeError as e:  # dataclasses.replace with a wrong type slips through as TypeError
+        raise ConfigError(str(e)) from None
+
+__all__ = ["ConfigError", "HFImportError", "import_config"]

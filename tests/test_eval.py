@@ -1,0 +1,123 @@
+"""launch.eval: lm-evaluation-harness on a run's checkpoint through titanax's LM adapter gives
+what lm-eval's own `hf` model gives on the run's launch.export_hf folder (run in .venv-torch
+through tests/torch_peer.py): the same accuracy, and every loglikelihood equal to 1e-4, on the
+offline tasks shipped in src/titanax/eval/tasks (multiple choice, rolling perplexity, greedy
+generation). The run is float32 end to end, restored over 8 simulated devices (tensor 2 x fsdp
+4), with a 64-token context so the longer documents span several rolling windows."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import types
+
+import numpy as np
+import pytest
+from torch_peer import run_jobs, torch_python
+
+pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (the eval extra)")
+
+pytestmark = pytest.mark.usefixtures("devices8")
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TASKS = ["titanax_tiny_mc", "titanax_tiny_ppl", "titanax_tiny_gen"]
+# init_std 0.2 makes the logits O(1), so a 1e-4 agreement means something.
+SMALL = {"model.vocab_size": 320, "model.d_model": 64, "model.n_layers": 2, "model.n_heads": 4,
+         "model.n_kv_heads": 2, "model.ffn_dim": 160, "model.max_seq_len": 64,
+         "model.init_std": 0.2, "model.dtype": "float32", "model.param_dtype": "float32",
+         "model.matmul_precision": "highest", "train.seq_len": 32, "data.source": "synthetic",
+         "mesh.data": 1, "checkpoint.async_save": False}
+DOCS = ["def main():\n    return sorted(range(10))\n" * 3, "import os\nprint(os.getcwd())\n" * 5,
+        "class A:\n    pass\n" * 4, "Which keyword defines a function in Python? def\n" * 3]
+
+
+def make_run(workdir: pathlib.Path) -> None:
+    """An untrained float32 checkpoint (step 0) and a small BPE tokenizer in `workdir`."""
+    from titanax.checkpoint.orbax_io import Checkpointer
+    from titanax.config import apply_overrides, load_config
+    from titanax.data.tokenizer import train_bpe
+    from titanax.parallel.mesh import single_device_mesh
+    from titanax.train.optim import make_optimizer
+    from titanax.train.state import create_train_state
+
+    cfg = apply_overrides(load_config(ROOT / "configs" / "tiny.py"), SMALL)
+    _, state, _ = create_train_state(cfg, single_device_mesh(), make_optimizer(cfg))
+    ckpt = Checkpointer(workdir / "checkpoints", cfg.checkpoint)
+    ckpt.save(0, state, data_state=None, config=cfg.to_dict())
+    ckpt.close()
+    train_bpe(DOCS, 320, workdir / "tokenizer.json")
+
+
+@pytest.fixture(scope="module")
+def evals(tmp_path_factory):
+    """launch.eval on the run, and lm-eval's hf model on its export (one peer subprocess)."""
+    torch_python()  # skips here, before any work, when the peer is missing
+    from launch.eval import main
+    from titanax.eval.run import TASKS_DIR
+    from titanax.hf.exporter import export_hf
+
+    tmp = tmp_path_factory.mktemp("eval")
+    make_run(tmp / "run")
+    main(["--workdir", str(tmp / "run"), "--tasks", ",".join(TASKS), "--batch-size", "4",
+          "--log-samples"])
+    (ours,) = (tmp / "run" / "eval").glob("step0-*.json")
+    export_hf(tmp / "run", tmp / "export", dtype="float32", progress=False)
+    run_jobs("lm_eval_peer.py", [{"dir": str(tmp / "export"), "tasks": TASKS,
+                                  "include_path": str(TASKS_DIR), "batch_size": 3,
+                                  "out": str(tmp / "hf.json")}], tmp)
+    return types.SimpleNamespace(ours=json.loads(ours.read_text()),
+                                 theirs=json.loads((tmp / "hf.json").read_text()))
+
+
+def _resps(results, task):
+    """Each document's filtered responses, by doc_id."""
+    return {s["doc_id"]: s["filtered_resps"] for s in results["samples"][task]}
+
+
+def test_multiple_choice_matches_lm_eval_hf(evals):
+    ours, theirs = _resps(evals.ours, TASKS[0]), _resps(evals.theirs, TASKS[0])
+    assert len(ours) == 20 and ours.keys() == theirs.keys()
+    for doc in ours:
+        np.testing.assert_allclose([r[0] for r in ours[doc]], [r[0] for r in theirs[doc]],
+                                   rtol=0, atol=1e-4, err_msg=f"doc {doc}")
+    for metric in ("acc,none", "acc_norm,none"):
+        assert evals.ours["results"][TASKS[0]][metric] == evals.theirs["results"][TASKS[0]][metric]
+
+
+def test_rolling_loglikelihood_matches_lm_eval_hf(evals):
+    ours, theirs = _resps(evals.ours, TASKS[1]), _resps(evals.theirs, TASKS[1])
+    assert len(ours) == 4 and ours.keys() == theirs.keys()
+    for doc in ours:
+        np.testing.assert_allclose(ours[doc], theirs[doc], rtol=0, atol=1e-4,
+                                   err_msg=f"doc {doc}")
+    ppl = evals.ours["results"][TASKS[1]]["word_perplexity,none"]
+    assert ppl == pytest.approx(evals.theirs["results"][TASKS[1]]["word_perplexity,none"],
+                                rel=1e-5)
+
+
+def test_greedy_generation_matches_lm_eval_hf(evals):
+    ours, theirs = _resps(evals.ours, TASKS[2]), _resps(evals.theirs, TASKS[2])
+    assert len(ours) == 6 and ours == theirs
+    assert any(r[0] for r in ours.values())  # generated something, not only empty strings
+
+
+def test_results_name_the_checkpoint(evals):
+    assert evals.ours["titanax"]["step"] == 0
+    assert set(evals.ours["results"]) == set(TASKS)
+
+
+def test_bad_arguments_fail_in_one_line_before_restoring(tmp_path, capsys):
+    """Task names and folders are checked before the checkpoint is read (none exists here)."""
+    from launch.eval import main
+
+    cases = [(["--tasks", "titanax_tiny_mc", "--include-path", str(tmp_path / "nope")],
+              "no such folder"),
+             (["--tasks", "no_such_task"], "unknown task(s) ['no_such_task']"),
+             (["--tasks", "titanax_tiny_mc"], "no checkpoint under"),
+             (["--tasks", "titanax_tiny_mc", "--batch-size", "0"], "--batch-size must be >= 1")]
+    for flags, message in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--workdir", str(tmp_path / "run"), *flags])
+        err = capsys.readouterr().err.strip()
+        assert exit_info.value.code == 2 and message in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()  # nothing was created
