@@ -257,7 +257,7 @@ class _ShardWriter:
     """Buffers tokenized documents; writes a shard (then meta.json) every ~shard_tokens."""
 
     def __init__(self, out: pathlib.Path, meta: dict, shard_tokens: int, eos_id: int,
-                 bos_id: int | None):
+                 bos_id: int | None = None):  # bos_id: each document starts with it (data.bos)
         self.out, self.meta, self.shard_tokens, self.eos_id = out, meta, shard_tokens, eos_id
         self.head = [] if bos_id is None else [bos_id]
         self.pieces: list[np.ndarray] = []
