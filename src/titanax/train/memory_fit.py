@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding
 
 from titanax.config import Config, ConfigError
 from titanax.parallel.rules import activation_spec, model_context
+from titanax.train.metrics import compiled_memory  # (re-exported: plan/ reads it here)
 from titanax.train.optim import lr_schedule, make_optimizer
 from titanax.train.state import abstract_train_state, jit_train_step
 
@@ -21,25 +22,6 @@ from titanax.train.state import abstract_train_state, jit_train_step
 class DoesNotFit(ConfigError):
     """The train step needs more memory per device than there is; the message names the
     need, the capacity and (when one was found) the --set that fits."""
-
-
-def compiled_memory(compiled) -> dict[str, int]:
-    """Bytes per device of a compiled executable (memory_analysis): arguments, outputs,
-    aliased outputs (the donated state, which takes no new memory), temporaries, their
-    'total' = arguments + outputs - aliased + temporaries, and the same for pinned host
-    memory (train.offload_*, remat full_offload: XLA reports it apart)."""
-    mem = compiled.memory_analysis()
-    get = lambda name: int(getattr(mem, name, 0) or 0)  # noqa: E731
-    out = {}
-    for prefix in ("", "host_"):
-        args, outs, alias, temp = (get(f"{prefix}argument_size_in_bytes"),
-                                   get(f"{prefix}output_size_in_bytes"),
-                                   get(f"{prefix}alias_size_in_bytes"),
-                                   get(f"{prefix}temp_size_in_bytes"))
-        out.update({f"{prefix}arguments": args, f"{prefix}outputs": outs,
-                    f"{prefix}aliased": alias, f"{prefix}temporaries": temp,
-                    f"{prefix}total": args + outs - alias + temp})
-    return out
 
 
 def lower_train_step(cfg: Config, mesh):

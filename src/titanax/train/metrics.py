@@ -111,20 +111,35 @@ def step_line(step: int, steps: int, row: dict) -> str:
             f"skipped {row['skipped_steps']}")
 
 
+def compiled_memory(compiled) -> dict[str, int]:
+    """Bytes per device of a compiled executable (memory_analysis): arguments, outputs,
+    aliased outputs (the donated state, which takes no new memory), temporaries, their
+    'total' = arguments + outputs - aliased + temporaries, and the same for pinned host
+    memory (train.offload_*, remat full_offload: XLA reports it apart). The one reading of
+    XLA's numbers: the step log, the memory check and the planner use it."""
+    mem = compiled.memory_analysis()
+    get = lambda name: int(getattr(mem, name, 0) or 0)  # noqa: E731
+    out = {}
+    for prefix in ("", "host_"):
+        args, outs, alias, temp = (get(f"{prefix}argument_size_in_bytes"),
+                                   get(f"{prefix}output_size_in_bytes"),
+                                   get(f"{prefix}alias_size_in_bytes"),
+                                   get(f"{prefix}temp_size_in_bytes"))
+        out.update({f"{prefix}arguments": args, f"{prefix}outputs": outs,
+                    f"{prefix}aliased": alias, f"{prefix}temporaries": temp,
+                    f"{prefix}total": args + outs - alias + temp})
+    return out
+
+
 def describe_compiled_memory(compiled) -> str:
     """The compiled step's memory per device from XLA's buffer assignment, before it runs."""
-    mem = compiled.memory_analysis()
-    if mem is None:
+    if compiled.memory_analysis() is None:
         return "memory analysis: not reported by this backend"
-    get = lambda name: int(getattr(mem, name, 0) or 0)  # noqa: E731
-    args, out, alias, temp = (get("argument_size_in_bytes"), get("output_size_in_bytes"),
-                              get("alias_size_in_bytes"), get("temp_size_in_bytes"))
-    text = (f"memory per device: {(args + out - alias + temp) / 2**30:.3f} GiB = arguments "
-            f"{args / 2**30:.3f} + outputs {out / 2**30:.3f} - donated {alias / 2**30:.3f} "
-            f"+ temporaries {temp / 2**30:.3f}")
-    host = (get("host_argument_size_in_bytes") + get("host_output_size_in_bytes")
-            - get("host_alias_size_in_bytes") + get("host_temp_size_in_bytes"))
-    return text + (f"; pinned host {host / 2**30:.3f} GiB" if host else "")
+    m = {k: v / 2**30 for k, v in compiled_memory(compiled).items()}
+    text = (f"memory per device: {m['total']:.3f} GiB = arguments {m['arguments']:.3f} + "
+            f"outputs {m['outputs']:.3f} - donated {m['aliased']:.3f} + temporaries "
+            f"{m['temporaries']:.3f}")
+    return text + (f"; pinned host {m['host_total']:.3f} GiB" if m["host_total"] else "")
 
 
 def _plain(v):
