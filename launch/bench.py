@@ -1,5 +1,5 @@
-"""python -m launch.bench attention|fp8|train [...]: each benchmark lives in its own module
-(launch/bench_<name>.py) with its own flags; this only dispatches."""
+"""python -m launch.bench attention|checkpoint|fp8|train|tp_overlap [...]: each benchmark lives
+in its own module (launch/bench_<name>.py) with its own flags; this only dispatches."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ BENCHMARKS = {
     "checkpoint": "launch.bench_checkpoint",
     "fp8": "launch.bench_fp8",
     "train": "launch.bench_train",
+    "tp_overlap": "launch.bench_tp_overlap",
 }
 
 

@@ -4,6 +4,8 @@ and speed, optionally search layouts. Writes OUT/plan.json and OUT/plan.png.
 
     python -m launch.plan --config configs/llama3_70b.py --gpu h100 --nodes 8
     python -m launch.plan --config configs/llama3_70b.py --gpu b200 --nodes 1 --search
+    python -m launch.plan --config configs/llama3_70b.py --gpu h100 --nodes 8 --search \
+        --set train.seq_len=65536 --set model.max_seq_len=65536 --set train.batch_size=32
 """
 
 from __future__ import annotations
@@ -26,7 +28,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gpus-per-node", type=int, default=0,
                    help="GPUs per node (default: 8, or 4 for a GB200 compute tray)")
     p.add_argument("--search", action="store_true",
-                   help="also try mesh layouts, microbatches and remat policies; rank them")
+                   help="also try mesh layouts (tensor, context, pipeline, fsdp, data), "
+                        "microbatches, remat policies and host offload; rank them")
+    p.add_argument("--max-context", type=int, default=0, metavar="C",
+                   help="with --search: the largest mesh.context (context parallelism) tried; "
+                        "1 for none (default: as far as an NVLink domain beside tensor allows)")
     p.add_argument("--verify", type=int, default=6, metavar="K",
                    help="with --search: compile up to K of the best candidates until one fits "
                         "(default 6)")
@@ -49,11 +55,13 @@ def main(argv=None) -> None:
 
     if args.config is None:
         fail("--config is required, e.g. --config configs/llama3_70b.py")
+    if args.max_context < 0:
+        fail(f"--max-context must be >= 0 (1: no context parallelism), got {args.max_context}")
     try:
         cluster = Cluster(args.gpu.lower(), args.nodes, args.gpus_per_node)
         cfg = load_config(args.config, args.overrides)
         plan = make_plan(cfg, cluster, compile_step=not args.no_compile, search=args.search,
-                         verify=args.verify, buffers=args.buffers)
+                         verify=args.verify, buffers=args.buffers, max_context=args.max_context)
     except (PlanError, ConfigError) as e:
         fail(str(e))
     out = pathlib.Path(args.out or f"runs/plan-{pathlib.Path(args.config).stem}-"

@@ -18,10 +18,10 @@ from titanax.parallel.rules import MESH_AXES
 pytestmark = pytest.mark.usefixtures("devices8")  # meshes over 8 simulated devices
 
 
-def _mesh(pipeline=1, data=1, fsdp=1, tensor=1):
-    devices = np.array(jax.devices()[:pipeline * data * fsdp * tensor])
-    return Mesh(devices.reshape(pipeline, data, fsdp, tensor), MESH_AXES,
-                axis_types=(AxisType.Auto,) * 4)
+def _mesh(pipeline=1, data=1, fsdp=1, tensor=1, context=1):
+    devices = np.array(jax.devices()[:pipeline * data * fsdp * context * tensor])
+    return Mesh(devices.reshape(pipeline, data, fsdp, context, tensor), MESH_AXES,
+                axis_types=(AxisType.Auto,) * 5)
 
 
 def _qkv(B, S, Hq, Hkv, D=16):

@@ -132,9 +132,9 @@ def test_pipeline_bubble_and_hand_computed_communication():
     cfg = plan_config(_70b("mesh.fsdp=-1", "mesh.pipeline=2", "mesh.tensor=2",
                            "pipeline.microbatches=8", "train.batch_size=32"), cluster)
     layout = layout_for(cfg, cluster)
-    assert layout.degrees == {"pipeline": 2, "data": 1, "fsdp": 4, "tensor": 2}
+    assert layout.degrees == {"pipeline": 2, "data": 1, "fsdp": 4, "context": 1, "tensor": 2}
     # tensor, then fsdp fill a domain of 8; pipeline crosses domains
-    assert layout.inner == {"pipeline": 1, "data": 1, "fsdp": 4, "tensor": 2}
+    assert layout.inner == {"pipeline": 1, "data": 1, "fsdp": 4, "context": 1, "tensor": 2}
     est = estimate(cfg, cluster, layout)
     assert est.bubble == pytest.approx((2 - 1) / (8 + 2 - 1))
     n_params = param_counts(cfg.model)[0]
@@ -144,10 +144,14 @@ def test_pipeline_bubble_and_hand_computed_communication():
     assert fsdp.bytes_per_step == pytest.approx(3 * 0.75 * n_params / (2 * 2) * 2)
     assert fsdp.link == "nvlink"
     assert fsdp.bus_bandwidth == pytest.approx(450e9 * EFFICIENCIES.nvlink)
-    # TP: 12 collectives per layer (full remat), 40 layers per stage, 8 microbatches of
-    # 32/4/8 = 1 sequence of 8192 tokens, 1/2 of [8192, 8192] bf16 each
+    # TP (XLA's collectives, model.tp_overlap off): per layer the forward, the pipeline tick's
+    # recompute of it and the backward gather twice and reduce twice each, full remat's
+    # recompute gathers twice and reduces once (w_down's output is not needed again): 8
+    # all-gathers and 7 whole-sequence all-reduces (twice the bytes: XLA all-reduces and
+    # slices), 22 units; 40 layers per stage, 8 microbatches of 32/4/8 = 1 sequence of 8192
+    # tokens, 1/2 of [8192, 8192] bf16 per unit
     tp = est.comm["tensor"]
-    assert tp.bytes_per_step == pytest.approx(12 * 40 * 8 * 0.5 * 8192 * 8192 * 2)
+    assert tp.bytes_per_step == pytest.approx((8 + 2 * 7) * 40 * 8 * 0.5 * 8192 * 8192 * 2)
     # PP across two nodes: one rail, (8 + 2 - 1) iterations, forward and backward, of one
     # microbatch's sequence-sharded activations
     pp = est.comm["pipeline"]

@@ -29,7 +29,7 @@ from .reference import attention_reference, mask_SxT
 from .resolve import resolve_impl, unsupported
 
 __all__ = ["IMPLS", "PALLAS_IMPLS", "flash_attention", "flash_attention_bwd",
-           "flash_attention_fwd", "mosaic_unsupported", "resolve_impl"]
+           "flash_attention_fwd", "flash_block_bwd", "flash_block_fwd", "mosaic_unsupported", "resolve_impl"]
 
 PALLAS_IMPLS = KERNEL_IMPLS  # the backends with a Pallas kernel pair (own backward, per shard)
 
@@ -84,7 +84,58 @@ def flash_attention_bwd(q, k, v, segment_ids, out, lse, do, *, causal: bool = Tr
     return _backward(q, k, v, seg, out, lse, do, scale, causal, impl, cfg, interpret)
 
 
-def _prepare(q, k, v, segment_ids, softmax_scale, impl, config, interpret, pallas_only=False):
+def flash_block_fwd(q, k, v, q_segment_ids=None, kv_segment_ids=None, *, causal: bool,
+                    softmax_scale: float | None = None, impl: str = "auto",
+                    config: FlashConfig | None = None, interpret: bool = False):
+    """One block of a blockwise (ring) attention: queries against a block of keys that may be
+    another part of the sequence (any S, T; causal needs S == T, the same positions).
+    (out [B, S, Hq, D], lse [B, Hq, S] float32 in natural-log units, unpadded): blocks merge
+    by their log-sum-exp whatever the backend's own units."""
+    q_seg, kv_seg, scale, impl, cfg = _prepare_block(q, k, v, q_segment_ids, kv_segment_ids,
+                                                     causal, softmax_scale, impl, config,
+                                                     interpret)
+    out, lse = _forward(q, k, v, q_seg, scale, causal, impl, cfg, interpret, kv_seg=kv_seg)
+    lse = lse[:, :, :q.shape[1]]
+    return out, lse * _LN2 if backend(impl).lse_log2 else lse
+
+
+def flash_block_bwd(q, k, v, q_segment_ids, kv_segment_ids, out, lse, do, *, causal: bool,
+                    softmax_scale: float | None = None, impl: str = "auto",
+                    config: FlashConfig | None = None, interpret: bool = False):
+    """(dq, dk, dv) of one block given the whole row's out and natural-log lse [B, Hq, S]
+    (the merge of every block): FlashAttention-2's backward recomputes this block's
+    probabilities from the final lse, so the blocks' gradients sum to the exact gradient."""
+    q_seg, kv_seg, scale, impl, cfg = _prepare_block(q, k, v, q_segment_ids, kv_segment_ids,
+                                                     causal, softmax_scale, impl, config,
+                                                     interpret)
+    lse = lse / _LN2 if backend(impl).lse_log2 else lse
+    # Padded query rows: lse 0 keeps their recomputed probabilities finite; their dO is 0.
+    lse = _pad_to(lse, 2, _padded_lengths(q, k, impl, cfg)[0])
+    return _backward(q, k, v, q_seg, out, lse, do, scale, causal, impl, cfg, interpret,
+                     kv_seg=kv_seg)
+
+
+_LN2 = 0.6931471805599453
+
+
+def _prepare_block(q, k, v, q_seg, kv_seg, causal, softmax_scale, impl, config, interpret):
+    if causal and q.shape[1] != k.shape[1]:
+        raise ValueError(f"a causal block needs queries and keys at the same positions; got "
+                         f"S={q.shape[1]}, T={k.shape[1]}")
+    if (q_seg is None) != (kv_seg is None):
+        raise ValueError("pass segment ids for both queries and keys, or for neither")
+    if q_seg is not None and (q_seg.shape != q.shape[:2] or kv_seg.shape != k.shape[:2]):
+        raise ValueError(f"segment ids {q_seg.shape}, {kv_seg.shape} must be [B, S] "
+                         f"{q.shape[:2]} and [B, T] {k.shape[:2]}")
+    # _prepare checks shapes and resolves the impl; segment ids are checked above instead.
+    _, scale, impl, cfg = _prepare(q, k, v, None, softmax_scale, impl, config, interpret,
+                                   pallas_only=True, segmented=q_seg is not None)
+    as_int = lambda s: None if s is None else s.astype(jnp.int32)
+    return as_int(q_seg), as_int(kv_seg), scale, impl, cfg
+
+
+def _prepare(q, k, v, segment_ids, softmax_scale, impl, config, interpret, pallas_only=False,
+             segmented=None):
     """Checks the inputs; (segment ids as int32, scale, resolved impl, kernel config)."""
     if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
         raise ValueError(f"expected q [B,S,Hq,D], k=v [B,T,Hkv,D]; got {q.shape}, {k.shape}, "
@@ -103,8 +154,8 @@ def _prepare(q, k, v, segment_ids, softmax_scale, impl, config, interpret, palla
                              f"{segment_ids.shape}, T={T}")
         segment_ids = segment_ids.astype(jnp.int32)
     scale = float(D ** -0.5 if softmax_scale is None else softmax_scale)
-    impl = resolve_impl(impl, q.dtype, D, interpret=interpret,
-                        segment_ids=segment_ids is not None)
+    segmented = segment_ids is not None if segmented is None else segmented
+    impl = resolve_impl(impl, q.dtype, D, interpret=interpret, segment_ids=segmented)
     if impl not in PALLAS_IMPLS:
         if pallas_only:
             raise ValueError(f"flash_attention_fwd/bwd run the Pallas impls {PALLAS_IMPLS}; "
@@ -132,11 +183,13 @@ def _padded_lengths(q, k, impl, cfg):
     return -(-q.shape[1] // mq) * mq, -(-k.shape[1] // mk) * mk
 
 
-def _forward(q, k, v, seg, scale, causal, impl, cfg, interpret):
-    """Pads to whole blocks, runs the kernel, slices: (out, lse [B, Hq, Sp])."""
+def _forward(q, k, v, seg, scale, causal, impl, cfg, interpret, kv_seg=None):
+    """Pads to whole blocks, runs the kernel, slices: (out, lse [B, Hq, Sp]). kv_seg: the
+    keys' segment ids when they are not the queries' own (context parallelism's blocks)."""
     Sp, Tp = _padded_lengths(q, k, impl, cfg)
+    kv_seg = seg if kv_seg is None else kv_seg
     # Pad values are irrelevant: padded keys are masked by kv_len.
-    q_seg, kv_seg = (None, None) if seg is None else (_pad_to(seg, 1, Sp), _pad_to(seg, 1, Tp))
+    q_seg, kv_seg = (None, None) if seg is None else (_pad_to(seg, 1, Sp), _pad_to(kv_seg, 1, Tp))
     out, lse = _kernels(impl)[0](_pad_to(q, 1, Sp), _pad_to(k, 1, Tp), _pad_to(v, 1, Tp),
                                  q_seg, kv_seg, scale=scale, causal=causal, kv_len=k.shape[1],
                                  config=cfg, interpret=interpret)
@@ -145,10 +198,11 @@ def _forward(q, k, v, seg, scale, causal, impl, cfg, interpret):
     return match_varying(out[:, :q.shape[1]], q), match_varying(lse, q)
 
 
-def _backward(q, k, v, seg, out, lse, do, scale, causal, impl, cfg, interpret):
+def _backward(q, k, v, seg, out, lse, do, scale, causal, impl, cfg, interpret, kv_seg=None):
     S, T = q.shape[1], k.shape[1]
     Sp, Tp = _padded_lengths(q, k, impl, cfg)
-    q_seg, kv_seg = (None, None) if seg is None else (_pad_to(seg, 1, Sp), _pad_to(seg, 1, Tp))
+    kv_seg = seg if kv_seg is None else kv_seg
+    q_seg, kv_seg = (None, None) if seg is None else (_pad_to(seg, 1, Sp), _pad_to(kv_seg, 1, Tp))
     # Padded query rows get dO = 0, so delta = 0 and they add nothing to dK/dV. A cotangent
     # may arrive invariant inside shard_map (e.g. of a sum): it varies like out.
     do = match_varying(do, out)

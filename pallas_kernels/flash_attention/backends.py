@@ -47,6 +47,7 @@ class Backend:
     mosaic: bool = False  # Mosaic GPU: block sizes in multiples of 64 (FlashConfig.check_mosaic)
     in_shard_map: bool = True  # compiles inside a jax.shard_map body (a pipeline stage)
     dense_segment_mask: bool = False  # segment ids become a dense [S, T] mask
+    lse_log2: bool = False  # the kernel's log-sum-exp is in log2 units (exp2 softmax)
 
     def __post_init__(self):
         refs = (self.fwd, self.bwd, self.pad_multiples, self.config_family)
@@ -73,7 +74,8 @@ class Backend:
 
 
 _SHORT = {"bfloat16": "bf16", "float16": "fp16"}
-_MOSAIC = dict(dtypes=("bfloat16", "float16"), head_dims=(64, 128, 256), mosaic=True)
+_MOSAIC = dict(dtypes=("bfloat16", "float16"), head_dims=(64, 128, 256), mosaic=True,
+               lse_log2=True)
 
 BACKENDS: dict[str, Backend] = {b.name: b for b in (
     Backend("xla", "the jnp reference (reference.py); XLA partitions it"),

@@ -87,6 +87,7 @@ GRAD_ACCUM_AUTO = "auto"  # train.grad_accum: the smallest count that fits (laun
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b")
+CONTEXT_STRATEGIES = ("ring", "all_gather")
 LR_SCHEDULES = ("cosine", "linear", "constant")
 
 
@@ -132,6 +133,15 @@ class ModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     attention_impl: str = "xla"
+    # With mesh.context > 1, how attention reaches the other devices' keys: 'ring' (K/V
+    # blocks passed around with ppermute, each transfer hidden under the attention of the
+    # block before) or 'all_gather' (K/V gathered once per layer: one collective instead of
+    # context - 1 dependent ones; better for short local sequences and GQA's small K/V).
+    context_strategy: str = "ring"
+    # Tensor-parallel overlap (TorchTitan's async TP, MaxText's collective matmul): with
+    # mesh.tensor > 1, each sequence-parallel all-gather / reduce-scatter runs as tensor-ring
+    # steps beside the column / row matmul's GEMMs (parallel/collective_matmul.py).
+    tp_overlap: bool = False
     matmul_precision: str = "default"
     # Steps of amax history per tensor for fp8_delayed: Transformer Engine's DelayedScaling
     # default (amax_history_len=1024). Memory: 3 x 1024 float32 per FP8 call site per layer,
@@ -173,6 +183,7 @@ class ModelConfig:
             _fail("model.n_kv_heads", f"model.n_heads={self.n_heads} must be a multiple of "
                   f"model.n_kv_heads={self.n_kv_heads} (grouped-query attention)")
         _check_choice("model.attention_impl", self.attention_impl, ATTENTION_IMPLS)
+        _check_choice("model.context_strategy", self.context_strategy, CONTEXT_STRATEGIES)
         _check_choice("model.matmul_precision", self.matmul_precision, MATMUL_PRECISIONS)
         _check_choice("model.mxfp8_scale_rounding", self.mxfp8_scale_rounding,
                       MXFP8_SCALE_ROUNDINGS)
@@ -196,17 +207,24 @@ class MeshConfig:
     fsdp: int = 1
     tensor: int = 1
     pipeline: int = 1
+    # Context parallelism: each sequence split over this many devices (load-balanced causal
+    # chunks; parallel/context.py), attention exchanging K/V between them.
+    # (model.context_strategy picks how attention exchanges K/V over it.)
+    context: int = 1
     nvlink_domain: int = 0  # GPUs per NVLink domain; 0: devices per process
+
+    def degrees(self) -> dict[str, int]:
+        return {"pipeline": self.pipeline, "data": self.data, "fsdp": self.fsdp,
+                "context": self.context, "tensor": self.tensor}
 
     def __post_init__(self):
         _check_types("mesh", self)
-        degrees = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor,
-                   "pipeline": self.pipeline}
+        degrees = self.degrees()
         for name, d in degrees.items():
             if d == 0 or d < -1:
                 _fail(f"mesh.{name}", f"must be a positive degree or -1 (fill), got {d}")
         if sum(d == -1 for d in degrees.values()) > 1:
-            _fail("mesh", "only one of data/fsdp/tensor/pipeline may be -1 (fill)")
+            _fail("mesh", "only one of data/fsdp/context/tensor/pipeline may be -1 (fill)")
         if self.nvlink_domain < 0:
             _fail("mesh.nvlink_domain", "must be >= 0 (0: devices per process)")
 
@@ -498,8 +516,7 @@ class Config:
                   "backward pass keeps every layer's weights on the device, the very copy "
                   "offloading avoids; set model.remat=full (or full_offload, dots, "
                   "dots_no_batch)")
-        check_parallel_layout(self, dict(data=self.mesh.data, fsdp=self.mesh.fsdp,
-                                         tensor=self.mesh.tensor, pipeline=self.mesh.pipeline))
+        check_parallel_layout(self, self.mesh.degrees())
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -530,6 +547,11 @@ def check_parallel_layout(cfg: Config, degrees: dict[str, int]) -> None:
         if cfg.train.seq_len % tensor:
             _fail("train.seq_len", f"{cfg.train.seq_len} is not divisible by mesh.tensor="
                   f"{tensor} (sequence parallelism splits the norm regions along the sequence)")
+    _check_context(cfg, degrees.get("context", 1), max(tensor, 1), pp)
+    if cfg.model.tp_overlap:
+        why = tp_overlap_unsupported(cfg, degrees)
+        if why:
+            _fail("model.tp_overlap", why)
     if pp > 1 and cfg.train.offload_params:
         _fail("train.offload_params", f"does not work with mesh.pipeline={pp}: the pipeline "
               "schedules pick each stage's layer chunk with a traced index, which XLA cannot "
@@ -562,6 +584,47 @@ def check_parallel_layout(cfg: Config, degrees: dict[str, int]) -> None:
                   f"{rows} (grad_accum={cfg.train.grad_accum}, pipeline microbatches={micro}) "
                   f"do not split over mesh data x fsdp = {ways}; make each microbatch a "
                   f"multiple of {ways}")
+
+
+def tp_overlap_unsupported(cfg: Config, degrees: dict[str, int]) -> str | None:
+    """Why model.tp_overlap cannot run on cfg with these mesh degrees, or None. Shared with
+    parallel/collective_matmul.unsupported (this module imports no jax). mesh.tensor=1 (or
+    not known yet: checked again once resolved) has no tensor ring, so nothing to refuse."""
+    if degrees["tensor"] in (1, -1):
+        return None
+    if degrees["pipeline"] != 1 and cfg.pipeline.schedule == "1f1b":
+        return ("pipeline.schedule=1f1b runs each stage's layers under lax.cond, so a ring's "
+                "collective-permutes would run on some stages only (XLA:CPU's permute waits for "
+                "every device and mixes up ticks; on GPU the communicator set-up is collective "
+                "too); use pipeline.schedule=gpipe or circular, or set model.tp_overlap=false")
+    if cfg.model.matmul_precision in _FP8_RECIPES:
+        return (f"model.matmul_precision={cfg.model.matmul_precision} runs the projections as "
+                "FP8 GEMMs (pallas_kernels/fp8), which the collective matmul does not cut into "
+                "ring steps: the tensor-parallel collectives would stay whole and exposed; "
+                "use model.matmul_precision=default (or highest), or set "
+                "model.tp_overlap=false")
+    return None
+
+
+def _check_context(cfg: Config, cp: int, tensor: int, pp: int) -> None:
+    if cp in (-1, 1):
+        return
+    seq = cfg.train.seq_len
+    if seq % (2 * cp) or seq % (cp * tensor):
+        need = math.lcm(2 * cp, cp * tensor)
+        _fail("train.seq_len", f"{seq} does not split over mesh.context={cp}: each device "
+              f"holds two chunks of seq_len / (2 x context) tokens (one from the start, one "
+              f"from the end, for causal load balance), split again over mesh.tensor="
+              f"{tensor}; make train.seq_len a multiple of {need}")
+    if cfg.pipeline.schedule == "1f1b" and pp != 1:
+        _fail("pipeline.schedule", f"1f1b with mesh.context={cp}: its stages run forward and "
+              "backward ticks under stage-dependent branches, and the K/V exchange of "
+              "context parallelism cannot sit inside them (the collectives of different "
+              "branches would meet); use pipeline.schedule=gpipe or circular")
+    if cfg.model.attention_impl == "cudnn":
+        _fail("model.attention_impl", "cudnn cannot run context parallelism (its attention "
+              "does not compile inside the shard_map the K/V exchange runs in); use auto, "
+              "xla or one of our kernels (triton, mosaic_sm90, mosaic_sm100)")
 
 
 SECTIONS: dict[str, type] = {

@@ -36,6 +36,23 @@ GPU_FLAGS = (
     "--xla_gpu_enable_highest_priority_async_stream=true",
 )
 
+# XLA's own tensor-parallel overlap (SPMD "windowed einsum" / collective matmul), deliberately
+# NOT in GPU_FLAGS. `python -m launch.bench tp_overlap` (titanax/perf/tp_overlap.py) compiles
+# the Llama-3-8B-wide train step for TP4 x DP2 H100s with and without them:
+# - they change nothing on the tensor axis: ops/linear.py multiplies [B*S, K] x [K, N], so the
+#   dots never see the sequence sharding (the partitioner gathers before the reshape), and
+#   with the batch sharded too, XLA's all-gather loop would be the "partial" kind, whose
+#   permutes run synchronously in a conditional (not hidden);
+# - with FSDP (fsdp=8) the threshold 0 turns every weight all-gather and gradient
+#   reduce-scatter into 8-step permute loops (279 collective-permutes instead of 17
+#   all-gathers and 4 reduce-scatters for 2 layers), replacing the pipelined all-gathers above.
+# The tensor-parallel collectives are hidden by parallel/collective_matmul.py instead (explicit
+# ppermute rings, scheduled by the latency-hiding scheduler above; no extra flag needed).
+WINDOWED_EINSUM_FLAGS = (
+    "--xla_gpu_threshold_for_windowed_einsum_mib=0",  # decompose every eligible dot
+    "--xla_gpu_multi_streamed_windowed_einsum=true",  # unrolled loops, GEMMs on 2 streams
+)
+
 # Set to replace GPU_FLAGS (e.g. to try a scheduler setting without editing code).
 OVERRIDE_ENV = "TITANAX_XLA_FLAGS"
 

@@ -19,7 +19,8 @@ from jax.ad_checkpoint import checkpoint_name
 from titanax import ops
 from titanax.config import ModelConfig
 from titanax.models.layers import RMSNorm, rms_norm
-from titanax.ops.cross_entropy import chunk_positions, linear_cross_entropy_sum
+from titanax.ops.cross_entropy import chunk_positions, linear_cross_entropy_sum, seq_split
+from titanax.parallel.context import balanced, context_shards, natural
 from titanax.parallel.pipeline import PipelineSchedule, pipeline_stages, run_pipelined
 from titanax.parallel.rules import batch_shards, loss_rows, shard_activation
 
@@ -90,6 +91,10 @@ class Decoder(nnx.Module):
         if positions_BS is None:
             start = 0 if cache_index is None else cache_index
             positions_BS = jnp.broadcast_to(start + jnp.arange(S, dtype=jnp.int32), (B, S))
+        C = context_shards(S) if cache is None else 1  # decoding splits no sequence
+        tokens_BS, positions_BS, segment_ids_BS = (
+            None if x is None else balanced(x, C) for x in (tokens_BS, positions_BS,
+                                                            segment_ids_BS))
         x_BSD = self._embed(tokens_BS)
         one_layer, layer_state = self._layer_fn(cache_index)
         if cache is None:
@@ -107,6 +112,7 @@ class Decoder(nnx.Module):
         logits_BSV = ops.linear(h_BSD, self.output_weight(), "bsd,dv->bsv",
                                 precision=cfg.matmul_precision, dtype=jnp.dtype(cfg.dtype),
                                 fp8=False)
+        logits_BSV = natural(shard_activation(logits_BSV, ("batch", "seq", "vocab")), C)
         return shard_activation(logits_BSV, ("batch", "seq", "vocab")), new_cache
 
     def loss_sum(self, tokens_BS, targets_BS, positions_BS, segment_ids_BS=None, *,
@@ -115,7 +121,13 @@ class Decoder(nnx.Module):
         cross-entropy fused and chunked (ops.cross_entropy), so no [B, S, vocab] float32
         logits exist. loss_chunk: tokens per device whose logits are alive at once (0: all).
         Pipelined runs compute it on each stage's share of the microbatches (gpipe,
-        circular), or on the last stage as each microbatch leaves it (1f1b)."""
+        circular), or on the last stage as each microbatch leaves it (1f1b). With the sequence
+        split over 'context', every per-token input is taken in parallel/context.py's
+        balanced order (a sum over tokens needs no reordering back)."""
+        C = context_shards(tokens_BS.shape[1])
+        tokens_BS, targets_BS, positions_BS, segment_ids_BS = (
+            None if x is None else balanced(x, C)
+            for x in (tokens_BS, targets_BS, positions_BS, segment_ids_BS))
         x_BSD = self._embed(tokens_BS)
         one_layer, layer_state = self._layer_fn(None)
         head_params = (self.final_norm.scale[...], self.output_weight())
@@ -136,7 +148,15 @@ class Decoder(nnx.Module):
                             shard_activation(targets_BS, (rows, "seq")), loss_chunk, rows=rows)
 
     def _embed(self, tokens_BS):
-        x_BSD = jnp.take(self.embed[...], tokens_BS, axis=0).astype(jnp.dtype(self.cfg.dtype))
+        table_VD = self.embed[...]
+        if context_shards(tokens_BS.shape[1]) > 1:
+            # The table's width is split over fsdp x context and the lookup's rows over
+            # (batch, seq): XLA cannot turn one into the other without replicating the
+            # looked-up [B, S, d], so the table is gathered first (in the compute dtype), as
+            # FSDP gathers every weight for its use.
+            table_VD = shard_activation(table_VD.astype(jnp.dtype(self.cfg.dtype)),
+                                        ("vocab", "embed"))
+        x_BSD = jnp.take(table_VD, tokens_BS, axis=0).astype(jnp.dtype(self.cfg.dtype))
         return shard_activation(x_BSD, ("batch", "norm_seq", "embed"))
 
     def _layer_fn(self, cache_index):
@@ -180,7 +200,7 @@ def head_nll_sum(cfg: ModelConfig, head_params, x_BSD, targets_BS, loss_chunk: i
     dt = jnp.dtype(cfg.dtype)
     h_BSD = rms_norm(x_BSD, norm_scale, cfg.norm_eps)
     B, S, _ = h_BSD.shape
-    chunk = chunk_positions(S, B // batch_shards(rows), loss_chunk)
+    chunk = chunk_positions(S // seq_split(S), B // batch_shards(rows), loss_chunk)
     # The output layer stays in the compute dtype under every FP8 recipe (its logits feed the
     # softmax directly); 'highest' keeps its meaning here too.
     precision = "highest" if cfg.matmul_precision == "highest" else "default"

@@ -16,6 +16,7 @@ attention keeps XLA's partitioning rule (inside jax.shard_map its compile crashe
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -24,11 +25,15 @@ from pallas_kernels.flash_attention.api import (
     flash_attention,
     flash_attention_bwd,
     flash_attention_fwd,
+    flash_block_bwd,
+    flash_block_fwd,
 )
 from pallas_kernels.flash_attention.backends import BACKENDS, KERNEL_IMPLS, backend
+from pallas_kernels.flash_attention.reference import block_reference_bwd, block_reference_fwd
 from pallas_kernels.flash_attention.resolve import resolve_impl
 from pallas_kernels.target import target_platform
-from titanax.parallel.per_shard import aligned, per_shard_attention
+from titanax.parallel.context import ContextAttention, context_shards
+from titanax.parallel.per_shard import aligned, per_shard_attention, seq_axes
 
 # The names that go to pallas_kernels.flash_attention: our kernels and 'auto' (backends.py).
 FLASH_IMPLS = ("auto", *KERNEL_IMPLS)
@@ -104,9 +109,16 @@ def xla_attention(q_BSHD, k_BTKD, v_BTKD, *, mask, softmax_scale, causal_chunks:
 
 def attention(q_BSHD, k_BTKD, v_BTKD, *, impl: str = "xla", causal: bool = True,
               segment_ids=None, kv_segment_ids=None, q_offset=0, kv_valid_len=None,
-              softmax_scale: float | None = None):
+              softmax_scale: float | None = None, context_strategy: str = "ring"):
+    """context_strategy: how K/V reach the other devices when the mesh splits the sequence
+    ('seq' on 'context'; parallel/context.py); the inputs are then in its balanced order."""
     S, T = q_BSHD.shape[1], k_BTKD.shape[1]
     decoding = not (isinstance(q_offset, int) and q_offset == 0) or kv_valid_len is not None
+    if not decoding and kv_segment_ids is None and S == T and context_shards(S) > 1:
+        return context_parallel_attention(q_BSHD, k_BTKD, v_BTKD, impl=impl, causal=causal,
+                                          segment_ids=segment_ids,
+                                          softmax_scale=softmax_scale,
+                                          strategy=context_strategy)
     if impl in FLASH_IMPLS and not decoding and kv_segment_ids is None and S == T:
         interpret = target_platform() == "cpu" and impl != "auto"
         kw = dict(causal=causal, softmax_scale=softmax_scale, interpret=interpret)
@@ -147,3 +159,42 @@ def attention(q_BSHD, k_BTKD, v_BTKD, *, impl: str = "xla", causal: bool = True,
             q_BSHD, k_BTKD, v_BTKD, mask=mask, scale=scale,
             implementation="cudnn" if on_gpu else None)
     raise ValueError(f"unknown attention impl {impl!r}; use one of {('auto', *BACKENDS)}")
+
+
+def context_parallel_attention(q_BSHD, k_BTKD, v_BTKD, *, impl: str, causal: bool,
+                               segment_ids, softmax_scale, strategy: str):
+    """Causal self-attention of sequences split over the 'seq' rule's mesh axes, in
+    parallel/context.py's balanced order: blocks of our kernels (or of the jnp reference for
+    impl='xla') merged by their log-sum-exp, K/V exchanged by ring or all-gather."""
+    if not causal:
+        raise ValueError("context parallelism splits causal self-attention (its load balance "
+                         "and block masks assume it); use mesh.context=1 for this call")
+    if q_BSHD.shape[2] % k_BTKD.shape[2]:
+        raise ValueError(f"query heads {q_BSHD.shape[2]} must be a multiple of kv heads "
+                         f"{k_BTKD.shape[2]}")
+    axes = seq_axes(q_BSHD.shape[1])
+    C = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in axes)
+    if C != context_shards(q_BSHD.shape[1]):
+        raise ValueError(f"the sequence of {q_BSHD.shape[1]} splits over {axes} ({C} ways), "
+                         f"which is not the context degree {context_shards(q_BSHD.shape[1])}")
+    if impl == "cudnn":
+        raise ValueError("cudnn attention cannot run context parallelism (it does not compile "
+                         "inside jax.shard_map); use auto, xla, triton or mosaic_sm90/100")
+    interpret = target_platform() == "cpu" and impl != "auto"
+    resolved = impl if impl == "xla" else resolve_impl(
+        impl, q_BSHD.dtype, q_BSHD.shape[-1], interpret=interpret,
+        segment_ids=segment_ids is not None, manual=True)
+    if resolved == "xla":
+        block_fwd = functools.partial(block_reference_fwd, softmax_scale=softmax_scale)
+        block_bwd = functools.partial(block_reference_bwd, softmax_scale=softmax_scale)
+    else:
+        kw = dict(softmax_scale=softmax_scale, impl=resolved, interpret=interpret)
+        block_fwd = functools.partial(flash_block_fwd, **kw)
+        block_bwd = functools.partial(flash_block_bwd, **kw)
+    ctx = ContextAttention(block_fwd, block_bwd, axes, C, strategy)
+    # check_vma=False: Pallas' interpreter fails the varying-axes check inside shard_map, and
+    # with it on, a remat around the call (a pipeline tick) splits the blocks' constant work
+    # out of the shard_map with specs on the manual 'pipeline' axis, which does not compile.
+    # per_shard_attention types the results like their inputs again.
+    return per_shard_attention(ctx.fwd, ctx.bwd, q_BSHD, k_BTKD, v_BTKD, segment_ids,
+                               split_seq=True, check_vma=False)

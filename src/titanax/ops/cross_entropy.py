@@ -27,7 +27,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from titanax.parallel.rules import shard_activation
+from titanax.parallel.rules import batch_shards, shard_activation
 
 _PRECISION = {"default": None, "highest": jax.lax.Precision.HIGHEST}
 
@@ -49,15 +49,29 @@ def dense_cross_entropy_sum(h_BSD, w_DV, targets_BS, *, precision: str = "defaul
     return jnp.sum(jax.nn.logsumexp(logits_BSV, axis=-1) - target_BS)
 
 
+def seq_split(seq_len: int) -> int:
+    """Devices the 'seq' rule splits a sequence of seq_len over (1 if they do not divide it)."""
+    n = batch_shards("seq")
+    return n if seq_len % n == 0 else 1
+
+
 def _chunks(x_BS, c: int):
-    """[B, S, ...] -> [S/c, B, c, ...]: chunk k is positions k*c..(k+1)*c of every row."""
+    """[B, S, ...] -> [S/(n c), B, n c, ...] with n the devices the sequence is split over
+    ('seq' on 'context'; 1 without): chunk k is positions k*c..(k+1)*c of each device's part
+    of every row, so every chunk keeps the sequence sharding and no device waits on another's
+    positions. The loss is a sum over tokens: their order within a chunk does not matter."""
     B, S = x_BS.shape[:2]
-    return jnp.swapaxes(x_BS.reshape(B, S // c, c, *x_BS.shape[2:]), 0, 1)
+    n = seq_split(S)
+    x = x_BS.reshape(B, n, S // (n * c), c, *x_BS.shape[2:])
+    x = jnp.moveaxis(x, 2, 0)  # [S/(n c), B, n, c, ...]
+    return x.reshape(S // (n * c), B, n * c, *x_BS.shape[2:])
 
 
 def _unchunk(x_NBC):
-    n, B, c = x_NBC.shape[:3]
-    return jnp.swapaxes(x_NBC, 0, 1).reshape(B, n * c, *x_NBC.shape[3:])
+    N, B, nc = x_NBC.shape[:3]
+    n = seq_split(N * nc)
+    x = x_NBC.reshape(N, B, n, nc // n, *x_NBC.shape[3:])
+    return jnp.moveaxis(x, 0, 2).reshape(B, N * nc, *x_NBC.shape[3:])
 
 
 def _logits(h_BcD, w_DV, precision, rows):
@@ -149,8 +163,10 @@ def linear_cross_entropy_sum(h_BSD, w_DV, targets_BS, *, chunk: int,
     h_BSD in the compute dtype; w_DV in it or in float32 (cast here; its gradient comes back in
     w_DV's own dtype, summed over the chunks in float32 either way); chunk: sequence positions per
     chunk, a divisor of S (see chunk_positions); rows: the logical axis name of the batch
-    rows' sharding (parallel/rules.py). Differentiable in h and w."""
-    S = h_BSD.shape[1]
+    rows' sharding (parallel/rules.py); chunk counts positions of one device's part of the
+    sequence when it is split over 'context'. Differentiable in h and w."""
+    S = h_BSD.shape[1] // seq_split(h_BSD.shape[1])  # positions per device
     if chunk <= 0 or S % chunk:
-        raise ValueError(f"chunk={chunk} must be a positive divisor of the sequence length {S}")
+        raise ValueError(f"chunk={chunk} must be a positive divisor of the sequence length "
+                         f"per device {S}")
     return _ce_sum(h_BSD, w_DV, targets_BS.astype(jnp.int32), chunk, precision, rows)

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.fp8.backends import RECIPES as FP8_RECIPES  # plain data: no kernels loaded
 from pallas_kernels.fp8.backends import RECIPES_TABLE
+from titanax.parallel import collective_matmul as cm
 
 _PRECISION = {"default": None, "highest": jax.lax.Precision.HIGHEST}
 
@@ -51,13 +52,15 @@ def _split_spec(spec: str) -> tuple[str, str, str, bool]:
 
 def linear(x, w, spec: str, *, precision: str = "default", dtype=jnp.bfloat16,
            fp8: bool = True, fp8_meta=None, grad_reduce: str = "compute",
-           mxfp8_scale_rounding: str = "up"):
+           mxfp8_scale_rounding: str = "up", tp: str | None = None):
     """einsum(spec, x, w) with both operands cast to the compute dtype, or FP8 GEMMs when
     precision names an FP8 recipe and fp8 is True. fp8_meta: the call site's amax histories
     ({'x', 'w', 'g'}), needed by 'fp8_delayed' only. grad_reduce: 'compute' (the weight
     gradient is a compute-dtype dot, so FSDP reduce-scatters it in the compute dtype) or
     'float32' (accumulated and reduced in float32; not for the FP8 GEMMs, whose recipes fix
-    their own gradient dtypes)."""
+    their own gradient dtypes). tp: the call site's tensor-parallel role, 'column' or 'row'
+    (None: neither); inside parallel.collective_matmul.use_collective_matmul() such a
+    compute-dtype product of x [B, S, ...] runs as a collective matmul."""
     x_keep, contracted, _, w_last = _split_spec(spec)
     lead = x.shape[:len(x_keep)]
     k = math.prod(x.shape[len(x_keep):])
@@ -83,13 +86,55 @@ def linear(x, w, spec: str, *, precision: str = "default", dtype=jnp.bfloat16,
     # cuBLAS takes a transposed operand as it is): XLA:CPU runs the backward of the 3-D/4-D
     # einsum (two contracted axes for dW) about 1.5x slower than the same product flattened
     # (docs/performance.md); on GPU both lower to the same cuBLAS call.
-    x2 = x.astype(dtype).reshape(-1, k)
     w2 = w.reshape(-1, k) if w_last else w.reshape(k, -1)
-    if grad_reduce == "float32" and jnp.dtype(dtype) != jnp.float32:
+    f32_wgrad = grad_reduce == "float32" and jnp.dtype(dtype) != jnp.float32
+    if _rings(x, x_keep, tp):
+        (y,) = _ring_products(x, (w2,), k, len(x_keep), w_last, precision,
+                              jnp.dtype(dtype), f32_wgrad, tp)
+        return y.reshape(*lead, *tail)
+    x2 = x.astype(dtype).reshape(-1, k)
+    if f32_wgrad:
         y = _dot_f32_wgrad(x2, w2, w_last, precision, jnp.dtype(dtype))
     else:
         y = _dot(x2, w2.astype(dtype), w_last, precision)
     return y.reshape(*lead, *tail)
+
+
+def linears(x, ws, spec: str, *, fp8_metas=None, **kw) -> tuple:
+    """linear(x, w, spec, **kw) for each w of ws (one input, several weights: q/k/v, gate/up).
+    A column-parallel group under a collective matmul shares one ring: the input's sequence
+    chunks go round once for all weights, and in the backward the summed input gradient is
+    reduce-scattered once. fp8_metas: each weight's amax histories (fp8_delayed)."""
+    metas = (None,) * len(ws) if fp8_metas is None else tuple(fp8_metas)
+    x_keep, contracted, _, w_last = _split_spec(spec)
+    precision = kw.get("precision", "default")
+    if (kw.get("tp") != "column" or len(ws) == 1 or not _rings(x, x_keep, kw["tp"])
+            or precision not in _PRECISION):  # FP8 GEMMs and plain layouts: one by one
+        return tuple(linear(x, w, spec, fp8_meta=m, **kw) for w, m in zip(ws, metas))
+    lead, dtype = x.shape[:len(x_keep)], jnp.dtype(kw.get("dtype", jnp.bfloat16))
+    k = math.prod(x.shape[len(x_keep):])
+    tails = [w.shape[:w.ndim - len(contracted)] if w_last else w.shape[len(contracted):]
+             for w in ws]
+    w2s = [w.reshape(-1, k) if w_last else w.reshape(k, -1) for w in ws]
+    f32_wgrad = kw.get("grad_reduce", "compute") == "float32" and dtype != jnp.float32
+    ys = _ring_products(x, w2s, k, len(x_keep), w_last, precision, dtype, f32_wgrad, "column")
+    return tuple(y.reshape(*lead, *tail) for y, tail in zip(ys, tails))
+
+
+def _rings(x, x_keep: str, tp: str | None) -> bool:
+    """Whether this product runs as a collective matmul: a tensor-parallel call site of an
+    [B, S, ...] input inside use_collective_matmul(), on a layout the ring handles."""
+    return (tp in cm.ROLES and cm.active() and len(x_keep) == 2
+            and cm.applies(x.shape[1]))
+
+
+def _ring_products(x, w2s, k, n_keep, w_last, precision, dtype, f32_wgrad, tp) -> list:
+    """parallel.collective_matmul of x [B, S, k] with the 2-D weights w2s: [B, S, N] each.
+    Its weight gradients are summed in float32 and come back in each w2's dtype: the compute
+    dtype, or (f32_wgrad) the parameters' own."""
+    x3 = x.astype(dtype).reshape(*x.shape[:n_keep], k)
+    return cm.collective_matmul(x3, [w2 if f32_wgrad else w2.astype(dtype) for w2 in w2s], tp,
+                                w_last=w_last, precision=_PRECISION[precision])
 
 
 def _dot(x2, w2, w_last: bool, precision: str, **kw):

@@ -1,8 +1,9 @@
-"""Hardware topology -> device mesh with axes (pipeline, data, fsdp, tensor), outer to inner.
+"""Hardware topology -> device mesh with axes (pipeline, data, fsdp, context, tensor), outer to
+inner.
 
 Devices (sorted by process, then id) are cut into NVLink domains of mesh.nvlink_domain
 consecutive devices (default: the devices of one process, i.e. one HGX node). Inside a domain
-sit tensor, then as much of fsdp (then data, then pipeline) as fits; the rest of each axis
+sit tensor, then as much of context (then fsdp, data, pipeline) as fits; the rest of each axis
 spans domains over InfiniBand. Every axis is split as outer (across domains) x inner (inside),
 the layout of mesh_utils.create_hybrid_device_mesh, so a collective over an axis that crosses
 domains links devices with the same local rank: each cross-domain ring stays on one rail.
@@ -21,8 +22,9 @@ from titanax.config import Config, ConfigError, MeshConfig, check_parallel_layou
 from titanax.parallel.rules import MESH_AXES
 
 # Filled inside a domain in this order: tensor first (its all-reduces are on the critical path
-# of every layer), then fsdp (parameter all-gathers every layer), then data and pipeline.
-_INNER_FILL_ORDER = ("tensor", "fsdp", "data", "pipeline")
+# of every layer), then context (K/V blocks pass around its ring inside every attention), then
+# fsdp (parameter all-gathers every layer), then data and pipeline.
+_INNER_FILL_ORDER = ("tensor", "context", "fsdp", "data", "pipeline")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,10 +91,10 @@ def split_degrees(degrees: dict[str, int], domain_size: int) -> tuple[dict, dict
 
 def device_index_grid(degrees: dict[str, int], inner: dict[str, int],
                       outer: dict[str, int]) -> np.ndarray:
-    """[pipeline, data, fsdp, tensor] array of device indices (index = domain * domain size +
+    """[pipeline, data, fsdp, context, tensor] array of device indices (index = domain * domain size +
     local rank), the layout build_mesh gives the devices; also how the planner draws them."""
-    # Built on a grid whose axes are (outer pipeline, data, fsdp, tensor, inner pipeline,
-    # data, fsdp, tensor), then each axis's outer and inner parts interleave (outer major).
+    # Built on a grid whose axes are (outer pipeline, ..., tensor, inner pipeline, ...,
+    # tensor), then each axis's outer and inner parts interleave (outer major).
     grid = np.arange(math.prod(degrees.values())).reshape(
         [outer[a] for a in MESH_AXES] + [inner[a] for a in MESH_AXES])
     k = len(MESH_AXES)

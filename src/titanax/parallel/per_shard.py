@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from pallas_kernels.target import match_varying
+
 from .rules import activation_spec
 
 
@@ -43,7 +45,8 @@ def _entry(axes: tuple[str, ...]):
     return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
-def per_shard_attention(fwd, bwd, q_BSHD, k_BTKD, v_BTKD, segment_ids_BS=None):
+def per_shard_attention(fwd, bwd, q_BSHD, k_BTKD, v_BTKD, segment_ids_BS=None, *,
+                        split_seq: bool = False, check_vma: bool = True):
     """Differentiable attention whose halves run on each device's (batch, heads) shard:
     fwd(q, k, v, seg) -> (out, lse [B, Hq, ...]) and bwd(q, k, v, seg, out, lse, do) ->
     (dq, dk, dv), as pallas_kernels.flash_attention_fwd/_bwd. Each half is its own shard_map
@@ -51,11 +54,15 @@ def per_shard_attention(fwd, bwd, q_BSHD, k_BTKD, v_BTKD, segment_ids_BS=None):
     pipeline's (its residuals get specs on the already-manual 'pipeline' axis).
 
     fwd and bwd must treat batch rows and heads independently and map q head h to kv head
-    h // (Hq // Hkv). Without a mesh (or with nothing to split) they run unsharded."""
+    h // (Hq // Hkv). Without a mesh (or with nothing to split) they run unsharded.
+    split_seq: the sequence is split too, over the 'seq' rule's axes (context parallelism):
+    fwd and bwd then see each device's part of it and exchange K/V themselves
+    (parallel/context.py). check_vma=False turns jax's varying-axes check off inside the
+    shard_maps (ops.attention says why context parallelism needs that)."""
     fwd_m, bwd_m = fwd, bwd
-    layout = _layout(q_BSHD, k_BTKD)
+    layout = _layout(q_BSHD, k_BTKD, split_seq)
     if layout is not None:
-        fwd_m, bwd_m = _sharded_halves(fwd, bwd, layout, segment_ids_BS is not None)
+        fwd_m, bwd_m = _sharded_halves(fwd, bwd, layout, segment_ids_BS is not None, check_vma)
 
     @jax.custom_vjp
     def attention(q, k, v, seg):
@@ -67,7 +74,10 @@ def per_shard_attention(fwd, bwd, q_BSHD, k_BTKD, v_BTKD, segment_ids_BS=None):
 
     def attention_bwd(res, do):
         q, k, v, seg, out, lse = res
-        return (*bwd_m(q, k, v, seg, out, lse, do), None)
+        # Inside a pipeline stage a cotangent may arrive invariant over 'pipeline' and the
+        # gradients with it: they must vary like the primals they belong to.
+        dq, dk, dv = bwd_m(q, k, v, seg, out, lse, do)
+        return dq, dk, dv, None
 
     attention.defvjp(attention_fwd, attention_bwd)
     return attention(q_BSHD, k_BTKD, v_BTKD, segment_ids_BS)
@@ -85,7 +95,16 @@ def aligned(q_BSHD, k_BTKD, v_BTKD):
             constrain(v_BTKD, layout["kv"]))
 
 
-def _layout(q_BSHD, k_BTKD):
+def seq_axes(seq_len: int) -> tuple[str, ...]:
+    """The mesh axes (size > 1, not manual here) the 'seq' rule splits a sequence over."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return ()
+    free = {a for a in mesh.axis_names if a not in mesh.manual_axes}
+    return _split_axes(activation_spec(("seq",))[0], seq_len, mesh, free)
+
+
+def _layout(q_BSHD, k_BTKD, split_seq: bool = False):
     """(mesh axes, q/kv/seg/lse specs, heads axes, K/V slicing) or None when nothing splits."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty or mesh.size == 1:
@@ -109,15 +128,16 @@ def _layout(q_BSHD, k_BTKD):
             slice_kv = (1, hq_local, G)
         else:  # q heads of one device span kv heads unevenly: keep the heads whole
             heads = ()
-    names = set(batch) | set(heads) | set(kv_heads)
+    seq = seq_axes(q_BSHD.shape[1]) if split_seq else ()
+    names = set(batch) | set(heads) | set(kv_heads) | set(seq)
     if not names:
         return None
-    b, h = _entry(batch), _entry(heads)
-    return dict(names=names, q=P(b, None, h, None), kv=P(b, None, _entry(kv_heads), None),
-                seg=P(b, None), lse=P(b, h, None), heads=heads, slice_kv=slice_kv)
+    b, h, s = _entry(batch), _entry(heads), _entry(seq)
+    return dict(names=names, q=P(b, s, h, None), kv=P(b, s, _entry(kv_heads), None),
+                seg=P(b, s), lse=P(b, h, s), heads=heads, slice_kv=slice_kv)
 
 
-def _sharded_halves(fwd, bwd, layout, has_seg):
+def _sharded_halves(fwd, bwd, layout, has_seg, check_vma=True):
     heads, slice_kv = layout["heads"], layout["slice_kv"]
     q_s, kv_s, seg_s, lse_s = layout["q"], layout["kv"], layout["seg"], layout["lse"]
     seg_specs = (seg_s,) if has_seg else ()
@@ -153,13 +173,18 @@ def _sharded_halves(fwd, bwd, layout, has_seg):
 
     names = layout["names"]
     fwd_sm = jax.shard_map(local_fwd, in_specs=(q_s, kv_s, kv_s, *seg_specs),
-                           out_specs=(q_s, lse_s), axis_names=names)
+                           out_specs=(q_s, lse_s), axis_names=names, check_vma=check_vma)
     bwd_sm = jax.shard_map(local_bwd, in_specs=(q_s, kv_s, kv_s, *seg_specs, q_s, lse_s, q_s),
-                           out_specs=(q_s, kv_s, kv_s), axis_names=names)
+                           out_specs=(q_s, kv_s, kv_s), axis_names=names, check_vma=check_vma)
 
+    # Without the varying-axes check the results come back typed invariant over the axes
+    # already manual outside (a pipeline stage's), though they differ per stage: typed as
+    # their inputs' again, or a later transpose would sum them over the stages.
     def fwd_m(q, k, v, seg):
-        return fwd_sm(q, k, v, *((seg,) if has_seg else ()))
+        out, lse = fwd_sm(q, k, v, *((seg,) if has_seg else ()))
+        return match_varying(out, q), match_varying(lse, q)
 
     def bwd_m(q, k, v, seg, out, lse, do):
-        return bwd_sm(q, k, v, *((seg,) if has_seg else ()), out, lse, do)
+        dq, dk, dv = bwd_sm(q, k, v, *((seg,) if has_seg else ()), out, lse, do)
+        return match_varying(dq, q), match_varying(dk, k), match_varying(dv, v)
     return fwd_m, bwd_m

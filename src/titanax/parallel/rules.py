@@ -1,4 +1,5 @@
-"""THE table: logical axis names (used by model code) -> mesh axes (pipeline, data, fsdp, tensor).
+"""THE table: logical axis names (used by model code) -> mesh axes (pipeline, data, fsdp,
+context, tensor).
 
 Parameters and activations get separate tables (as in levanter): FSDP shards parameters and
 optimizer state along 'embed', while activations are sharded along 'batch' over both data and
@@ -8,23 +9,28 @@ sequence parallelism in the norm regions: the residual stream between them is 'n
 split along the sequence over 'tensor', so XLA turns each row-parallel all-reduce into a
 reduce-scatter and gathers the sequence again before the next column matmul. Pipeline
 parallelism puts the stacked layers' leading axis on 'pipeline' (parallel/pipeline.py runs the
-stages). Nothing outside this file names a mesh axis for a logical one.
+stages). Context parallelism splits the sequence ('seq', and 'norm_seq' before 'tensor') over
+'context' in a load-balanced order (parallel/context.py), and, as TorchTitan's FSDP over
+dp_shard x cp, shards parameters over fsdp x context: every context rank sees other tokens of
+the same rows, so its gradients are summed over 'context' anyway and the reduce-scatter costs
+what the all-reduce would. Nothing outside this file names a mesh axis for a logical one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 
 import jax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-MESH_AXES = ("pipeline", "data", "fsdp", "tensor")
+MESH_AXES = ("pipeline", "data", "fsdp", "context", "tensor")
 
 PARAM_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("layers", "pipeline"),  # stage s holds its consecutive layers [L/PP, ...]
     ("vocab", "tensor"),
-    ("embed", "fsdp"),
+    ("embed", ("fsdp", "context")),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("head_dim", None),
@@ -37,8 +43,8 @@ ACTIVATION_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # The loss head after a gpipe/circular pipeline: each stage takes its own share of the
     # rows instead of every stage computing the output layer for all of them.
     ("loss_batch", ("data", "fsdp", "pipeline")),
-    ("seq", None),
-    ("norm_seq", "tensor"),  # sequence parallelism: residual stream and norms
+    ("seq", "context"),  # in parallel/context.py's load-balanced order when context > 1
+    ("norm_seq", ("context", "tensor")),  # sequence parallelism: residual stream and norms
     ("embed", None),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
@@ -50,22 +56,44 @@ ACTIVATION_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 )
 
 
-def _to_spec(names: tuple[str | None, ...], rules) -> P:
+def _axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _to_spec(names: tuple[str | None, ...], rules, shape=None) -> P:
+    """The PartitionSpec of logical `names`. Mesh axes the mesh in context lacks are left out
+    (a mesh built without 'context' still works); with `shape`, so are trailing axes of a rule
+    whose product does not divide that dimension (a decode step's one position cannot split
+    over 'context')."""
     table = dict(rules)
+    mesh = jax.sharding.get_abstract_mesh()
+    present = None if mesh is None or mesh.empty else dict(mesh.shape)
     out = []
-    for name in names:
+    for i, name in enumerate(names):
         if name is None:
             out.append(None)
             continue
         if name not in table:
             raise KeyError(f"logical axis {name!r} has no rule in parallel/rules.py; add it to "
                            "both tables")
-        out.append(table[name])
+        axes = _axes(table[name])
+        if present is not None:
+            axes = tuple(a for a in axes if a in present)
+            while shape is not None and axes and shape[i] % math.prod(present[a] for a in axes):
+                axes = axes[:-1]
+        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
     return P(*out)
 
 
-def activation_spec(names: tuple[str | None, ...]) -> P:
-    return _to_spec(names, ACTIVATION_RULES)
+def activation_spec(names: tuple[str | None, ...], shape=None) -> P:
+    return _to_spec(names, ACTIVATION_RULES, shape)
+
+
+def batch_input_spec() -> P:
+    """How a step's [B, S] token ids, targets, positions and segment ids arrive: rows split as
+    'batch', each row whole on its devices (the model puts a context-parallel sequence in its
+    balanced order and splits it itself), so a process loads whole rows."""
+    return activation_spec(("batch", None))
 
 
 def shard_activation(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
@@ -73,7 +101,7 @@ def shard_activation(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty or mesh.size == 1:
         return x
-    return jax.lax.with_sharding_constraint(x, activation_spec(names))
+    return jax.lax.with_sharding_constraint(x, activation_spec(names, x.shape))
 
 
 def batch_shards(name: str = "batch") -> int:
@@ -82,8 +110,7 @@ def batch_shards(name: str = "batch") -> int:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty:
         return 1
-    axes = dict(ACTIVATION_RULES)[name]
-    axes = (axes,) if isinstance(axes, str) else axes or ()
+    axes = _axes(dict(ACTIVATION_RULES)[name])
     n = 1
     for a in axes:
         n *= mesh.shape.get(a, 1)
@@ -99,5 +126,12 @@ def loss_rows(batch: int) -> str:
 @contextlib.contextmanager
 def model_context(mesh: jax.sharding.Mesh):
     """Everything model creation needs: the mesh set, and the parameter rules active."""
-    with jax.set_mesh(mesh), nnx.logical_axis_rules(PARAM_RULES):
+    rules = tuple((name, _present(entry, mesh)) for name, entry in PARAM_RULES)
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
         yield
+
+
+def _present(entry, mesh):
+    """A rule's mesh axes that `mesh` has (a mesh built without 'context' still works)."""
+    axes = tuple(a for a in _axes(entry) if a in mesh.axis_names)
+    return None if not axes else axes[0] if len(axes) == 1 else axes

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from titanax.config import Config
 from titanax.models.registry import model_spec
 from titanax.parallel.mesh import build_mesh
-from titanax.parallel.rules import activation_spec, model_context
+from titanax.parallel.rules import batch_input_spec, model_context
 from titanax.train import metrics as M
 from titanax.train.optim import lr_schedule, make_optimizer
 from titanax.train.state import create_train_state, jit_train_step
@@ -72,7 +72,7 @@ def _build(cfg: Config, devices, n_batches: int):
     tx = make_optimizer(cfg)
     graphdef, state, shardings = create_train_state(cfg, mesh, tx)
     step_fn = jit_train_step(cfg, mesh, graphdef, shardings, tx, lr_schedule(cfg))
-    batch_sharding = NamedSharding(mesh, activation_spec(("batch", "seq")))
+    batch_sharding = NamedSharding(mesh, batch_input_spec())
     return mesh, step_fn, state, _random_batches(cfg, n_batches, batch_sharding)
 
 

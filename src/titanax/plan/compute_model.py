@@ -1,5 +1,9 @@
 """Compute time of one train step per device: GEMMs, attention and elementwise HBM traffic,
-each at its own achievable fraction of the datasheet (cost_model.Efficiencies)."""
+each at its own achievable fraction of the datasheet (cost_model.Efficiencies).
+
+Context parallelism changes no total: a device holds S/context tokens of its rows, and its
+attention (S/context queries against the keys before them, in load-balanced chunks from both
+ends of the sequence) is 1/context of the rows' causal attention, the same on every device."""
 
 from __future__ import annotations
 
@@ -49,13 +53,18 @@ def gemm_seconds(cfg: Config, shape: StepShape, cluster: Cluster, n_no_embed: in
             / (peak * eff.gemm) + redundant_output)
 
 
+def attention_passes(cfg: Config, shape: StepShape) -> float:
+    """Attention's passes per step in units of one forward (the backward counts two)."""
+    return (PIPELINE_ATTN_PASSES if shape.deg["pipeline"] > 1 else ATTN_PASSES)[cfg.model.remat]
+
+
 def attention_seconds(cfg: Config, shape: StepShape, cluster: Cluster,
                       eff: Efficiencies) -> float:
     m, hw = cfg.model, cluster.hardware
     attn_model_flops = 12.0 * m.n_layers * m.d_model * cfg.train.seq_len * shape.tokens
-    attn_passes = (PIPELINE_ATTN_PASSES if shape.deg["pipeline"] > 1 else ATTN_PASSES)[m.remat]
-    # Fused kernels skip the masked half of causal attention; they run at bf16 rate.
-    return (attn_model_flops * 0.5 * attn_passes / 3 / cluster.n_gpus
+    # Fused kernels skip the masked half of causal attention; they run at bf16 rate. Context
+    # parallelism's balanced chunks give every device 1/n_gpus of the total as well.
+    return (attn_model_flops * 0.5 * attention_passes(cfg, shape) / 3 / cluster.n_gpus
             / (hw.bf16_flops * eff.attention))
 
 
@@ -65,5 +74,5 @@ def elementwise_seconds(cfg: Config, shape: StepShape, cluster: Cluster,
     # Elementwise traffic per token and layer, one forward: two RMSNorms, RoPE on q and k,
     # SwiGLU and two residual adds read/write ~ 12 d + 3 f values.
     fwd_bytes = ((12 * m.d_model + 3 * m.ffn_dim) * shape.act_bytes * m.n_layers * shape.tokens
-                 / (deg["data"] * deg["fsdp"] * deg["tensor"] * deg["pipeline"]))
+                 / (deg["data"] * deg["fsdp"] * shape.context * deg["tensor"] * deg["pipeline"]))
     return fwd_bytes * _gemm_passes(cfg, shape) / (hw.hbm_bandwidth * eff.hbm)

@@ -11,12 +11,16 @@ it comes from.
 Step time, per device (everything below is per GPU):
     compute   = GEMM FLOPs / (peak x gemm) + attention FLOPs / (peak x attention)
                 + elementwise HBM bytes / (HBM bandwidth x hbm)
-    stage     = compute + tensor-parallel comm + pipeline send/recv      (on the critical path)
+    stage     = compute + tensor-parallel comm (less what the collective matmul's GEMM steps
+                hide) + pipeline send/recv                                (on the critical path)
+                + the context ring's sends beyond the attention they overlap (or its
+                all-gathers, exposed)
     pipelined = stage / (1 - bubble),  bubble = (p - 1) / (m + p - 1) / v
     step      = max(pipelined, FSDP + data-parallel comm) + optimizer update
 FSDP all-gathers / reduce-scatters and the data-parallel gradient all-reduce are asynchronous
 in XLA's GPU schedule and overlap the layers' compute; tensor-parallel collectives sit between
-dependent matmuls and are counted as exposed (no collective-matmul overlap).
+dependent matmuls and are exposed, but for the share the GEMM steps beside them hide when
+model.tp_overlap runs them as a collective matmul (comm_model.tensor_comm).
 """
 
 from __future__ import annotations
@@ -82,7 +86,7 @@ def estimate(cfg: Config, cluster: Cluster, layout: Layout,
     host_hidden, host_exposed = host_link_seconds(cfg, shape, n_params, host_memory, cluster,
                                                   eff)
 
-    exposed = sum(c.seconds for c in comm.values() if not c.overlapped)
+    exposed = sum(c.exposed_s for c in comm.values())
     hidden = max(sum(c.seconds for c in comm.values() if c.overlapped), host_hidden)
     bubble = (pp - 1) / (shape.micro + pp - 1) / shape.virtual if pp > 1 else 0.0
     pipelined = (compute_s + exposed) / (1 - bubble)
@@ -99,5 +103,6 @@ def estimate(cfg: Config, cluster: Cluster, layout: Layout,
         tokens_per_s_per_gpu=tps, mfu=tps * fpt / hw.bf16_flops,
         breakdown_s={"gemm": gemm_s, "attention": attn_s, "elementwise": elem_s,
                      "exposed_comm": exposed, "overlapped_comm": hidden,
+                     "comm_hidden_in_layers": sum(c.hidden_s for c in comm.values()),
                      "bubble": pipelined - compute_s - exposed, "optimizer": optimizer_s,
                      "host_offload_exposed": host_exposed, "host_offload_overlapped": host_hidden})

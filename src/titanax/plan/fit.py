@@ -66,7 +66,8 @@ class FitAnswer:
         else:
             why = f"no train.grad_accum or model.remat setting fits ({len(self.tried)} compiled)"
         return (f"{head}; {why}: see python -m launch.plan --search for host offload "
-                "(train.offload_optimizer), other layouts, or more GPUs")
+                "(train.offload_optimizer), other layouts (mesh.context splits long "
+                "sequences), or more GPUs")
 
 
 def state_bytes(memory: dict[str, int]) -> int:

@@ -7,8 +7,13 @@ recomputed and differentiated) or in the loss (the state, the saved activations 
 own buffers, before the layers' gradients exist), whichever is larger. Host memory (pinned)
 holds what the offload options move out of HBM; it is reported apart.
 
-Names: N parameters, L layers, d width, f MLP width, V vocabulary, tp/fsdp/pp/dp mesh degrees,
-a = train.grad_accum, m = pipeline microbatches, v = virtual stages.
+Context parallelism (cp = mesh.context) splits each sequence over cp devices: every activation
+is S/cp tokens per device, and parameters, gradients and Adam's moments are sharded over
+fsdp x cp (parallel/rules.py: 'embed' -> ("fsdp", "context")). The attention's K/V exchange
+adds its buffers for one layer ('context_kv').
+
+Names: N parameters, L layers, d width, f MLP width, V vocabulary, tp/fsdp/cp/pp/dp mesh
+degrees, a = train.grad_accum, m = pipeline microbatches, v = virtual stages.
 """
 
 from __future__ import annotations
@@ -34,9 +39,9 @@ def saved_elems_per_token(m: ModelConfig, remat: str) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class ParamSplit:
-    """Parameters per device: the stacked decoder layers (sharded over fsdp, tensor and
-    pipeline) and the rest (embedding, output layer, final norm: fsdp and tensor only; every
-    pipeline stage holds them)."""
+    """Parameters per device: the stacked decoder layers (sharded over fsdp x context, tensor
+    and pipeline) and the rest (embedding, output layer, final norm: fsdp x context and tensor
+    only; every pipeline stage holds them)."""
     layers: float
     other: float
     one_layer: float  # one decoder layer's parameters over tensor (what FSDP gathers)
@@ -46,12 +51,19 @@ class ParamSplit:
         return self.layers + self.other
 
 
+def param_shards(deg: dict[str, int]) -> int:
+    """The FSDP group: parameters are sharded (and gathered) over fsdp x context, because the
+    context ranks of a row hold other tokens of it and sum their gradients anyway."""
+    return deg["fsdp"] * deg.get("context", 1)
+
+
 def param_split(m: ModelConfig, n_params: int, deg: dict[str, int]) -> ParamSplit:
-    tp, fsdp, pp = deg["tensor"], deg["fsdp"], deg["pipeline"]
+    tp, shards, pp = deg["tensor"], param_shards(deg), deg["pipeline"]
     # the parameters outside the layer stack: embedding, output layer (none when tied), norm
     other = (1 if m.tie_embeddings else 2) * m.vocab_size * m.d_model + m.d_model
     layers = n_params - other
-    return ParamSplit(layers / (fsdp * tp * pp), other / (fsdp * tp), layers / m.n_layers / tp)
+    return ParamSplit(layers / (shards * tp * pp), other / (shards * tp),
+                      layers / m.n_layers / tp)
 
 
 def pipeline_in_flight(cfg: Config, pp: int) -> float:
@@ -70,15 +82,18 @@ def memory_per_device(cfg: Config, deg: dict[str, int], n_params: int
                       ) -> tuple[dict[str, float], dict[str, float]]:
     """({component: bytes in HBM, 'total'}, {component: bytes in pinned host memory, 'total'})
     per device for cfg on a mesh of degrees `deg`."""
-    t, dp, fsdp = cfg.train, deg["data"], deg["fsdp"]
-    # Tokens of one grad-accumulation microbatch on this device (its data x fsdp share).
-    tokens = t.batch_size * t.seq_len / (t.grad_accum * dp * fsdp)
+    t, dp, fsdp, cp = cfg.train, deg["data"], deg["fsdp"], deg.get("context", 1)
+    # Tokens of one grad-accumulation microbatch on this device: its data x fsdp share of the
+    # rows, and its 1/context share of each row's sequence.
+    tokens = t.batch_size * t.seq_len / (t.grad_accum * dp * fsdp * cp)
     device, host = _state_bytes(cfg, deg, n_params)
     saved = _saved_activation_bytes(cfg, deg, tokens)
     if cfg.model.remat == "full_offload":  # the layer inputs wait in pinned host memory
         host["saved_activations"], saved = saved, 0.0
     device["saved_activations"] = saved
     device["transient"] = _transient_bytes(cfg, deg, tokens, device["gradients"])
+    if cp > 1:
+        device["context_kv"] = context_kv_bytes(cfg, deg, tokens)
     device["total"] = sum(device.values())
     host["total"] = sum(host.values())
     return device, host
@@ -137,7 +152,7 @@ def _saved_activation_bytes(cfg: Config, deg: dict[str, int], tokens: float) -> 
 def _transient_bytes(cfg: Config, deg: dict[str, int], tokens: float,
                      gradient_bytes: float) -> float:
     """The largest buffers live for a moment: one layer's backward or the loss."""
-    m, t, tp, fsdp, pp = cfg.model, cfg.train, deg["tensor"], deg["fsdp"], deg["pipeline"]
+    m, t, tp, pp = cfg.model, cfg.train, deg["tensor"], deg["pipeline"]
     d, V, abytes = m.d_model, m.vocab_size, 4 if m.dtype == "float32" else 2
     micro = _micro(cfg, deg)
     tokens_micro = tokens / micro
@@ -150,7 +165,8 @@ def _transient_bytes(cfg: Config, deg: dict[str, int], tokens: float,
                        + 3 * d * m.ffn_dim / tp * abytes)
     # The loss: one chunk of float32 logits, their exponentials and their gradient in the
     # compute dtype, the output weight gathered over fsdp, its float32 gradient sum (which XLA
-    # keeps reduce-scattered over fsdp), and the last hidden states with their gradient.
+    # keeps reduce-scattered over fsdp x context), and the last hidden states with their
+    # gradient.
     # gpipe/circular run it on each stage's share of the microbatches; 1f1b on one microbatch
     # at a time on the last stage.
     if pp > 1 and cfg.pipeline.schedule == "1f1b":
@@ -161,6 +177,23 @@ def _transient_bytes(cfg: Config, deg: dict[str, int], tokens: float,
         loss_tokens = tokens
     chunk = min(t.loss_chunk or loss_tokens, loss_tokens)
     loss_transient = (chunk * V / tp * (4 + 4 + abytes) + d * V / tp * abytes
-                      + d * V / (tp * fsdp) * 4 + 2 * loss_tokens * d * abytes)
+                      + d * V / (tp * param_shards(deg)) * 4 + 2 * loss_tokens * d * abytes)
     # The loss runs before the layers' gradient buffer exists.
     return max(layer_transient, loss_transient - gradient_bytes)
+
+
+def context_kv_bytes(cfg: Config, deg: dict[str, int], tokens: float) -> float:
+    """The K/V exchange of context parallelism, for one layer's attention backward (its largest
+    point), per device; `tokens` = this device's tokens of one accumulation microbatch.
+    ring: K and V blocks ([rows, S/cp, kv_heads/tp, head_dim], compute dtype) double-buffered
+    (the block in use and the one arriving), and the float32 dK, dV accumulators passed around
+    with them, double-buffered too. all_gather: K and V gathered over all cp devices and their
+    float32 gradients for the whole sequence before the reduce-scatter. Counted on top of the
+    MLP transient, which is an upper bound: the two are live one after the other."""
+    m, cp = cfg.model, deg.get("context", 1)
+    abytes = 4 if m.dtype == "float32" else 2
+    # one K (or V) block: this device's tokens of one pipeline microbatch, its kv heads
+    block = (tokens / _micro(cfg, deg) * m.n_kv_heads * m.resolved_head_dim / deg["tensor"])
+    if cfg.model.context_strategy == "all_gather":
+        return 2 * cp * block * (abytes + 4)
+    return 2 * 2 * block * (abytes + 4)

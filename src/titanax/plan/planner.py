@@ -90,6 +90,8 @@ def _plan_dict(cfg: Config, cluster: Cluster, layout: Layout, est: Estimate,
                      "loss_chunk": cfg.train.loss_chunk,
                      "offload_optimizer": cfg.train.offload_optimizer,
                      "offload_params": cfg.train.offload_params,
+                     "context_strategy": cfg.model.context_strategy,
+                     "tp_overlap": cfg.model.tp_overlap,
                      "pipeline": dataclasses.asdict(cfg.pipeline)},
         "compiled_for": _compiled_for(compiled, cluster),
         "compile": compiled,
@@ -110,7 +112,8 @@ def _plan_dict(cfg: Config, cluster: Cluster, layout: Layout, est: Estimate,
         "communication_bytes_per_step": {
             a: {"bytes": c.bytes_per_step, "link": c.link, "degree": c.degree,
                 "bus_bandwidth": c.bus_bandwidth, "calls": c.calls, "seconds": c.seconds,
-                "overlapped_with_compute": c.overlapped}
+                "overlapped_with_compute": c.overlapped, "hidden_under_compute_s": c.hidden_s,
+                "mesh_axes": list(c.over or (a,))}
             for a, c in est.comm.items()},
         "pipeline_bubble": est.bubble,
         "time_breakdown_s": est.breakdown_s,
@@ -121,10 +124,11 @@ def _plan_dict(cfg: Config, cluster: Cluster, layout: Layout, est: Estimate,
     }
 
 
-def run_search(cfg: Config, cluster: Cluster, *, verify: int, top: int = 10) -> dict:
+def run_search(cfg: Config, cluster: Cluster, *, verify: int, top: int = 10,
+               max_context: int = 0) -> dict:
     """The search, with up to `verify` of the best candidates compiled (on the GPU target,
     a candidate whose compiled memory exceeds the usable HBM is dropped and the next tried)."""
-    kept, dropped = plan_search.search(cfg, cluster)
+    kept, dropped = plan_search.search(cfg, cluster, max_context)
     best, tried = None, []
     for cand in kept[:verify] if verify else []:
         result = plan_compile.compile_in_subprocess(cand.cfg, cluster)
@@ -168,6 +172,10 @@ def overrides_for(cfg: Config) -> list[str]:
                  "model.attention_impl": cfg.model.attention_impl,
                  "train.offload_optimizer": cfg.train.offload_optimizer,
                  "train.offload_params": cfg.train.offload_params})
+    if cfg.mesh.context > 1:
+        vals["model.context_strategy"] = cfg.model.context_strategy
+    if cfg.mesh.tensor > 1:
+        vals["model.tp_overlap"] = cfg.model.tp_overlap
     if cfg.mesh.pipeline > 1:
         vals.update({"pipeline.schedule": cfg.pipeline.schedule,
                      "pipeline.microbatches": cfg.pipeline.microbatches,
@@ -176,7 +184,8 @@ def overrides_for(cfg: Config) -> list[str]:
 
 
 def make_plan(cfg: Config, cluster: Cluster, *, compile_step: bool = True,
-              search: bool = False, verify: int = 1, buffers: int = 0) -> dict:
+              search: bool = False, verify: int = 1, buffers: int = 0,
+              max_context: int = 0) -> dict:
     cfg = plan_config(cfg, cluster)
     plan_one = evaluate_auto if cfg.train.grad_accum_auto else evaluate
     try:
@@ -190,7 +199,8 @@ def make_plan(cfg: Config, cluster: Cluster, *, compile_step: bool = True,
                             "description": cluster.describe()},
                 "configured_layout_error": str(e)}
     if search:
-        plan["search"] = run_search(cfg, cluster, verify=verify if compile_step else 0)
+        plan["search"] = run_search(cfg, cluster, verify=verify if compile_step else 0,
+                                    max_context=max_context)
         best = plan["search"]["best"]
         if "configured_layout_error" in plan and best is not None:
             # plan.json's top-level fields then describe the best layout found

@@ -102,9 +102,9 @@ def render(plan: dict, path: pathlib.Path) -> None:
         outer = layout["across_domains"][axis]
         where = ("inside NVLink domains" if outer == 1 else
                  f"{inner} inside x {outer} across domains (InfiniBand rails)")
-        ax.set_title(f"mesh axis '{axis}' = {layout['degrees'][axis]} ({where}): GPU colour "
-                     "and number = coordinate; rN = rail (local rank); bar = memory",
-                     fontsize=8)
+        ax.set_title(f"mesh axis '{axis}' = {layout['degrees'][axis]} ({where})"
+                     f"{_axis_note(plan, axis)}: GPU colour and number = coordinate; rN = rail "
+                     "(local rank); bar = memory", fontsize=8)
     _draw_memory(axs[-1], plan)
     shown = "" if c["nodes"] <= MAX_NODES_DRAWN else f" (first {MAX_NODES_DRAWN} nodes drawn)"
     fig.suptitle(f"{c['description']}{shown}\nlayout {layout['description']}; NVLink domains "
@@ -117,10 +117,19 @@ def render(plan: dict, path: pathlib.Path) -> None:
     plt.close(fig)
 
 
+def _axis_note(plan: dict, axis: str) -> str:
+    """What a panel's coordinate means where the axis name alone does not say it."""
+    if axis != "context":
+        return ""
+    c, s = plan["layout"]["degrees"]["context"], plan["settings"]
+    return (f"; each sequence in 2 x {c} chunks, {s['seq_len'] // c} tokens per GPU, K/V by "
+            f"{s['context_strategy']}")
+
+
 def _draw_memory(ax, plan: dict) -> None:
     model = {k: v for k, v in plan["memory_model_bytes"].items() if k != "total"}
     left = 0.0
-    colors = ["#6baed6", "#fd8d3c", "#74c476", "#9e9ac8", "#fdd0a2"]
+    colors = ["#6baed6", "#fd8d3c", "#74c476", "#9e9ac8", "#fdd0a2", "#e377c2"]
     for (name, v), color in zip(model.items(), colors):
         ax.barh(1, v / 1e9, left=left, color=color, label=name.replace("_", " "))
         left += v / 1e9

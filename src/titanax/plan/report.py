@@ -50,6 +50,33 @@ def _memory_lines(plan: dict) -> list[str]:
     return lines
 
 
+def _context_setting(plan: dict) -> str:
+    s = plan["settings"]
+    if plan["layout"]["degrees"].get("context", 1) == 1:
+        return ""
+    return (f", context {plan['layout']['degrees']['context']} ({s['context_strategy']}: "
+            f"{s['seq_len'] // plan['layout']['degrees']['context']} tokens of each sequence "
+            "per device)")
+
+
+def _overlap(axis: str, x: dict) -> str:
+    if x["overlapped_with_compute"]:
+        return "(overlapped with compute)"
+    hidden = x.get("hidden_under_compute_s", 0.0)
+    if hidden:
+        # the context ring hides under the attention, the tensor ring (collective matmul)
+        # under the GEMMs it runs beside
+        under = "GEMMs" if axis == "tensor" else "attention"
+        return f"({hidden:.2f} s hidden under {under}, {x['seconds'] - hidden:.2f} s exposed)"
+    return "(exposed)"
+
+
+def _group(axis: str, x: dict) -> str:
+    """' over fsdp x context' when the collective runs over more mesh axes than its name."""
+    axes = x.get("mesh_axes") or [axis]
+    return f" over {' x '.join(axes)}" if axes != [axis] else ""
+
+
 def format_plan(plan: dict) -> str:
     c = plan["cluster"]
     out = [f"cluster: {c['description']}"]
@@ -66,7 +93,8 @@ def format_plan(plan: dict) -> str:
             + ")",
             f"settings: batch {s['batch_size']} x seq {s['seq_len']}, grad_accum "
             f"{s['grad_accum']}, remat {s['remat']}, attention {s['attention_impl']}, matmul "
-            f"{s['matmul_precision']}",
+            f"{s['matmul_precision']}" + _context_setting(plan)
+            + (", tp_overlap" if s.get("tp_overlap") else ""),
             f"compiled for: {plan['compiled_for']}"
             + (f" in {plan['compile']['compile_s']:.1f} s (lowering {plan['compile']['lower_s']:.1f}"
                " s)" if (plan.get("compile") or {}).get("ok") else ""),
@@ -82,8 +110,7 @@ def format_plan(plan: dict) -> str:
         for a, x in comm.items():
             out.append(f"  {a:8s} x{x['degree']:<3d} {x['link']:10s} {_gb(x['bytes']):>10s} at "
                        f"{x['bus_bandwidth'] / GB:.0f} GB/s -> {x['seconds']:.2f} s "
-                       + ("(overlapped with compute)" if x["overlapped_with_compute"] else
-                          "(exposed)"))
+                       + _overlap(a, x) + _group(a, x))
         b = plan["time_breakdown_s"]
         out += [
             "predicted step: " + ", ".join(f"{k} {v:.2f} s" for k, v in b.items() if v)

@@ -2,6 +2,16 @@
 accumulation and remat policies for a cluster; keep those that fit, rank them by predicted
 tokens/s per GPU, and say why each of the others was dropped. The global batch, sequence
 length and model stay as configured (they are the experiment; the layout is the means).
+
+Context parallelism: powers of two that fit in an NVLink domain beside tensor (its K/V
+exchange runs inside every attention), with both strategies (ring, all_gather); a sequence
+that does not split into 2 x context chunks per tensor shard is dropped by the config's own
+check (config.check_parallel_layout), with its message.
+
+Tensor-parallel overlap (model.tp_overlap, the collective matmul): on for every tensor > 1
+candidate the config accepts it for. Off is not tried beside it: the cost model never ranks it
+faster (its collectives are the ring's bytes or more, all exposed) and the memory model does
+not tell them apart. Where the config refuses it (FP8 recipes, 1f1b) the candidate runs without.
 """
 
 from __future__ import annotations
@@ -10,7 +20,7 @@ import dataclasses
 import itertools
 
 from pallas_kernels.flash_attention.backends import BACKENDS as ATTENTION_BACKENDS
-from titanax.config import Config, ConfigError
+from titanax.config import Config, ConfigError, tp_overlap_unsupported
 from titanax.plan.cluster import Cluster, layout_for
 from titanax.plan.cost_model import Estimate, estimate
 
@@ -21,6 +31,7 @@ GRAD_ACCUMS = (1, 2, 4, 8, 16)                     # layer's dots have no batch 
 OFFLOADS = ((False, False), (True, False), (True, True))
 MICROBATCH_MULTIPLES = (1, 2, 4, 8)  # pipeline microbatches per stage
 VIRTUAL_STAGES = (2, 4, 5)
+CONTEXT_STRATEGIES = ("ring", "all_gather")
 
 
 @dataclasses.dataclass
@@ -43,13 +54,17 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def _label(tp, pp, dp, fsdp, remat, accum, pipe, offload) -> str:
+def _label(tp, pp, dp, fsdp, remat, accum, pipe, offload, context=(1, "ring"),
+           tp_overlap=False) -> str:
     parts = [f"tensor={tp}", f"pipeline={pp}", f"data={dp}", f"fsdp={fsdp}"]
+    if context[0] > 1:
+        parts.append(f"context={context[0]}({context[1]})")
     if pp > 1:
         parts.append(f"{pipe['pipeline.schedule']}(m={pipe['pipeline.microbatches']}"
                      + (f",v={pipe['pipeline.virtual_stages']}"
                         if pipe['pipeline.schedule'] == "circular" else "") + ")")
-    label = " ".join(parts) + f" remat={remat} grad_accum={accum}"
+    label = " ".join(parts) + (" tp_overlap" if tp_overlap else "") \
+        + f" remat={remat} grad_accum={accum}"
     if offload[0]:
         label += " offload=optimizer" + ("+params" if offload[1] else "")
     return label
@@ -70,26 +85,57 @@ def _pipeline_options(pp: int, n_layers: int):
                        "pipeline.microbatches": k * pp}
 
 
-def candidates(cfg: Config, cluster: Cluster):
+def _context_options(tp: int, domain: int, max_context: int = 0):
+    """(context degree, strategy): 1, then powers of two whose context x tensor group fits in
+    one NVLink domain (and, when max_context is set, up to it), each with every strategy."""
+    yield 1, "ring"
+    cp = 2
+    while tp * cp <= domain and (not max_context or cp <= max_context):
+        for strategy in CONTEXT_STRATEGIES:
+            yield cp, strategy
+        cp *= 2
+
+
+def _meshes(cluster: Cluster, max_context: int):
+    """(tensor, (context, strategy), pipeline, the rest for data x fsdp) that tile the cluster."""
     n, domain = cluster.n_gpus, cluster.nvlink_domain
     for tp in (t for t in _divisors(domain) if t <= 8):
-        for pp in (p for p in _divisors(n // tp) if p <= 16):
-            rest = n // (tp * pp)
-            for fsdp, remat, accum, offload in itertools.product(
-                    _divisors(rest), REMATS, GRAD_ACCUMS, OFFLOADS):
-                for pipe in _pipeline_options(pp, cfg.model.n_layers):
-                    label = _label(tp, pp, rest // fsdp, fsdp, remat, accum, pipe, offload)
-                    overrides = {"mesh.tensor": tp, "mesh.pipeline": pp, "mesh.fsdp": fsdp,
-                                 "mesh.data": rest // fsdp, "model.remat": remat,
-                                 "train.grad_accum": accum, "train.offload_optimizer": offload[0],
-                                 "train.offload_params": offload[1], **pipe}
-                    if pp > 1 and not _runs_in_shard_map(cfg.model.attention_impl):
-                        # e.g. JAX's cuDNN attention cannot be partitioned inside the
-                        # pipeline's shard_map (custom_partitioning fails to compile); 'auto'
-                        # picks a flash kernel there and is what such a run would use.
-                        overrides["model.attention_impl"] = "auto"
-                        label += " attention=auto"
-                    yield label, overrides
+        for cp, strategy in _context_options(tp, domain, max_context):
+            for pp in (p for p in _divisors(n // (tp * cp)) if p <= 16):
+                yield tp, (cp, strategy), pp, n // (tp * cp * pp)
+
+
+def candidates(cfg: Config, cluster: Cluster, max_context: int = 0):
+    for tp, context, pp, rest in _meshes(cluster, max_context):
+        for fsdp, remat, accum, offload in itertools.product(
+                _divisors(rest), REMATS, GRAD_ACCUMS, OFFLOADS):
+            for pipe in _pipeline_options(pp, cfg.model.n_layers):
+                overlap = _tp_overlap(cfg, tp, pp, pipe["pipeline.schedule"])
+                label = _label(tp, pp, rest // fsdp, fsdp, remat, accum, pipe, offload, context,
+                               overlap)
+                overrides = {"model.tp_overlap": overlap, "mesh.tensor": tp, "mesh.pipeline": pp, "mesh.fsdp": fsdp,
+                             "mesh.data": rest // fsdp, "mesh.context": context[0],
+                             "model.context_strategy": context[1], "model.remat": remat,
+                             "train.grad_accum": accum, "train.offload_optimizer": offload[0],
+                             "train.offload_params": offload[1], **pipe}
+                if (pp > 1 or context[0] > 1) and not _runs_in_shard_map(
+                        cfg.model.attention_impl):
+                    # e.g. JAX's cuDNN attention cannot be partitioned inside the shard_map
+                    # of a pipeline stage or of the context K/V exchange (custom_partitioning
+                    # fails to compile); 'auto' picks a flash kernel there and is what such a
+                    # run would use.
+                    overrides["model.attention_impl"] = "auto"
+                    label += " attention=auto"
+                yield label, overrides
+
+
+def _tp_overlap(cfg: Config, tp: int, pp: int, schedule: str) -> bool:
+    """model.tp_overlap for a candidate: on wherever there is a tensor ring and the config
+    accepts it. The config's refusals that do not depend on the candidate's schedule (FP8
+    recipes) come from config.tp_overlap_unsupported itself; the 1f1b one is the schedule's."""
+    if tp == 1 or (pp > 1 and schedule == "1f1b"):
+        return False
+    return tp_overlap_unsupported(cfg, {"tensor": tp, "pipeline": 1}) is None
 
 
 def _runs_in_shard_map(attention_impl: str) -> bool:
@@ -99,12 +145,14 @@ def _runs_in_shard_map(attention_impl: str) -> bool:
     return b is None or b.in_shard_map
 
 
-def search(cfg: Config, cluster: Cluster) -> tuple[list[Candidate], list[Candidate]]:
-    """(fitting candidates, fastest first; dropped candidates with their reasons)."""
+def search(cfg: Config, cluster: Cluster, max_context: int = 0
+           ) -> tuple[list[Candidate], list[Candidate]]:
+    """(fitting candidates, fastest first; dropped candidates with their reasons).
+    max_context: the largest mesh.context tried (0: what the NVLink domain allows)."""
     from titanax.config import apply_overrides
 
     kept, dropped = [], []
-    for label, overrides in candidates(cfg, cluster):
+    for label, overrides in candidates(cfg, cluster, max_context):
         try:
             c_cfg = apply_overrides(cfg, overrides)
             layout = layout_for(c_cfg, cluster)

@@ -1,5 +1,8 @@
 """The quantities of one train step that the memory, compute and communication models all read:
-mesh degrees, accumulation and pipeline microbatching, tokens, activation width in bytes."""
+mesh degrees, accumulation and pipeline microbatching, tokens, activation width in bytes.
+
+Context parallelism splits every sequence over mesh.context devices, so a device holds the
+tokens of its data x fsdp rows divided by context: every per-device token count here is."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ from titanax.config import Config
 
 @dataclasses.dataclass(frozen=True)
 class StepShape:
-    deg: dict[str, int]  # mesh degree per axis: data, fsdp, tensor, pipeline
+    deg: dict[str, int]  # mesh degree per axis: pipeline, data, fsdp, context, tensor
     accum: int  # train.grad_accum
     micro: int  # pipeline microbatches (1 without a pipeline)
     virtual: int  # virtual stages per device (1 without a pipeline)
@@ -27,6 +30,13 @@ class StepShape:
                    act_bytes=4 if cfg.model.dtype == "float32" else 2)
 
     @property
+    def context(self) -> int:
+        """Devices each sequence is split over (mesh.context; 1 without context parallelism)."""
+        return self.deg.get("context", 1)
+
+    @property
     def tokens_pipe_micro(self) -> float:
-        """Tokens of one (accumulation, pipeline) microbatch on one data x fsdp shard."""
-        return self.tokens / (self.accum * self.deg["data"] * self.deg["fsdp"] * self.micro)
+        """Tokens of one (accumulation, pipeline) microbatch on one data x fsdp x context
+        shard: its rows' share of the sequence (all of it without context parallelism)."""
+        return self.tokens / (self.accum * self.deg["data"] * self.deg["fsdp"] * self.context
+                              * self.micro)

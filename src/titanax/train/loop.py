@@ -29,7 +29,7 @@ from titanax.data.pipeline import build_data
 from titanax.models.registry import model_spec
 from titanax.parallel.layer_order import reorder_restored
 from titanax.parallel.mesh import build_mesh, describe_mesh
-from titanax.parallel.rules import activation_spec, model_context
+from titanax.parallel.rules import batch_input_spec, model_context
 from titanax.preemption import PreemptionWatch
 from titanax.train import metrics as M
 from titanax.train.bad_steps import BadStepCounter, TrainingDiverged
@@ -113,7 +113,7 @@ class Trainer:
         if self.is_main:  # the config as it runs (grad_accum=auto as chosen)
             workdir.mkdir(parents=True, exist_ok=True)
             (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-        self.batch_sharding = NamedSharding(self.mesh, activation_spec(("batch", "seq")))
+        self.batch_sharding = NamedSharding(self.mesh, batch_input_spec())
         self.data = _build_data_in_turn(cfg, workdir, process_rows(
             self.batch_sharding, cfg.train.batch_size, cfg.train.seq_len))
         self.tx, self.schedule = make_optimizer(cfg), lr_schedule(cfg)

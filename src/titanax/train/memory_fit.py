@@ -13,7 +13,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from titanax.config import Config, ConfigError
-from titanax.parallel.rules import activation_spec, model_context
+from titanax.parallel.rules import batch_input_spec, model_context
 from titanax.train.metrics import compiled_memory  # (re-exported: plan/ reads it here)
 from titanax.train.optim import lr_schedule, make_optimizer
 from titanax.train.state import abstract_train_state, jit_train_step
@@ -33,7 +33,7 @@ def lower_train_step(cfg: Config, mesh):
     tx = make_optimizer(cfg)
     graphdef, abstract_state, shardings = abstract_train_state(cfg, mesh, tx)
     step = jit_train_step(cfg, mesh, graphdef, shardings, tx, lr_schedule(cfg))
-    sharding = NamedSharding(mesh, activation_spec(("batch", "seq")))
+    sharding = NamedSharding(mesh, batch_input_spec())
     shape = (cfg.train.batch_size, cfg.train.seq_len)
     batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
              for k in ("inputs", "targets", "segment_ids", "positions")}

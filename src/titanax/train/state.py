@@ -16,7 +16,7 @@ from titanax.models.registry import model_spec
 from titanax.ops.linear import Fp8Meta
 from titanax.parallel.layer_order import to_storage_order
 from titanax.parallel.mesh import check_layout
-from titanax.parallel.rules import activation_spec, model_context
+from titanax.parallel.rules import batch_input_spec, model_context
 from titanax.train import offload
 
 
@@ -82,7 +82,7 @@ def jit_train_step(cfg: Config, mesh, graphdef, shardings, tx, schedule):
     """The train step jitted as the loop runs it: state and batch sharded, state donated."""
     from titanax.train.step import make_train_step
 
-    batch_sharding = NamedSharding(mesh, activation_spec(("batch", "seq")))
+    batch_sharding = NamedSharding(mesh, batch_input_spec())
     return jax.jit(make_train_step(cfg, graphdef, tx, schedule),
                    in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None),
                    donate_argnums=(0,))
@@ -94,7 +94,7 @@ def jit_eval_step(cfg: Config, mesh, graphdef, shardings):
     forward pass scales its FP8 casts by them). Nothing is donated."""
     from titanax.train.step import make_eval_step
 
-    batch_sharding = NamedSharding(mesh, activation_spec(("batch", "seq")))
+    batch_sharding = NamedSharding(mesh, batch_input_spec())
     fn = jax.jit(make_eval_step(cfg, graphdef),
                  in_shardings=(shardings["params"], batch_sharding, shardings.get("fp8")))
     return lambda state, batch: fn(state["params"], batch, state.get("fp8"))

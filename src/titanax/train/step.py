@@ -10,6 +10,7 @@ from flax import nnx
 from pallas_kernels.target import target_platform
 from titanax import ops
 from titanax.config import Config, ConfigError
+from titanax.parallel.collective_matmul import use_collective_matmul
 from titanax.parallel.pipeline import PipelineSchedule
 from titanax.train import offload
 
@@ -28,13 +29,17 @@ def nll_sum(graphdef, params, batch, *, document_masking: bool, loss_chunk: int,
 
 def make_loss_fn(cfg: Config, graphdef):
     """mean_loss(params, batch, fp8=None): the scalar the train step differentiates, with
-    respect to params and fp8 (whose "gradient" is its updated value)."""
+    respect to params and fp8 (whose "gradient" is its updated value). model.tp_overlap: the
+    model is traced with its tensor-parallel matmuls as collective matmuls (config.py has
+    refused the layouts they cannot run; others fall back by themselves). The config decides,
+    also against an enclosing use_collective_matmul() block."""
     masking, chunk = cfg.data.document_masking, cfg.train.loss_chunk
     pipeline = PipelineSchedule.from_config(cfg.pipeline)
 
     def mean_loss(params, batch, fp8=None):
-        total = nll_sum(graphdef, params, batch, document_masking=masking, loss_chunk=chunk,
-                        pipeline=pipeline, fp8=fp8)
+        with use_collective_matmul(cfg.model.tp_overlap):  # the context var is read at trace
+            total = nll_sum(graphdef, params, batch, document_masking=masking,
+                            loss_chunk=chunk, pipeline=pipeline, fp8=fp8)
         return total / batch["targets"].size
 
     return mean_loss

@@ -22,9 +22,14 @@ from titanax.config import ModelConfig
 from titanax.models.decoder import Decoder, make_param
 from titanax.models.layers import RMSNorm, apply_rope, rope_inv_freq
 from titanax.models.llama3.sharding import PARAM_AXES
+from titanax.ops.linear import linears
 from titanax.parallel.rules import shard_activation
 
 FP8_SITES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the FP8 matmuls
+# Megatron tensor parallelism (parallel/rules.py): column-parallel weights gather the
+# sequence-parallel input, row-parallel ones scatter their output (parallel/collective_matmul).
+TP_ROLES = {"wq": "column", "wk": "column", "wv": "column", "w_gate": "column",
+            "w_up": "column", "wo": "row", "w_down": "row"}
 
 
 class Block(nnx.Module):
@@ -66,13 +71,21 @@ class Block(nnx.Module):
         return ops.linear(x, getattr(self, name)[...], spec, precision=cfg.matmul_precision,
                           dtype=jnp.dtype(cfg.dtype), fp8_meta=self._meta(name),
                           grad_reduce=cfg.grad_reduce_dtype,
-                          mxfp8_scale_rounding=cfg.mxfp8_scale_rounding)
+                          mxfp8_scale_rounding=cfg.mxfp8_scale_rounding, tp=TP_ROLES.get(name))
+
+    def lin_shared(self, x, names: tuple[str, ...], spec: str) -> tuple:
+        """lin of one input with several weights (q/k/v, gate/up): under a collective matmul
+        (parallel/collective_matmul.py) they share one ring."""
+        cfg = self.cfg
+        return linears(x, [getattr(self, n)[...] for n in names], spec,
+                       precision=cfg.matmul_precision, dtype=jnp.dtype(cfg.dtype),
+                       fp8_metas=[self._meta(n) for n in names], grad_reduce=cfg.grad_reduce_dtype,
+                       mxfp8_scale_rounding=cfg.mxfp8_scale_rounding, tp=TP_ROLES[names[0]])
 
     def project_qkv(self, h_BSD):
         """q [B, S, Hq, hd], k and v [B, S, Hkv, hd] before RoPE (the seam per-head q/k norms
         override)."""
-        return (self.lin(h_BSD, "wq", "bsd,dhk->bshk"), self.lin(h_BSD, "wk", "bsd,dhk->bshk"),
-                self.lin(h_BSD, "wv", "bsd,dhk->bshk"))
+        return self.lin_shared(h_BSD, ("wq", "wk", "wv"), "bsd,dhk->bshk")
 
     def attention(self, h_BSD, positions_BS, segment_ids_BS, kv, cache_index):
         """The attention sublayer's output [B, S, d] (before the residual) and the new KV."""
@@ -89,7 +102,8 @@ class Block(nnx.Module):
         if kv is None:  # training / scoring: the sequence attends to itself
             new_kv = None
             out_BSHK = ops.attention(q_BSHK, k_BSHK, v_BSHK, impl=cfg.attention_impl,
-                                     causal=True, segment_ids=segment_ids_BS)
+                                     causal=True, segment_ids=segment_ids_BS,
+                                     context_strategy=cfg.context_strategy)
         else:  # decoding: write the new keys/values into the cache at cache_index
             k_cache, v_cache = kv
             k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k_BSHK.astype(k_cache.dtype), cache_index, axis=1)
@@ -102,8 +116,7 @@ class Block(nnx.Module):
 
     def mlp(self, h_BSD):
         """SwiGLU: w_down(silu(w_gate h) * w_up h)."""
-        gate_BSF = self.lin(h_BSD, "w_gate", "bsd,df->bsf")
-        up_BSF = self.lin(h_BSD, "w_up", "bsd,df->bsf")
+        gate_BSF, up_BSF = self.lin_shared(h_BSD, ("w_gate", "w_up"), "bsd,df->bsf")
         act_BSF = shard_activation(jax.nn.silu(gate_BSF) * up_BSF, ("batch", "seq", "mlp"))
         return self.lin(act_BSF, "w_down", "bsf,df->bsd")
 
