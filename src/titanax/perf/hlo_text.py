@@ -90,8 +90,9 @@ def computations(hlo_text: str) -> dict[str, list[Instr]]:
     return comps
 
 
-def reachable(comps: dict[str, list[Instr]], root: str) -> list[str]:
-    """root and every computation its control flow runs, transitively."""
+def reachable(comps: dict[str, list[Instr]], root: str, into_loops: bool = True) -> list[str]:
+    """root and every computation its control flow runs, transitively (into_loops=False: not
+    into the bodies of nested while loops, which are loops of their own)."""
     seen, todo = [], [root]
     while todo:
         name = todo.pop()
@@ -99,7 +100,8 @@ def reachable(comps: dict[str, list[Instr]], root: str) -> list[str]:
             continue
         seen.append(name)
         for ins in comps[name]:
-            todo += ins.called()
+            if into_loops or ins.opcode != "while":
+                todo += ins.called()
     return seen
 
 

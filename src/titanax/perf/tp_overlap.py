@@ -83,17 +83,7 @@ def _on_axis(ins: Instr, mesh_shape: dict[str, int]) -> bool:
 def _flat_body(comps, body: str) -> list[Instr]:
     """A loop body's instructions with those of its conditionals and calls (not of nested
     loops, which are loops of their own)."""
-    out, todo, seen = [], [body], set()
-    while todo:
-        name = todo.pop()
-        if name in seen or name not in comps:
-            continue
-        seen.add(name)
-        for ins in comps[name]:
-            out.append(ins)
-            if ins.opcode != "while":
-                todo += ins.called()
-    return out
+    return [ins for name in reachable(comps, body, into_loops=False) for ins in comps[name]]
 
 
 def windowed_loops(comps, live: list[str], mesh_shape: dict[str, int]) -> list[dict]:
