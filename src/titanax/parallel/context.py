@@ -35,9 +35,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .rules import batch_shards
+from titanax.config import CONTEXT_STRATEGIES
 
-STRATEGIES = ("ring", "all_gather")
+from .rules import batch_shards
 
 
 def context_shards(seq_len: int) -> int:
@@ -132,8 +132,9 @@ class ContextAttention:
     bwd(q, k, v, seg, out, lse, do) -> (dq, dk, dv), on each device's balanced part."""
 
     def __init__(self, block_fwd, block_bwd, axes: tuple[str, ...], C: int, strategy: str):
-        if strategy not in STRATEGIES:
-            raise ValueError(f"unknown context strategy {strategy!r}; use one of {STRATEGIES}")
+        if strategy not in CONTEXT_STRATEGIES:
+            raise ValueError(f"unknown context strategy {strategy!r}; use one of "
+                             f"{CONTEXT_STRATEGIES}")
         self.block_fwd, self.block_bwd = block_fwd, block_bwd
         self.axes, self.C, self.strategy = axes, C, strategy
 
