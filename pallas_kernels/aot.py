@@ -50,14 +50,18 @@ gpu_device_info {{
   }}
   registers_per_core_limit: 65536
   registers_per_block_limit: 65536
+  runtime_version: "{cuda}"
+  dnn_version: "{cudnn}"
 }}
 platform_name: "CUDA"
-dnn_version_info {{
-  major: 9
-  minor: 8
-}}
 device_description_str: "{name}"
 """
+# The CUDA runtime and cuDNN the compiler assumes, as a GPU's stream executor reports them:
+# those constraints-cuda.txt pins (the plugin's own). jax 0.11.2's proto reads them from
+# gpu_device_info (a top-level dnn_version_info is ignored). Without them the compiler sees
+# 0.0.0 and takes paths no real GPU takes: FP8 dots upcast to f16 ("FP8 Custom Calls require
+# CUDA 12.0"), MX dots dequantized into loop fusions (cuDNN's block-scaled GEMM needs 9.10).
+SOFTWARE = dict(cuda="12.9.0", cudnn="9.28.0")
 
 TARGETS = {
     # H100 SXM: 132 SMs, 228 KiB smem per SM of which 227 KiB (232448 B) opt-in per block.
@@ -83,7 +87,7 @@ TARGETS = {
 def target_config(kind: str) -> str:
     """GpuTargetConfigProto text for `kind` (h100, h200, b200, gb200)."""
     try:
-        return _DEVICE_INFO.format(**TARGETS[kind.lower()])
+        return _DEVICE_INFO.format(**TARGETS[kind.lower()], **SOFTWARE)
     except KeyError:
         raise ValueError(f"unknown GPU kind {kind!r}; known: {sorted(TARGETS)}") from None
 

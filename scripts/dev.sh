@@ -117,6 +117,10 @@ case "$cmd" in
   test)  setup_torch; setup_cuda_plugin; setup_slurm
          # Lint first (seconds): pyflakes, pycodestyle and import order, as pyproject.toml says.
          .venv/bin/ruff check . || { echo "error: ruff found problems; run .venv/bin/ruff check --fix ." >&2; exit 1; }
-         exec .venv/bin/python -m pytest -q "$@" ;;
+         # Two workers (CI has 2 cores; TITANAX_TEST_WORKERS overrides, 0 runs in this
+         # process), each test file on one worker so its module-scoped compiles are shared.
+         workers=${TITANAX_TEST_WORKERS:-2}
+         if [ "$workers" = 0 ]; then exec .venv/bin/python -m pytest -q "$@"; fi
+         exec .venv/bin/python -m pytest -q -n "$workers" --dist loadfile "$@" ;;
   *) echo "usage: bash scripts/dev.sh train|test|setup [args...]" >&2; exit 2 ;;
 esac

@@ -171,7 +171,7 @@ import json, sys, jax, jax.numpy as jnp, numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from titanax import ops
 from pallas_kernels import aot
-gpu, impl = sys.argv[1], sys.argv[2]
+gpu, impl, strategy = sys.argv[1], sys.argv[2], sys.argv[3]
 devices = np.array(aot.gpu_topology(gpu, "1x1x8").devices).reshape(1, 1, 1, 2, 4)
 mesh = Mesh(devices, ("pipeline", "data", "fsdp", "context", "tensor"),
             axis_types=(AxisType.Auto,) * 5)
@@ -179,40 +179,39 @@ spec = NamedSharding(mesh, P(None, "context", "tensor", None))
 q = jax.ShapeDtypeStruct((2, 8192, 32, 128), jnp.bfloat16, sharding=spec)
 kv = jax.ShapeDtypeStruct((2, 8192, 8, 128), jnp.bfloat16, sharding=spec)
 seg = jax.ShapeDtypeStruct((2, 8192), jnp.int32, sharding=NamedSharding(mesh, P(None, "context")))
-res = {}
-for strategy in ("ring", "all_gather"):
-    loss = lambda q, k, v, s: ops.attention(q, k, v, impl=impl, segment_ids=s,
-                                            context_strategy=strategy).astype(jnp.float32).sum()
-    with jax.set_mesh(mesh):
-        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, seg).compile().as_text()
-    calls = [l for l in text.splitlines() if "mosaic_gpu" in l and "custom-call" in l]
-    res[strategy] = {"calls": len(calls),
-                     "local": all("8192" not in l and ",8,128]" in l for l in calls),
-                     "permutes": text.count("collective-permute-start"),
-                     "gathers": text.count("all-gather-start"),
-                     "scatters": text.count("reduce-scatter")}
+loss = lambda q, k, v, s: ops.attention(q, k, v, impl=impl, segment_ids=s,
+                                        context_strategy=strategy).astype(jnp.float32).sum()
+with jax.set_mesh(mesh):
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, seg).compile().as_text()
+calls = [l for l in text.splitlines() if "mosaic_gpu" in l and "custom-call" in l]
+res = {"calls": len(calls), "local": all("8192" not in l and ",8,128]" in l for l in calls),
+       "permutes": text.count("collective-permute-start"),
+       "gathers": text.count("all-gather-start"), "scatters": text.count("reduce-scatter")}
 print("RESULT" + json.dumps(res))
 """
 
 
 @pytest.mark.skipif(not aot.plugin_available(), reason="CUDA plugin not installed in "
                     ".venv/cuda-plugin (bash scripts/dev.sh test installs it)")
-@pytest.mark.parametrize("gpu, impl", [("h100", "mosaic_sm90"), ("b200", "mosaic_sm100")])
-def test_mosaic_kernels_compile_as_ring_blocks_on_local_shards(gpu, impl):
+# One strategy per GPU (the strategies' collectives do not depend on the chip, the kernels
+# do): each Mosaic kernel generation compiled once in CI.
+@pytest.mark.parametrize("gpu, impl, strategy", [("h100", "mosaic_sm90", "all_gather"),
+                                                 ("b200", "mosaic_sm100", "ring")])
+def test_mosaic_kernels_compile_as_ring_blocks_on_local_shards(gpu, impl, strategy):
     """Deviceless compile, 8 GPUs as context 2 x tensor 4, 8,192 tokens with packed documents:
     our Mosaic kernels (forward, dq, dk/dv, own block and both remote shapes) run on each
     device's 4,096 tokens and 8 q heads; the ring passes K/V by collective-permute and gathers
     nothing, the all-gather strategy gathers once and reduce-scatters the gradients."""
     import json
-    proc = aot.run_script(_GPU_SCRIPT, gpu, impl, timeout=600)
+    proc = aot.run_script(_GPU_SCRIPT, gpu, impl, strategy, timeout=600)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     res = json.loads(lines[-1][len("RESULT"):])
-    ring, gather = res["ring"], res["all_gather"]
-    assert ring["local"] and gather["local"], res
-    assert ring["calls"] >= 6 and gather["calls"] == ring["calls"], res
-    assert ring["permutes"] > 0 and ring["gathers"] == 0, res
-    assert gather["gathers"] > 0 and gather["scatters"] > 0 and gather["permutes"] == 0, res
+    assert res["local"] and res["calls"] >= 6, res
+    if strategy == "ring":
+        assert res["permutes"] > 0 and res["gathers"] == 0, res
+    else:
+        assert res["gathers"] > 0 and res["scatters"] > 0 and res["permutes"] == 0, res
 
 
 def test_checkpoint_restores_across_context_layouts(tmp_path):

@@ -70,8 +70,13 @@ def test_dry_run_every_section_without_grain_gin_tensorboardx(tmp_path):
                                              "cudnn")} <= ran
     assert {("fp8_matmul", i) for i in ("sm90", "pallas_grid", "xla")} <= ran
     assert all(r["pass"] for r in kernels if r["status"] == "ok")
-    assert {r["segments"] for r in s["attention"]["rows"]} == {False, True}
-    assert all(r["fwd_tflops"] > 0 and r["bwd_tflops"] > 0 for r in s["attention"]["rows"])
+    attn = s["attention"]["rows"]
+    # The model's own call, with and without packed documents, against cuDNN causal first.
+    assert attn[0]["impl"] == "cudnn" and not attn[0]["documents"]
+    assert {(r["impl"], r["documents"]) for r in attn} >= {("model:auto", False),
+                                                           ("model:auto", True)}
+    assert all(r["fwd_tflops"] > 0 and r["bwd_tflops"] > 0 for r in attn)
+    assert all(r["vs_cudnn_causal"] > 0 for r in attn if r["impl"] != "cudnn")
     assert {r["impl"] for r in s["fp8"]["rows"]} >= {"bf16", "xla_fp8", "xla_mx"}
     train = s["train"]["rows"]
     assert [r["precision"] for r in train] == ["default", "fp8_tensorwise", "fp8_delayed",

@@ -170,12 +170,19 @@ def _prepare(q, k, v, segment_ids, softmax_scale, impl, config, interpret, palla
     return segment_ids, scale, impl, cfg
 
 
-def _pad_to(x, axis: int, n: int):
+def _pad_to(x, axis: int, n: int, mode: str = "constant"):
     if x.shape[axis] == n:
         return x
     pad = [(0, 0)] * x.ndim
     pad[axis] = (0, n - x.shape[axis])
-    return jnp.pad(x, pad)
+    return jnp.pad(x, pad, mode=mode)
+
+
+def _pad_segments(seg, n: int):
+    """Segment ids padded by repeating the last one: padded rows join the last document
+    instead of a new id, so the tile ranges (tile_ranges.py) of the last tile stay tight.
+    Padded keys are masked by kv_len; padded query rows are dropped (dO = 0 for them)."""
+    return _pad_to(seg, 1, n, mode="edge")
 
 
 def _padded_lengths(q, k, impl, cfg):
@@ -189,7 +196,8 @@ def _forward(q, k, v, seg, scale, causal, impl, cfg, interpret, kv_seg=None):
     Sp, Tp = _padded_lengths(q, k, impl, cfg)
     kv_seg = seg if kv_seg is None else kv_seg
     # Pad values are irrelevant: padded keys are masked by kv_len.
-    q_seg, kv_seg = (None, None) if seg is None else (_pad_to(seg, 1, Sp), _pad_to(kv_seg, 1, Tp))
+    q_seg, kv_seg = (None, None) if seg is None else (_pad_segments(seg, Sp),
+                                                      _pad_segments(kv_seg, Tp))
     out, lse = _kernels(impl)[0](_pad_to(q, 1, Sp), _pad_to(k, 1, Tp), _pad_to(v, 1, Tp),
                                  q_seg, kv_seg, scale=scale, causal=causal, kv_len=k.shape[1],
                                  config=cfg, interpret=interpret)
@@ -202,7 +210,8 @@ def _backward(q, k, v, seg, out, lse, do, scale, causal, impl, cfg, interpret, k
     S, T = q.shape[1], k.shape[1]
     Sp, Tp = _padded_lengths(q, k, impl, cfg)
     kv_seg = seg if kv_seg is None else kv_seg
-    q_seg, kv_seg = (None, None) if seg is None else (_pad_to(seg, 1, Sp), _pad_to(kv_seg, 1, Tp))
+    q_seg, kv_seg = (None, None) if seg is None else (_pad_segments(seg, Sp),
+                                                      _pad_segments(kv_seg, Tp))
     # Padded query rows get dO = 0, so delta = 0 and they add nothing to dK/dV. A cotangent
     # may arrive invariant inside shard_map (e.g. of a sum): it varies like out.
     do = match_varying(do, out)

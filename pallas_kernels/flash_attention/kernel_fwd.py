@@ -5,6 +5,11 @@ the K/V of its kv head (q head // group: GQA without copying K/V) in block_kv ti
 online softmax of FlashAttention-2, then writes the output tile and the log-sum-exp (natural
 log, float32) that the backward pass needs. Inputs arrive padded to whole blocks; keys at or
 beyond kv_len are masked, padded query rows are computed and dropped by the caller.
+
+With segment ids (packed documents) a program visits only the key tiles [lo, hi) that
+tile_ranges.py computes in XLA for its query tile, handed in as four scalars, and builds no
+mask on [full_lo, full_hi), the tiles wholly inside the query tile's one document. A query
+tile with no visible key tile writes zeros and lse MASK_VALUE (finite).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from ..target import out_struct
 from .reference import MASK_VALUE
+from .tile_ranges import FULL_HI, FULL_LO, HI, LO, tile_ranges
 
 
 def pad_multiples(cfg):
@@ -46,10 +52,32 @@ def block_mask(q_pos, k_pos, *, causal, kv_len, kv_len_padded, q_seg=None, k_seg
     return mask
 
 
+def visible_tiles(ranges_ref, body, carry):
+    """body(t, carry, masked) over a row tile's column tiles [lo, hi) (tile_ranges.py), masked
+    a traced bool: False on [full_lo, full_hi), the tiles wholly inside the row tile's one
+    document. One loop switching the mask per tile, not three loops (masked, unmasked,
+    masked): three copies of the body need more registers (ptxas: the dkv kernel spills at
+    head_dim 128)."""
+    lo, full_lo, full_hi, hi = (ranges_ref[r] for r in (LO, FULL_LO, FULL_HI, HI))
+    return lax.fori_loop(lo, hi, lambda t, c: body(t, c, masked=(t < full_lo) | (t >= full_hi)),
+                         carry)
+
+
+def mask_scores(s, masked, make_mask):
+    """s with the entries make_mask() hides at MASK_VALUE. masked: a Python bool, or a traced
+    one deciding per tile (lax.cond, so that the unmasked tiles build no mask)."""
+    def apply(s):
+        mask = make_mask()
+        return s if mask is None else jnp.where(mask, s, MASK_VALUE)
+    if isinstance(masked, bool):
+        return apply(s) if masked else s
+    return lax.cond(masked, apply, lambda s: s, s)
+
+
 def _fwd_kernel(q_ref, k_ref, v_ref, *rest, scale, causal, block_q, block_kv, kv_len,
                 has_segments):
     if has_segments:
-        qseg_ref, kseg_ref, o_ref, lse_ref = rest
+        qseg_ref, kseg_ref, ranges_ref, o_ref, lse_ref = rest
     else:
         o_ref, lse_ref = rest
     kv_len_padded = k_ref.shape[0]
@@ -58,16 +86,15 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *rest, scale, causal, block_q, block_kv, kv
     q_pos = qi * block_q + jnp.arange(block_q)
     q_seg = qseg_ref[...] if has_segments else None
 
-    def body(j, carry):
+    def body(j, carry, masked=True):
         o, m, l = carry
         ks = pl.ds(pl.multiple_of(j * block_kv, block_kv), block_kv)
         k = k_ref[ks, :]
         s = dot(q, k, trans_b=True) * scale  # scale before masking: MASK_VALUE * scale overflows
         k_pos = j * block_kv + jnp.arange(block_kv)
-        mask = block_mask(q_pos, k_pos, causal=causal, kv_len=kv_len, kv_len_padded=kv_len_padded,
-                          q_seg=q_seg, k_seg=kseg_ref[ks] if has_segments else None)
-        if mask is not None:
-            s = jnp.where(mask, s, MASK_VALUE)
+        s = mask_scores(s, masked, lambda: block_mask(
+            q_pos, k_pos, causal=causal, kv_len=kv_len, kv_len_padded=kv_len_padded,
+            q_seg=q_seg, k_seg=kseg_ref[ks] if has_segments else None))
         m_new = jnp.maximum(m, s.max(axis=-1))
         alpha = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[:, None])
@@ -86,7 +113,12 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *rest, scale, causal, block_q, block_kv, kv
     # alpha = exp(MASK_VALUE - m) = 0 at its first visible key; no inf - inf NaNs anywhere.
     init = (jnp.zeros((block_q, D), jnp.float32), jnp.full((block_q,), MASK_VALUE, jnp.float32),
             jnp.zeros((block_q,), jnp.float32))
-    o, m, l = lax.fori_loop(0, hi, body, init)
+    if has_segments:  # only the key tiles that hold a key this query tile may see
+        o, m, l = visible_tiles(ranges_ref, body, init)
+        # No tile visited (lo == hi): l = 0; zeros out and lse = MASK_VALUE, finite.
+        l = jnp.where(l == 0, 1.0, l)
+    else:
+        o, m, l = lax.fori_loop(0, hi, body, init)
     o_ref[...] = (o / l[:, None]).astype(o_ref.dtype)
     lse_ref[...] = m + jnp.log(l)
 
@@ -107,9 +139,11 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
     ]
     args = [q, k, v]
     if has_segments:
+        ranges = tile_ranges(q_seg, kv_seg, rows=bq, cols=bk, causal=causal, kv_len=kv_len)
         in_specs += [pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
-                     pl.BlockSpec((None, Tp), lambda i, b, h: (b, 0))]
-        args += [q_seg, kv_seg]
+                     pl.BlockSpec((None, Tp), lambda i, b, h: (b, 0)),
+                     pl.BlockSpec((None, None, 4), lambda i, b, h: (b, i, 0))]
+        args += [q_seg, kv_seg, ranges]
     num_warps = config.num_warps or (4 if D <= 64 else 8)
     return pl.pallas_call(
         kernel,

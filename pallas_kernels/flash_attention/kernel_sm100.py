@@ -19,6 +19,14 @@ causal with segment ids together (packed-document training). Masked scores are a
 so fully masked rows give no NaNs. The backward (kernel_sm100_bwd.py) recomputes P from the
 saved log-sum-exp in tcgen05 dq and dkv kernels.
 
+Packed documents: each CTA visits only the key tiles [lo, hi) that tile_ranges.py computes in
+XLA from the segment ids (read here from GMEM as scalars), so tiles before the query tile's
+first document start are never loaded, and skips the mask on [full_lo, full_hi), the tiles
+wholly inside its one document. All three warpgroups walk the same tiles, counted t = 0, 1, ..
+from lo, so slots, buffers and barrier phases stay in step. A query tile with no key to see
+(lo == hi) writes a zero output and a log-sum-exp of MASK (finite: the backward computes
+exp2(s - lse)).
+
 Left for later, as FA4 does them: two softmax warpgroups ping-ponging two query tiles,
 a separate correction warpgroup, conditional rescaling with a threshold, P kept in TMEM
 (tcgen05 A operand) instead of SMEM, and a persistent tile scheduler.
@@ -36,6 +44,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ..target import out_struct
 from .mosaic_common import LOG2E, MASK, column_slices, interpret_ctx, q_block
+from .tile_ranges import tile_ranges
 
 BLOCK_Q = 128  # TMEM lanes: one query row per lane
 _SOFTMAX, _MMA, _LOAD = 0, 1, 2
@@ -74,19 +83,26 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
     qk_scale = scale * LOG2E
     row = plgpu.Layout.TCGEN05.reduce(1)  # one value per query row (per TMEM lane)
 
-    def kernel(q_gmem, k_gmem, v_gmem, qseg_gmem, kseg_gmem, out_gmem, lse_gmem,
+    def kernel(q_gmem, k_gmem, v_gmem, qseg_gmem, kseg_gmem, ranges_gmem, out_gmem, lse_gmem,
                q_smem, k_smem, v_smem, p_smem, lse_smem, qseg_smem, kseg_smem,
                s_tmem, o_tmem,
                q_loaded, kv_loaded, kv_free, s_ready, s_read, p_ready, pv_done,
                qseg_loaded, kseg_loaded):
         wg = lax.axis_index("wg")
         batch, q_head = lax.axis_index("batch"), lax.axis_index("heads")
-        q_base = q_block("q_seq", Sp // BLOCK_Q, causal) * BLOCK_Q  # longest first
-        if causal:  # key tiles at or left of this block's last query
-            kv_steps = jnp.minimum(pl.cdiv(q_base + BLOCK_Q, jnp.int32(block_kv)), n_kv)
-            full_steps = jnp.minimum(lax.div(q_base, jnp.int32(block_kv)), kv_full)
+        q_tile = q_block("q_seq", Sp // BLOCK_Q, causal)  # longest first
+        q_base = q_tile * BLOCK_Q
+        # Key tiles [lo, hi) are visited, t = j - lo; [full_lo, full_hi) need no mask.
+        if has_seg:
+            lo, full_lo, full_hi, hi = (ranges_gmem[batch, q_tile, c] for c in range(4))
+        elif causal:  # key tiles at or left of this block's last query
+            hi = jnp.minimum(pl.cdiv(q_base + BLOCK_Q, jnp.int32(block_kv)), n_kv)
+            full_hi = jnp.minimum(lax.div(q_base, jnp.int32(block_kv)), kv_full)
+            lo = full_lo = jnp.int32(0)
         else:
-            kv_steps, full_steps = jnp.int32(n_kv), jnp.int32(kv_full)
+            lo = full_lo = jnp.int32(0)
+            hi, full_hi = jnp.int32(n_kv), jnp.int32(kv_full)
+        kv_steps = hi - lo
 
         @pl.when(wg == _LOAD)
         def _load():
@@ -99,14 +115,14 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
                                         qseg_loaded)
 
             @pl.loop(0, kv_steps)
-            def _(j):
-                slot = lax.rem(j, jnp.int32(steps))
+            def _(t):
+                slot = lax.rem(t, jnp.int32(steps))
 
-                @pl.when(j >= steps)
-                def _():  # PV of tile j - steps is done: its K and V are no longer read
+                @pl.when(t >= steps)
+                def _():  # PV of step t - steps is done: its K and V are no longer read
                     plgpu.barrier_wait(kv_free.at[slot])
 
-                keys = pl.ds(j * block_kv, block_kv)
+                keys = pl.ds((lo + t) * block_kv, block_kv)
                 plgpu.copy_gmem_to_smem(k_gmem.at[batch, keys, kv_head], k_smem.at[slot],
                                         kv_loaded.at[slot])
                 plgpu.copy_gmem_to_smem(v_gmem.at[batch, keys, kv_head], v_smem.at[slot],
@@ -124,11 +140,11 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
             plgpu.set_max_registers(40, action="decrease")
             plgpu.barrier_wait(q_loaded)
 
-            def pv(j):  # O += P_j V_j; frees K/V slot j and tells the softmax
-                slot = lax.rem(j, jnp.int32(steps))
+            def pv(t):  # O += P_t V_t; frees K/V slot t and tells the softmax
+                slot = lax.rem(t, jnp.int32(steps))
                 plgpu.barrier_wait(p_ready)
                 plgpu.tcgen05_mma(o_tmem, p_smem, v_smem.at[slot],
-                                  accumulate=j > 0)
+                                  accumulate=t > 0)
                 plgpu.tcgen05_commit_arrive(kv_free.at[slot])
                 plgpu.tcgen05_commit_arrive(pv_done)
 
@@ -164,11 +180,15 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
                 plgpu.barrier_wait(qseg_loaded)
                 q_seg = plgpu.load(qseg_smem, layout=row)
 
-            def step(j, carry, masked):
+            def step(j, carry, masked):  # key tile j, step t = j - lo
                 m_i, l_i = carry
-                buf, slot = lax.rem(j, 2), lax.rem(j, jnp.int32(steps))
+                t = j - lo
+                buf, slot = lax.rem(t, 2), lax.rem(t, jnp.int32(steps))
                 plgpu.barrier_wait(s_ready.at[buf])
-                if masked and has_seg:  # read before P_j is released: the slot stays loaded
+                # Every step waits for its key ids, masked or not, so that the barrier's
+                # phases stay in step with the loads; read before P_t is released (the slot
+                # stays loaded until then).
+                if has_seg:
                     plgpu.barrier_wait(kseg_loaded.at[slot])
                 # S in S_SLICE-column pieces: the key segment ids are a column vector, one
                 # value per key in every thread, which next to a whole row of S spills.
@@ -206,8 +226,8 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
                 # bf16 P across the O rescale: half the registers of float32 P.
                 parts = [p.astype(dtype) for p in parts]
 
-                @pl.when(j >= 1)
-                def _():  # PV_{j-1} is done: O is complete up to j-1, and P may be rewritten
+                @pl.when(t >= 1)
+                def _():  # PV_{t-1} is done: O is complete up to t-1, and P may be rewritten
                     plgpu.barrier_wait(pv_done)
                     _rescale_o(o_tmem, alpha)
 
@@ -219,12 +239,26 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
 
             m_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), MASK, jnp.float32), row)
             l_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), 0.0, jnp.float32), row)
-            carry = lax.fori_loop(0, full_steps, lambda j, c: step(j, c, False), (m_i, l_i))
-            m_i, l_i = lax.fori_loop(full_steps, kv_steps, lambda j, c: step(j, c, True), carry)
+            carry = (m_i, l_i)
+            if has_seg:  # masked up to the query tile's document, when it starts mid-tile
+                carry = lax.fori_loop(lo, full_lo, lambda j, c: step(j, c, True), carry)
+            carry = lax.fori_loop(full_lo, full_hi, lambda j, c: step(j, c, False), carry)
+            m_i, l_i = lax.fori_loop(full_hi, hi, lambda j, c: step(j, c, True), carry)
 
             @pl.when(kv_steps > 0)
             def _():
                 plgpu.barrier_wait(pv_done)  # the last PV
+
+            if has_seg:
+                @pl.when(kv_steps == 0)
+                def _():  # no key to see: O = 0 (TMEM holds whatever was there before),
+                    # and Q's copy (no MMA waited for it) lands before O overwrites it
+                    plgpu.barrier_wait(q_loaded)
+                    for cols in column_slices(D, RESCALE_SLICE):
+                        plgpu.async_store_tmem(o_tmem.at[:, cols], plgpu.layout_cast(
+                            jnp.zeros((BLOCK_Q, RESCALE_SLICE), jnp.float32),
+                            plgpu.Layout.TCGEN05))
+                    plgpu.commit_tmem()
 
             l_safe = jnp.where(l_i == 0.0, 1.0, l_i)  # padded query rows of an empty tile
             for cols in column_slices(D):  # O / l a slice at a time: D/4 floats per thread
@@ -271,15 +305,19 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
 
     def entry(q_gmem, k_gmem, v_gmem, *rest, **scratch_refs):
         if has_seg:
-            qseg_gmem, kseg_gmem, out_gmem, lse_gmem = rest
+            qseg_gmem, kseg_gmem, ranges_gmem, out_gmem, lse_gmem = rest
         else:
-            (out_gmem, lse_gmem), qseg_gmem, kseg_gmem = rest, None, None
+            (out_gmem, lse_gmem), qseg_gmem, kseg_gmem, ranges_gmem = rest, None, None, None
         refs = {"qseg_smem": None, "kseg_smem": None, "qseg_loaded": None,
                 "kseg_loaded": None, **scratch_refs}
-        kernel(q_gmem, k_gmem, v_gmem, qseg_gmem, kseg_gmem, out_gmem, lse_gmem, **refs)
+        kernel(q_gmem, k_gmem, v_gmem, qseg_gmem, kseg_gmem, ranges_gmem, out_gmem, lse_gmem,
+               **refs)
 
     out_type = (out_struct(q, q.shape, dtype), out_struct(q, (B, Hq, Sp), jnp.float32))
-    args = (q, k, v) + ((q_seg, kv_seg) if has_seg else ())
+    args = (q, k, v)
+    if has_seg:  # [B, Sp / 128, 4]: the key tiles each query tile visits (tile_ranges.py)
+        args += (q_seg, kv_seg, tile_ranges(q_seg, kv_seg, rows=BLOCK_Q, cols=block_kv,
+                                            causal=causal, kv_len=kv_len))
     with interpret_ctx(interpret):
         return plgpu.kernel(
             entry, out_type=out_type, scratch_types=scratch,

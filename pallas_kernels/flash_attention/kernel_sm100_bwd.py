@@ -20,7 +20,11 @@ Three warpgroups, as in the forward (kernel_sm100.py):
   compute  X_t, Y_t TMEM -> registers, mask, P and dS -> SMEM (bf16/fp16), and at the end the
            accumulators TMEM -> HBM.
 Causal: streamed tiles wholly past the diagonal are never loaded; tiles wholly inside it (and
-inside the valid keys, without segment ids) skip the mask.
+inside the valid keys, without segment ids) skip the mask. Segment ids: each CTA streams only
+the tiles [lo, hi) of tile_ranges.py (computed in XLA, read from GMEM as scalars; dkv per
+q head, the same range for every head of the group) and skips the mask on [full_lo, full_hi),
+tiles wholly inside the resident rows' one document. A CTA with no tile to visit (its rows see
+no key, or no query sees its keys) writes a zero gradient.
 
 TMEM: X and Y (block of the streamed side each) plus the accumulators (head_dim columns each)
 must fit 512 columns, and SMEM 227 KiB: head_dim 64 and 128. At 256 flash_bwd falls back to
@@ -36,6 +40,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ..target import out_struct
 from .mosaic_common import LOG2E, MASK, column_slices, grid_bwd, interpret_ctx, q_block
+from .tile_ranges import tile_ranges
 
 BLOCK = 128  # resident rows per CTA: one per TMEM lane
 _COMPUTE, _MMA, _LOAD = 0, 1, 2
@@ -72,8 +77,8 @@ def _kernel(kind, q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_
     # the MMAs of tile t+1 then run while the compute warpgroup works through tile t.
     nbuf = 2 if 4 * n + n_acc * D <= TMEM_COLS else 1
 
-    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, out_refs,
-               res_smem, str_smem, ds_smem, p_smem, x_tmem, y_tmem, acc_tmem,
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, ranges_ref,
+               out_refs, res_smem, str_smem, ds_smem, p_smem, x_tmem, y_tmem, acc_tmem,
                res_loaded, loaded, free, s_ready, s_read, ds_ready, ds_free):
         wg = lax.axis_index("wg")
         batch, head = lax.axis_index("batch"), lax.axis_index("heads")
@@ -81,32 +86,38 @@ def _kernel(kind, q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_
         blk = q_block("blk", Sp // BLOCK, causal) if is_dq else lax.axis_index("blk")
         base = blk * BLOCK
         res_rows = pl.ds(base, BLOCK)
-        # The streamed tiles this CTA visits, t = 0 .. total-1, and where masking is needed.
-        if is_dq:
-            kv_full = 0 if has_seg else kv_len // n
-            if causal:
-                total = jnp.minimum(pl.cdiv(base + BLOCK, i32(n)), n_tiles)
-                full = jnp.minimum(lax.div(base, i32(n)), kv_full)
-            else:
-                total, full = i32(n_tiles), i32(kv_full)
-            q_start = per_head = fast_start = None
-        else:
-            q_start = jnp.minimum(lax.div(base, i32(n)), n_tiles) if causal else i32(0)
-            per_head = n_tiles - q_start
-            total = G * per_head
-            diag_end = (jnp.minimum(pl.cdiv(base + BLOCK - 1, i32(n)), n_tiles) if causal
-                        else i32(0))
-            # Padded keys in this block (masked so their rows stay finite) or segments: all.
-            mask_all = jnp.bool_(True) if has_seg else base + BLOCK > kv_len
-            fast_start = jnp.where(mask_all, n_tiles, jnp.maximum(diag_end, q_start))
 
-        def streamed(t):
-            """HBM views of streamed tile t, in str_smem's order."""
+        def visits():
+            """The streamed tiles this CTA visits (per q head in dkv): [lo, hi), masked except
+            [full_lo, full_hi); steps t = 0 .. total-1 count them from lo (every head in dkv):
+            (lo, full_lo, full_hi, hi, total). Each warpgroup reads them in its own branch:
+            values live across set_max_registers would count against the 40-register ones."""
+            if has_seg:
+                lo, full_lo, full_hi, hi = (ranges_ref[batch, blk, c] for c in range(4))
+            elif is_dq:
+                lo = full_lo = i32(0)
+                if causal:
+                    hi = jnp.minimum(pl.cdiv(base + BLOCK, i32(n)), n_tiles)
+                    full_hi = jnp.minimum(lax.div(base, i32(n)), i32(kv_len // n))
+                else:
+                    hi, full_hi = i32(n_tiles), i32(kv_len // n)
+            else:
+                lo = jnp.minimum(lax.div(base, i32(n)), n_tiles) if causal else i32(0)
+                diag_end = (jnp.minimum(pl.cdiv(base + BLOCK - 1, i32(n)), n_tiles) if causal
+                            else i32(0))
+                # Padded keys in this block: masked, so that their rows stay finite.
+                full_lo = jnp.where(base + BLOCK > kv_len, n_tiles, jnp.maximum(diag_end, lo))
+                full_hi = hi = i32(n_tiles)
+            return lo, full_lo, full_hi, hi, (hi - lo) * (1 if is_dq else G)
+
+        def streamed(t, lo, hi):
+            """HBM views of streamed step t, in str_smem's order."""
             if is_dq:
-                rows, kv_head = pl.ds(t * n, n), lax.div(head, i32(G))
+                rows, kv_head = pl.ds((lo + t) * n, n), lax.div(head, i32(G))
                 views = [k_ref.at[batch, rows, kv_head], v_ref.at[batch, rows, kv_head]]
                 return views + ([kseg_ref.at[batch, rows]] if has_seg else [])
-            g, i = lax.div(t, per_head), q_start + lax.rem(t, per_head)
+            per_head = hi - lo
+            g, i = lax.div(t, per_head), lo + lax.rem(t, per_head)
             rows, h = pl.ds(i * n, n), head * G + g
             views = [q_ref.at[batch, rows, h], do_ref.at[batch, rows, h],
                      lse_ref.at[batch, h, rows], delta_ref.at[batch, h, rows]]
@@ -125,6 +136,7 @@ def _kernel(kind, q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_
             plgpu.set_max_registers(40, action="decrease")
             for src, dst in zip(resident(), res_smem):
                 plgpu.copy_gmem_to_smem(src, dst, res_loaded)
+            lo, _, _, hi, total = visits()
 
             @pl.loop(0, total)
             def _(t):
@@ -133,7 +145,7 @@ def _kernel(kind, q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_
                 @pl.when(t >= steps)
                 def _():  # the MMAs of step t - steps are done with this slot
                     plgpu.barrier_wait(free.at[slot])
-                for src, dst in zip(streamed(t), str_smem):
+                for src, dst in zip(streamed(t, lo, hi), str_smem):
                     plgpu.copy_gmem_to_smem(src, dst.at[slot], loaded.at[slot])
 
             @pl.loop(jnp.maximum(total - steps, 0), total)
@@ -144,6 +156,7 @@ def _kernel(kind, q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_
         def _mma():
             plgpu.set_max_registers(40, action="decrease")
             plgpu.barrier_wait(res_loaded)
+            total = visits()[-1]
             res0, res1 = res_smem[0], res_smem[1]
             str0, str1 = str_smem[0], str_smem[1]
 
@@ -191,6 +204,8 @@ def _kernel(kind, q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_
                 res_lse = plgpu.load(res_smem[2], layout=row)
                 res_delta = plgpu.load(res_smem[3], layout=row)
             res_seg = plgpu.load(res_smem[-1], layout=row) if has_seg else None
+            lo, full_lo, full_hi, hi, total = visits()
+            per_head = hi - lo
 
             def step(t, tile, masked):
                 slot, buf = lax.rem(t, i32(steps)), lax.rem(t, i32(nbuf))
@@ -238,22 +253,26 @@ def _kernel(kind, q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(ds_ready)
 
+            def tiles(g):  # one q head's tiles (dq: the only one), t counted from lo
+                at = lambda i: g * per_head + i - lo
+                # Without segment ids lo == full_lo in dq, full_hi == hi in dkv: two loops.
+                if has_seg or not is_dq:
+                    lax.fori_loop(lo, full_lo, lambda i, c: step(at(i), i, True), None)
+                lax.fori_loop(full_lo, full_hi, lambda i, c: step(at(i), i, False), None)
+                if has_seg or is_dq:
+                    lax.fori_loop(full_hi, hi, lambda i, c: step(at(i), i, True), None)
+
             if is_dq:
-                lax.fori_loop(0, full, lambda t, c: step(t, t, False), None)
-                lax.fori_loop(full, total, lambda t, c: step(t, t, True), None)
+                tiles(i32(0))
             else:
-                def head_loop(g, c):
-                    at = lambda i: g * per_head + i - q_start
-                    lax.fori_loop(q_start, fast_start, lambda i, c: step(at(i), i, True), None)
-                    lax.fori_loop(fast_start, n_tiles, lambda i, c: step(at(i), i, False), None)
-                lax.fori_loop(0, G, head_loop, None)
+                lax.fori_loop(0, G, lambda g, c: tiles(g), None)
 
             @pl.when(total > 0)
             def _():
                 plgpu.barrier_wait(ds_free)  # the last accumulator MMAs
 
             @pl.when(total == 0)
-            def _():  # no visible tiles (causal, keys past every query): the gradient is zero
+            def _():  # no visible tiles (keys past every query, or no shared document): zero
                 zeros = plgpu.layout_cast(jnp.full((BLOCK, D), 0, jnp.float32),
                                           plgpu.Layout.TCGEN05)
                 for a in acc_tmem:
@@ -314,12 +333,12 @@ def _kernel(kind, q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_
     n_out = 1 if is_dq else 2
 
     def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, **scratch_refs):
-        qseg_ref, kseg_ref = rest[:2] if has_seg else (None, None)
-        out_refs = rest[2:] if has_seg else rest
+        qseg_ref, kseg_ref, ranges_ref = rest[:3] if has_seg else (None, None, None)
+        out_refs = rest[3:] if has_seg else rest
         assert len(out_refs) == n_out
         scratch_refs.setdefault("p_smem", None)
-        kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, out_refs,
-               **scratch_refs)
+        kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, ranges_ref,
+               out_refs, **scratch_refs)
 
     if is_dq:
         out_type = out_struct(q, q.shape, dtype)
@@ -327,7 +346,10 @@ def _kernel(kind, q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_
     else:
         out_type = (out_struct(k, k.shape, dtype), out_struct(v, v.shape, dtype))
         grid = (Hkv, Tp // BLOCK, B)
-    args = (q, k, v, do, lse2, delta) + ((q_seg, kv_seg) if has_seg else ())
+    args = (q, k, v, do, lse2, delta)
+    if has_seg:  # [B, 128-row blocks, 4]: the streamed tiles each CTA visits (tile_ranges.py)
+        args += (q_seg, kv_seg, tile_ranges(q_seg, kv_seg, rows=BLOCK, cols=n, causal=causal,
+                                            kv_len=kv_len, transposed=not is_dq))
     with interpret_ctx(interpret):
         return plgpu.kernel(
             entry, out_type=out_type, scratch_types=scratch,

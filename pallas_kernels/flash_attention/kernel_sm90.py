@@ -10,6 +10,12 @@ Additions over the upstream kernel: softmax scale, packed-document masking (segm
 the same TMA ring as K), masking of padded keys (any length), masked finite (no -inf NaNs for
 fully masked tiles), bf16 as well as fp16, and the log-sum-exp (log2 units) for the backward.
 Causal: tiles left of the diagonal take an unmasked fast path, tiles right of it are skipped.
+With segment ids each warpgroup computes only the key tiles tile_ranges.py gives its 64 rows
+(read from GMEM as scalars): masked up to its first document's start tile, unmasked while the
+tiles lie wholly inside its one document, masked to its last visible tile. The producer streams
+the union of the two ranges; a warpgroup drains the tiles outside its own, as the causal tail,
+so that ring slots and the schedule barrier stay in step. A row tile that sees nothing writes
+a zero output and a log-sum-exp of MASK (finite).
 
 Backward: kernel_sm90_bwd.py (Mosaic dq and dkv kernels on the log-sum-exp saved here).
 
@@ -30,7 +36,21 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ..target import out_struct
 from ..wgmma import wgmma_into as _wgmma_into
-from .mosaic_common import LOG2E, MASK, interpret_ctx, q_block, tile_mask
+from .mosaic_common import (
+    END,
+    FIRST,
+    FULL_HI,
+    FULL_LO,
+    HI,
+    LO,
+    LOG2E,
+    MASK,
+    cta_ranges,
+    interpret_ctx,
+    q_block,
+    tile_mask,
+)
+from .tile_ranges import tile_ranges
 
 COMPUTE_WGS = 2
 # setmaxnreg budgets: 2 x 240 + 24 spends the 168-per-thread launch pool of 384 threads; the
@@ -60,7 +80,7 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
     kv_full = 0 if has_seg else kv_len // block_kv
     qk_scale = scale * LOG2E
 
-    def kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, out_ref, lse_ref, scoped):
+    def kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, ranges_ref, out_ref, lse_ref, scoped):
         batch = lax.axis_index("batch")
         q_head = lax.axis_index("heads")
         wg = lax.axis_index("wg")
@@ -73,23 +93,40 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
             plgpu.barrier_arrive(sched)
             plgpu.barrier_wait(sched)
 
-        if causal:
+        # The key tiles [first, end) the producer streams for both warpgroups; tile t sits in
+        # ring slot (t - first) % steps.
+        if has_seg:  # the union of the warpgroups' visited tiles (tile_ranges.py)
+            row0 = q_blk * COMPUTE_WGS
+            first = ranges_ref[batch, row0, FIRST]
+            end = ranges_ref[batch, row0, END]
+        elif causal:
             cta_q_end = (q_blk + 1) * (COMPUTE_WGS * block_q)
-            max_steps = jnp.minimum(pl.cdiv(cta_q_end, jnp.array(block_kv, jnp.int32)), n_kv)
+            first = 0
+            end = jnp.minimum(pl.cdiv(cta_q_end, jnp.array(block_kv, jnp.int32)), n_kv)
         else:
-            max_steps = n_kv
+            first, end = 0, n_kv
+
+        def slot_of(t):
+            return lax.rem(t - first if has_seg else t, jnp.array(steps, t.dtype))
 
         @pl.when(wg < COMPUTE_WGS)
         def _compute_wg():
             plgpu.set_max_registers(REGS_COMPUTE, action="increase")
             qo_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
             q_base = q_blk * (COMPUTE_WGS * block_q) + wg * block_q
-            if causal:
-                kv_steps = jnp.minimum(pl.cdiv(q_base + block_q, jnp.array(block_kv, jnp.int32)),
-                                       n_kv)
-                full_steps = jnp.minimum(lax.div(q_base, jnp.array(block_kv, jnp.int32)), kv_full)
+            # This warpgroup computes tiles [lo, hi): masked, unmasked [full_lo, full_hi),
+            # masked; it drains the CTA's other tiles (loaded for the other warpgroup).
+            if has_seg:  # loaded where needed: not live in registers across the loops
+                bound = lambda c: ranges_ref[batch, q_blk * COMPUTE_WGS + wg, c]
+                lo, hi = bound(LO), bound(HI)
+                full_lo, full_hi = (lambda: bound(FULL_LO)), (lambda: bound(FULL_HI))
+            elif causal:
+                lo = full_lo = 0
+                hi = jnp.minimum(pl.cdiv(q_base + block_q, jnp.array(block_kv, jnp.int32)),
+                                 n_kv)
+                full_hi = jnp.minimum(lax.div(q_base, jnp.array(block_kv, jnp.int32)), kv_full)
             else:
-                kv_steps, full_steps = n_kv, kv_full
+                lo, full_lo, full_hi, hi = 0, 0, kv_full, n_kv
 
             plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_base, block_q), q_head], qo_smem,
                                     q_bars.at[wg])
@@ -106,23 +143,18 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
                                     plgpu.Layout.WGMMA.reduce(1))
             acc = plgpu.layout_cast(jnp.full((block_q, D), 0, jnp.float32), plgpu.Layout.WGMMA)
 
-            @pl.when(kv_steps > 0)
-            def _():
-                plgpu.barrier_wait(k_bars.at[0])
-
-            pl.when(wg == 1)(sched_barrier)
-
             def kv_loop(kv_step, carry, masked: bool = False):
                 acc, m_i, l_i = carry
-                slot = lax.rem(kv_step, jnp.array(steps, kv_step.dtype))
+                slot = slot_of(kv_step)
                 def compute_qk(acc_ref):
                     plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
                     sched_barrier()
                     return acc_ref[...]
                 qk = pl.run_scoped(compute_qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+                if has_seg:  # every step consumes its key ids' barrier phase, masked or not
+                    plgpu.barrier_wait(kseg_bars.at[slot])
                 if masked and has_seg:  # read before K's slot is released to the producer,
                     # and after QK^T: not live across the wgmma (spills at head_dim 256)
-                    plgpu.barrier_wait(kseg_bars.at[slot])
                     k_seg = plgpu.load(kseg_smem.at[slot],
                                        layout=plgpu.Layout.WGMMA.reduce(0))
                 plgpu.barrier_arrive(k_consumed.at[slot])
@@ -161,17 +193,18 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
                     # On the GPU P stays in registers as wgmma's A operand (FA3).
                     plgpu.wgmma(acc_ref, p_smem2.at[wg] if interpret else p16, v_smem.at[slot])
                     nxt = kv_step + 1
-                    @pl.when(nxt < kv_steps)
+                    @pl.when(nxt < hi)
                     def _wait():
-                        plgpu.barrier_wait(k_bars.at[lax.rem(nxt, jnp.array(steps, nxt.dtype))])
+                        plgpu.barrier_wait(k_bars.at[slot_of(nxt)])
                 acc = _wgmma_into(acc, compute_pv, interpret)
                 plgpu.barrier_arrive(v_consumed.at[slot])
                 return acc, m_i, l_i
 
             def drain(kv_step, _):
-                # Tiles this warpgroup skips (causal) are still loaded for the other one:
-                # release their slots and keep the schedule barrier in step.
-                slot = lax.rem(kv_step, jnp.array(steps, kv_step.dtype))
+                # Tiles this warpgroup skips (causal, or outside its documents) are still
+                # loaded for the other one: release their slots and keep the schedule barrier
+                # in step.
+                slot = slot_of(kv_step)
                 # Observe the loads too, so every barrier phase is consumed before exit.
                 plgpu.barrier_wait(k_bars.at[slot])
                 plgpu.barrier_wait(v_bars.at[slot])
@@ -182,15 +215,33 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
                 sched_barrier()
                 sched_barrier()
 
+            if has_seg:
+                lax.fori_loop(first, lo, drain, None)
+
+            @pl.when(lo < hi)
+            def _():
+                plgpu.barrier_wait(k_bars.at[slot_of(lo) if has_seg else 0])
+
+            pl.when(wg == 1)(sched_barrier)
+
             carry = (acc, m_i, l_i)
-            carry = lax.fori_loop(0, full_steps, kv_loop, carry)
-            carry = lax.fori_loop(full_steps, kv_steps, functools.partial(kv_loop, masked=True),
-                                  carry)
-            if causal:
-                lax.fori_loop(kv_steps, max_steps, drain, None)
+            if has_seg:
+                carry = lax.fori_loop(lo, full_lo(), functools.partial(kv_loop, masked=True),
+                                      carry)
+                carry = lax.fori_loop(full_lo(), full_hi(), kv_loop, carry)
+                carry = lax.fori_loop(full_hi(), hi, functools.partial(kv_loop, masked=True),
+                                      carry)
+            else:
+                carry = lax.fori_loop(full_lo, full_hi, kv_loop, carry)
+                carry = lax.fori_loop(full_hi, hi, functools.partial(kv_loop, masked=True),
+                                      carry)
+            if causal or has_seg:
+                lax.fori_loop(hi, end, drain, None)
             acc, m_i, l_i = carry
             pl.when(wg == 0)(sched_barrier)
 
+            if has_seg:  # no key to see (lo == hi): a zero output and lse MASK, finite
+                l_i = jnp.where(l_i == 0.0, 1.0, l_i)
             acc /= lax.broadcast_in_dim(l_i, (block_q, D), [0])
             qo_smem[...] = acc.astype(dtype)
             lse_smem[...] = m_i + jnp.log2(l_i)
@@ -203,9 +254,10 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
         def _producer_wg():
             plgpu.set_max_registers(REGS_PRODUCER, action="decrease")
             kv_head = lax.div(q_head, jnp.array(G, q_head.dtype))
+            n_load = end - first
 
             def load(step, slot):
-                rows = pl.ds(step * block_kv, block_kv)
+                rows = pl.ds((step + first) * block_kv, block_kv)
                 plgpu.copy_gmem_to_smem(k_ref.at[batch, rows, kv_head], k_smem.at[slot],
                                         k_bars.at[slot])
                 if has_seg:
@@ -214,11 +266,11 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
                 plgpu.copy_gmem_to_smem(v_ref.at[batch, rows, kv_head], v_smem.at[slot],
                                         v_bars.at[slot])
             for i in range(steps):
-                @pl.when(i < max_steps)
+                @pl.when(i < n_load)
                 def _():
                     load(i, i)
 
-            @pl.loop(0, jnp.maximum(max_steps - steps, 0))
+            @pl.loop(0, jnp.maximum(n_load - steps, 0))
             def _(kv_step):
                 slot = lax.rem(kv_step, jnp.array(steps, kv_step.dtype))
                 plgpu.barrier_wait(k_consumed.at[slot])
@@ -227,7 +279,7 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
 
             # Wait for the consumers to release the last tiles: no barrier phase is left
             # unobserved when the CTA exits.
-            @pl.loop(jnp.maximum(max_steps - steps, 0), max_steps)
+            @pl.loop(jnp.maximum(n_load - steps, 0), n_load)
             def _(kv_step):
                 slot = lax.rem(kv_step, jnp.array(steps, kv_step.dtype))
                 plgpu.barrier_wait(k_consumed.at[slot])
@@ -235,9 +287,9 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
 
     def entry(q_ref, k_ref, v_ref, *rest):
         if has_seg:
-            qseg_ref, kseg_ref, out_ref, lse_ref = rest
+            qseg_ref, kseg_ref, ranges_ref, out_ref, lse_ref = rest
         else:
-            (out_ref, lse_ref), qseg_ref, kseg_ref = rest, None, None
+            (out_ref, lse_ref), qseg_ref, kseg_ref, ranges_ref = rest, None, None, None
         tx = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
         smem = (
             plgpu.SMEM((COMPUTE_WGS, block_q, D), dtype, transforms=tx),
@@ -257,12 +309,16 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
             plgpu.Barrier(num_arrivals=COMPUTE_WGS),
         )
         pl.run_scoped(
-            lambda *s: kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, out_ref, lse_ref,
-                              (s[0], (s[1], s[2], s[3]))),
+            lambda *s: kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, ranges_ref, out_ref,
+                              lse_ref, (s[0], (s[1], s[2], s[3]))),
             smem, *barriers, collective_axes="wg")
 
     out_type = (out_struct(q, q.shape, dtype), out_struct(q, (B, Hq, Sp), jnp.float32))
-    args = (q, k, v) + ((q_seg, kv_seg) if has_seg else ())
+    args = (q, k, v)
+    if has_seg:  # [B, Sp / block_q, 6]: each warpgroup's key tiles and its CTA's
+        args += (q_seg, kv_seg, cta_ranges(tile_ranges(q_seg, kv_seg, rows=block_q,
+                                                       cols=block_kv, causal=causal,
+                                                       kv_len=kv_len), COMPUTE_WGS))
     with interpret_ctx(interpret):
         out, lse = plgpu.kernel(
             entry, out_type=out_type,

@@ -23,8 +23,15 @@ Why two kernels and not FA3's one (dQ by atomic adds): jax 0.11.2's Mosaic GPU i
 no TMA reduction (copy_smem_to_gmem(reduction_op="add")), so a fused kernel could not be tested
 on CPU. The split recomputes S and dP once more (3.5 instead of 2.5 forward-matmul units).
 
-Tiles left of the causal diagonal and inside the valid keys take an unmasked fast path. A
-head_dim of 256 uses one consumer warpgroup so the SMEM ring stays under 227 KiB.
+Tiles left of the causal diagonal and inside the valid keys take an unmasked fast path. With
+segment ids both kernels visit only the tiles of tile_ranges.py (dq: key tiles per query tile;
+dkv: query tiles per key tile, transposed), unmasked wholly inside one document; the producer
+streams the union of the warpgroups' ranges (for each of the G heads in dkv) and each
+warpgroup drains the tiles outside its own. dq reads its bounds from GMEM (cta_ranges); dkv
+gets them behind each key tile's ids in the same TMA copy and walks [lo, hi) in one loop with
+the mask switched per tile (lax.cond): a further GMEM operand, bounds held in registers, or
+three loops make it spill at head_dim 128 (ptxas). A head_dim of 256 uses one consumer
+warpgroup so the SMEM ring stays under 227 KiB.
 Interpreter differences (as in kernel_sm90.py): P and dS go through SMEM as wgmma's A operand
 and accumulators are added after the wgmma; the compiled kernel keeps both in registers.
 """
@@ -40,7 +47,23 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ..target import out_struct
 from ..wgmma import wgmma_into as _wgmma_into
-from .mosaic_common import LOG2E, MASK, grid_bwd, interpret_ctx, q_block, tile_mask
+from .mosaic_common import (
+    END,
+    FIRST,
+    FULL_HI,
+    FULL_LO,
+    HI,
+    LO,
+    LOG2E,
+    MASK,
+    RANGE_COLS,
+    cta_ranges,
+    grid_bwd,
+    interpret_ctx,
+    q_block,
+    tile_mask,
+)
+from .tile_ranges import tile_ranges
 
 TX = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 # setmaxnreg budgets. The CTA launches at 168 registers per thread (65536 over 384 threads);
@@ -114,7 +137,7 @@ def _producer(total, steps, load, consumed):
 def _launch(entry, out_type, grid, seq_name, wgs, args, interpret):
     """Both kernels: grid (heads, sequence blocks, batch), wgs consumers + 1 producer; the
     segment-id operands only when given."""
-    args = args[:6] + (args[6:] if args[6] is not None else ())
+    args = args[:6] + (args[6:] if args[6] is not None else ())  # segment ids and ranges
     with interpret_ctx(interpret):
         return plgpu.kernel(
             entry, out_type=out_type, grid=grid, grid_names=("heads", seq_name, "batch"),
@@ -135,17 +158,25 @@ def _dq(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, confi
     kv_full = 0 if has_seg else kv_len // bkv  # tiles below this need no kv_len/segment mask
     qk_scale = scale * LOG2E
 
-    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, dq_ref,
-               smem, bars):
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, ranges_ref,
+               dq_ref, smem, bars):
         batch, q_head, wg = (lax.axis_index(a) for a in ("batch", "heads", "wg"))
         q_smem2, do_smem2, lse_smem2, delta_smem2, qseg_smem2, k_smem, v_smem, kseg_smem, \
             ds_smem2 = smem
         own_bars, k_bars, v_bars, kseg_bars, consumed = bars
-        cta_q = q_block("q_seq", Sp // (wgs * bq), causal) * (wgs * bq)
-        if causal:
-            max_steps = jnp.minimum(pl.cdiv(cta_q + wgs * bq, jnp.array(bkv, jnp.int32)), n_kv)
+        row0 = q_block("q_seq", Sp // (wgs * bq), causal) * wgs  # the CTA's first row tile
+        cta_q = row0 * bq
+        # Key tiles [first, end) stream through the ring, tile t in slot (t - first) % steps.
+        if has_seg:  # the union of the warpgroups' visited tiles (tile_ranges.py)
+            first, end = ranges_ref[batch, row0, FIRST], ranges_ref[batch, row0, END]
+        elif causal:
+            first = 0
+            end = jnp.minimum(pl.cdiv(cta_q + wgs * bq, jnp.array(bkv, jnp.int32)), n_kv)
         else:
-            max_steps = n_kv
+            first, end = 0, n_kv
+
+        def slot_of(t):
+            return _slot(t - first if has_seg else t, steps)
 
         @pl.when(wg < wgs)
         def _consumer():
@@ -166,14 +197,21 @@ def _dq(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, confi
             lse = plgpu.load(lse_smem2.at[wg], layout=row)
             dlt = plgpu.load(delta_smem2.at[wg], layout=row)
             q_seg = plgpu.load(qseg_smem2.at[wg], layout=row) if has_seg else None
-            if causal:
-                kv_steps = jnp.minimum(pl.cdiv(q_base + bq, jnp.array(bkv, jnp.int32)), n_kv)
-                full_steps = jnp.minimum(lax.div(q_base, jnp.array(bkv, jnp.int32)), kv_full)
+            # This warpgroup computes key tiles [lo, hi): masked, unmasked [full_lo, full_hi),
+            # masked; it drains the CTA's other tiles (loaded for the other warpgroup).
+            if has_seg:  # each bound loaded where a loop needs it: none stays live
+                bound = functools.partial(lambda c, row: ranges_ref[batch, row, c],
+                                          row=row0 + wg)
+            elif causal:
+                bound = {LO: 0, FULL_LO: 0, FULL_HI: jnp.minimum(
+                    lax.div(q_base, jnp.array(bkv, jnp.int32)), kv_full),
+                    HI: jnp.minimum(pl.cdiv(q_base + bq, jnp.array(bkv, jnp.int32)), n_kv),
+                    END: end}.__getitem__
             else:
-                kv_steps, full_steps = n_kv, kv_full
+                bound = {LO: 0, FULL_LO: 0, FULL_HI: kv_full, HI: n_kv}.__getitem__
 
             def step(t, dq, masked=False):
-                slot = _slot(t, steps)
+                slot = slot_of(t)
                 plgpu.barrier_wait(k_bars.at[slot])
                 plgpu.barrier_wait(v_bars.at[slot])
                 s, dp = _two_wgmmas(q_smem, k_smem.at[slot].transpose((1, 0)), do_smem, v_smem.at[slot].transpose((1, 0)),
@@ -199,18 +237,25 @@ def _dq(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, confi
                 return dq
 
             def drain(t, _):
-                # Tiles past this warpgroup's diagonal, loaded for the other one.
-                slot = _slot(t, steps)
+                # Tiles past this warpgroup's diagonal or outside its documents, loaded for
+                # the other one.
+                slot = slot_of(t)
                 plgpu.barrier_wait(k_bars.at[slot])
                 plgpu.barrier_wait(v_bars.at[slot])
                 if has_seg:
                     plgpu.barrier_wait(kseg_bars.at[slot])
                 plgpu.barrier_arrive(consumed.at[slot])
 
-            dq = lax.fori_loop(0, full_steps, step, _zeros((bq, D)))
-            dq = lax.fori_loop(full_steps, kv_steps, functools.partial(step, masked=True), dq)
-            if causal:
-                lax.fori_loop(kv_steps, max_steps, drain, None)
+            dq = _zeros((bq, D))
+            if has_seg:
+                lax.fori_loop(first, bound(LO), drain, None)
+                dq = lax.fori_loop(bound(LO), bound(FULL_LO), functools.partial(step, masked=True),
+                                   dq)
+            dq = lax.fori_loop(bound(FULL_LO), bound(FULL_HI), step, dq)
+            dq = lax.fori_loop(bound(FULL_HI), bound(HI), functools.partial(step, masked=True),
+                               dq)
+            if causal or has_seg:
+                lax.fori_loop(bound(HI), bound(END), drain, None)
             q_smem[...] = (dq * scale).astype(dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
@@ -221,7 +266,7 @@ def _dq(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, confi
             kv_head = lax.div(q_head, jnp.array(G, q_head.dtype))
 
             def load(t, slot):
-                rows = pl.ds(t * bkv, bkv)
+                rows = pl.ds((t + first) * bkv, bkv)
                 plgpu.copy_gmem_to_smem(k_ref.at[batch, rows, kv_head], k_smem.at[slot],
                                         k_bars.at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[batch, rows, kv_head], v_smem.at[slot],
@@ -229,13 +274,13 @@ def _dq(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, confi
                 if has_seg:
                     plgpu.copy_gmem_to_smem(kseg_ref.at[batch, rows], kseg_smem.at[slot],
                                             kseg_bars.at[slot])
-            _producer(max_steps, steps, load, consumed)
+            _producer(end - first, steps, load, consumed)
 
     def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
         if has_seg:
-            qseg_ref, kseg_ref, dq_ref = rest
+            qseg_ref, kseg_ref, ranges_ref, dq_ref = rest
         else:
-            (dq_ref,), qseg_ref, kseg_ref = rest, None, None
+            (dq_ref,), qseg_ref, kseg_ref, ranges_ref = rest, None, None, None
         smem = (
             plgpu.SMEM((wgs, bq, D), dtype, transforms=TX),
             plgpu.SMEM((wgs, bq, D), dtype, transforms=TX),
@@ -253,11 +298,13 @@ def _dq(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, confi
                 plgpu.Barrier(num_arrivals=wgs, num_barriers=steps))
         pl.run_scoped(
             lambda s, b: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref,
-                                kseg_ref, dq_ref, s, b),
+                                kseg_ref, ranges_ref, dq_ref, s, b),
             smem, bars, collective_axes="wg")
 
+    ranges = None if not has_seg else cta_ranges(tile_ranges(
+        q_seg, kv_seg, rows=bq, cols=bkv, causal=causal, kv_len=kv_len), wgs)
     return _launch(entry, out_struct(q, q.shape, dtype), (Hq, Sp // (wgs * bq), B), "q_seq",
-                   wgs, (q, k, v, do, lse2, delta, q_seg, kv_seg), interpret)
+                   wgs, (q, k, v, do, lse2, delta, q_seg, kv_seg, ranges), interpret)
 
 
 def _dkv(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, config, interpret):
@@ -278,10 +325,20 @@ def _dkv(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, conf
         k_smem2, v_smem2, kseg_smem2, q_smem, do_smem, lse_smem, delta_smem, qseg_smem, \
             p_smem2, ds_smem2 = smem
         own_bars, ring_bars, consumed = bars
-        cta_kv = lax.axis_index("kv_seq") * (wgs * bkv)
-        # Causal: query tile i sees keys >= base only if its last query (i+1)*bq - 1 >= base.
-        q_start = jnp.minimum(lax.div(cta_kv, i32(bq)), n_q) if causal else i32(0)
-        per_head = n_q - q_start  # query tiles the CTA streams for each q head
+        row0 = lax.axis_index("kv_seq") * wgs  # the CTA's first key tile
+        cta_kv = row0 * bkv
+        # Query tiles [q_start, q_end) stream through the ring for each of the G q heads.
+        if has_seg:  # the union of the warpgroups' visited tiles (tile_ranges.py, transposed),
+            # read from SMEM where used: they arrive behind each key tile's ids (kseg_smem2),
+            # in every row. A consumer reads its own row (the copy it waited for), the
+            # producer the first consumer's.
+            q_start = lambda row: kseg_smem2[row, bkv + FIRST]
+            per_head = lambda row: kseg_smem2[row, bkv + END] - kseg_smem2[row, bkv + FIRST]
+        else:
+            # Causal: query tile i sees keys >= base only if its last query (i+1)*bq - 1 >= base.
+            start = jnp.minimum(lax.div(cta_kv, i32(bq)), n_q) if causal else i32(0)
+            q_start = lambda row: start
+            per_head = lambda row: n_q - start  # query tiles the CTA streams for each q head
 
         @pl.when(wg < wgs)
         def _consumer():
@@ -291,31 +348,37 @@ def _dkv(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, conf
             rows = (batch, pl.ds(kv_base, bkv), kv_head)
             own = [(k_ref.at[rows], k_smem), (v_ref.at[rows], v_smem)]
             if has_seg:
-                own.append((kseg_ref.at[batch, pl.ds(kv_base, bkv)], kseg_smem2.at[wg]))
+                # The key tile's ids and, after them, its cta_ranges row: one TMA copy (another
+                # GMEM operand or a bound held in registers makes the kernel spill, ptxas).
+                own.append((kseg_ref.at[batch, row0 + wg], kseg_smem2.at[wg]))
             for i, (src, dst) in enumerate(own):
                 plgpu.copy_gmem_to_smem(src, dst, own_bars.at[i * wgs + wg])
             for i in range(len(own)):
                 plgpu.barrier_wait(own_bars.at[i * wgs + wg])
             col = plgpu.Layout.WGMMA.reduce(0)  # vectors along the query (column) axis
-            k_seg = (plgpu.load(kseg_smem2.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
-                     if has_seg else None)
-            if causal:
-                my_start = jnp.minimum(lax.div(kv_base, i32(bq)), n_q)
-                # Tiles from here on lie wholly on or below the diagonal: no causal mask.
-                diag_end = jnp.minimum(pl.cdiv(kv_base + bkv - 1, i32(bq)), n_q)
-            else:
-                my_start, diag_end = q_start, i32(0)
-            # Segments, or padded keys in this block (masked so they stay finite), mask all.
-            mask_all = kv_base + bkv > kv_len
+            k_seg = (plgpu.load(kseg_smem2.at[wg, pl.ds(0, bkv)],
+                                layout=plgpu.Layout.WGMMA.reduce(1)) if has_seg else None)
+            # This warpgroup computes query tiles [lo, hi), with no mask on [full_lo, full_hi);
+            # it drains the CTA's other tiles.
             if has_seg:
-                mask_all = jnp.bool_(True)
-            fast_start = jnp.where(mask_all, n_q, jnp.maximum(diag_end, my_start))
+                bound = lambda c: kseg_smem2[wg, bkv + c]
+            else:
+                if causal:
+                    lo = jnp.minimum(lax.div(kv_base, i32(bq)), n_q)
+                    # Tiles from here on lie wholly on or below the diagonal: no causal mask.
+                    diag_end = jnp.minimum(pl.cdiv(kv_base + bkv - 1, i32(bq)), n_q)
+                else:
+                    lo, diag_end = q_start(wg), i32(0)
+                # Padded keys in this block (masked so they stay finite) mask all.
+                mask_all = kv_base + bkv > kv_len
+                full_lo = jnp.where(mask_all, n_q, jnp.maximum(diag_end, lo))
+                bound = {LO: lo, FULL_LO: full_lo, FULL_HI: n_q}.__getitem__
             q_bar, do_bar, lse_bar, delta_bar = ring_bars[:4]
             qseg_bar = ring_bars[4] if has_seg else None
 
-            def step(i, carry, g, masked=False):
+            def step(i, carry, base, masked=False):
                 dk, dv = carry
-                slot = _slot(g * per_head + i - q_start, steps)
+                slot = _slot(base + i, steps)
                 for bar in (q_bar, do_bar, lse_bar, delta_bar):
                     plgpu.barrier_wait(bar.at[slot])
                 # S^T -> P^T -> dV first, then dP^T -> dS^T -> dK: with the dK and dV
@@ -326,11 +389,16 @@ def _dkv(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, conf
                 st = st * qk_scale
                 if has_seg:
                     plgpu.barrier_wait(qseg_bar.at[slot])
-                if masked:
+
+                def mask_scores(st):
                     q_seg = plgpu.load(qseg_smem.at[slot], layout=col) if has_seg else None
                     mask = tile_mask(i * bq, kv_base, (bkv, bq), causal=causal, kv_len=kv_len,
-                                      q_seg=q_seg, k_seg=k_seg, q_dim=1)
-                    st = jnp.where(mask, st, MASK)
+                                     q_seg=q_seg, k_seg=k_seg, q_dim=1)
+                    return jnp.where(mask, st, MASK)
+                if isinstance(masked, bool):
+                    st = mask_scores(st) if masked else st
+                else:  # decided per tile: one copy of the step in the loop (registers)
+                    st = lax.cond(masked, mask_scores, lambda st: st, st)
                 lse = plgpu.load(lse_smem.at[slot], layout=col)
                 pt = jnp.exp2(st - lax.broadcast_in_dim(lse, st.shape, [1]))
                 a_p = _a_operand(pt.astype(dtype), p_smem2.at[wg] if interpret else None,
@@ -347,18 +415,32 @@ def _dkv(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, conf
                 plgpu.barrier_arrive(consumed.at[slot])
                 return dk, dv
 
-            def drain(i, _, g):
-                # Query tiles before this warpgroup's keys, loaded for the other one.
-                slot = _slot(g * per_head + i - q_start, steps)
+            def drain(i, _, base):
+                # Query tiles before this warpgroup's keys (or outside its documents), loaded
+                # for the other one.
+                slot = _slot(base + i, steps)
                 for bar in ring_bars:
                     plgpu.barrier_wait(bar.at[slot])
                 plgpu.barrier_arrive(consumed.at[slot])
 
             def head(g, carry):
-                lax.fori_loop(q_start, my_start, functools.partial(drain, g=g), None)
-                carry = lax.fori_loop(my_start, fast_start,
-                                      functools.partial(step, g=g, masked=True), carry)
-                return lax.fori_loop(fast_start, n_q, functools.partial(step, g=g), carry)
+                # Query tile i of head g is the CTA's ring step base + i.
+                base = g * per_head(wg) - q_start(wg)
+                lax.fori_loop(q_start(wg), bound(LO), functools.partial(drain, base=base), None)
+                if has_seg:
+                    # One loop over [lo, hi) with the mask decided per tile: three loops (masked,
+                    # unmasked, masked) hold three copies of the step and spill (ptxas).
+                    def seg_step(i, carry):
+                        whole = (bound(FULL_LO) <= i) & (i < bound(FULL_HI))
+                        return step(i, carry, base, masked=jnp.logical_not(whole))
+                    carry = lax.fori_loop(bound(LO), bound(HI), seg_step, carry)
+                    lax.fori_loop(bound(HI), bound(END), functools.partial(drain, base=base),
+                                  None)
+                    return carry
+                carry = lax.fori_loop(bound(LO), bound(FULL_LO),
+                                      functools.partial(step, base=base, masked=True), carry)
+                return lax.fori_loop(bound(FULL_LO), bound(FULL_HI),
+                                     functools.partial(step, base=base), carry)
 
             dk, dv = lax.fori_loop(0, G, head, (_zeros((bkv, D)), _zeros((bkv, D))))
             k_smem[...] = (dk * scale).astype(dtype)
@@ -372,8 +454,8 @@ def _dkv(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, conf
         @pl.when(wg == wgs)
         def _producer_wg():
             def load(t, slot):
-                g = lax.div(t, per_head)
-                i = q_start + lax.rem(t, per_head)
+                g = lax.div(t, per_head(0))
+                i = q_start(0) + lax.rem(t, per_head(0))
                 head = kv_head * G + g
                 rows = (batch, pl.ds(i * bq, bq), head)
                 vec = (batch, head, pl.ds(i * bq, bq))
@@ -384,7 +466,9 @@ def _dkv(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, conf
                     dsts.append(qseg_smem)
                 for src, dst, bar in zip(srcs, dsts, ring_bars):
                     plgpu.copy_gmem_to_smem(src, dst.at[slot], bar.at[slot])
-            _producer(G * per_head, steps, load, consumed)
+            if has_seg:  # the first warpgroup's copy holds the CTA's range too
+                plgpu.barrier_wait(own_bars.at[2 * wgs])
+            _producer(G * per_head(0), steps, load, consumed)
 
     def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
         if has_seg:
@@ -394,7 +478,7 @@ def _dkv(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, conf
         smem = (
             plgpu.SMEM((wgs, bkv, D), dtype, transforms=TX),
             plgpu.SMEM((wgs, bkv, D), dtype, transforms=TX),
-            plgpu.SMEM((wgs, bkv), jnp.int32) if has_seg else None,
+            plgpu.SMEM((wgs, bkv + RANGE_COLS), jnp.int32) if has_seg else None,
             plgpu.SMEM((steps, bq, D), dtype, transforms=TX),
             plgpu.SMEM((steps, bq, D), dtype, transforms=TX),
             plgpu.SMEM((steps, bq), jnp.float32),
@@ -412,6 +496,11 @@ def _dkv(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, conf
                                 kseg_ref, dk_ref, dv_ref, s, b),
             smem, bars, collective_axes="wg")
 
+    if has_seg:  # [B, Tp / bkv, bkv + RANGE_COLS]: each key tile's ids, then the query tiles
+        # it sees (tile_ranges.py, transposed) with its CTA's union (cta_ranges)
+        ranges = cta_ranges(tile_ranges(q_seg, kv_seg, rows=bkv, cols=bq, causal=causal,
+                                        kv_len=kv_len, transposed=True), wgs)
+        kv_seg = jnp.concatenate([kv_seg.reshape(B, Tp // bkv, bkv), ranges], axis=-1)
     return _launch(entry, (out_struct(k, k.shape, dtype), out_struct(v, v.shape, dtype)),
                    (Hkv, Tp // (wgs * bkv), B), "kv_seq", wgs,
                    (q, k, v, do, lse2, delta, q_seg, kv_seg), interpret)

@@ -41,6 +41,32 @@ def q_block(name: str, n_blocks: int, causal: bool):
     return n_blocks - 1 - i if causal else i
 
 
+# cta_ranges' columns: what a CTA streams, [FIRST, END), and one warpgroup's own tile_ranges;
+# two more of padding make a row 32 bytes, a whole TMA box.
+FIRST, LO, FULL_LO, FULL_HI, HI, END = range(6)
+RANGE_COLS = 8
+
+
+def cta_ranges(ranges, wgs: int):
+    """tile_ranges.py's [B, n_rows, 4] -> [B, n_rows, RANGE_COLS] (first, lo, full_lo,
+    full_hi, hi, end, 0, 0) for kernels whose CTA runs `wgs` consecutive row tiles on consumer warpgroups fed by
+    one producer (sm90): [first, end) is the union of the CTA's non-empty row ranges (the
+    tiles the producer streams); an empty row's own range becomes the empty run at `first`,
+    so that its warpgroup drains every streamed tile. Computed in XLA: a kernel reads each
+    bound where it needs it (no arithmetic on loaded values kept live in registers)."""
+    B, n, _ = ranges.shape
+    r = ranges.reshape(B, n // wgs, wgs, 4)
+    lo, hi = r[..., 0], r[..., 3]
+    seen = lo < hi
+    end = hi.max(axis=2, keepdims=True)  # empty rows have hi == 0
+    first = jnp.minimum(jnp.where(seen, lo, jnp.iinfo(jnp.int32).max).min(axis=2, keepdims=True),
+                        end)
+    own = jnp.where(seen[..., None], r, first[..., None])
+    cta = jnp.broadcast_to(jnp.concatenate([first, end], -1)[:, :, None], (B, n // wgs, wgs, 2))
+    pad = jnp.zeros((B, n // wgs, wgs, RANGE_COLS - 6), ranges.dtype)
+    return jnp.concatenate([cta[..., :1], own, cta[..., 1:], pad], -1).reshape(B, n, RANGE_COLS)
+
+
 def tile_mask(q_base, k_base, shape, *, causal, kv_len, q_seg=None, k_seg=None, q_dim=0):
     """Visibility of a [rows, cols] WGMMA tile; q_dim says which axis indexes queries. Built
     from one id vector per axis, broadcast only in the comparisons: two full-tile int32 iotas

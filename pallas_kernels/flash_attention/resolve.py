@@ -1,11 +1,17 @@
 """What flash_attention(impl='auto') means here, read from the backend table (backends.py).
 
-On GPU 'auto' takes the vendor path (cuDNN's fused attention) unless a benchmark recorded in
-docs/ shows our kernel for this GPU generation faster (measured.py) or the vendor path cannot
-take the call: packed documents (segment ids: cuDNN would need a dense [S, T] mask) and
-shard_map bodies (its partitioning rule fails to compile there). Off a GPU: the XLA reference;
-with interpret=True: the grid kernel in interpret mode. The choice and its reason are logged
-once.
+On GPU 'auto' chooses by the work the call will do until a benchmark recorded in docs/ says
+which is faster (measured.py):
+- causal attention without documents: cuDNN's fused kernel (is_causal: CAUSAL mask type) and
+  ours both compute the causal half of the scores, so the tuned vendor path wins the tie;
+- packed documents (segment ids): cuDNN can take them only as a dense [S, T] mask, computing
+  every score (twice the causal work) and streaming an S^2 bias per head, while ours skip every
+  key tile before the query tile's document start (tile_ranges.py): ours;
+- shard_map bodies (pipeline stages, context parallelism): cuDNN's partitioning rule does not
+  compile there: ours.
+A recorded win makes ours the default for its GPU generation outright. Off a GPU: the XLA
+reference; with interpret=True: the grid kernel in interpret mode. The choice and its reason
+are logged once.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from .backends import (
     backend,
     generation_kernels,
 )
+from .tile_ranges import causal_tiles
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +62,12 @@ def our_kernel(cc, dtype, head_dim: int) -> str | None:
 
 
 def resolve_impl(impl: str, dtype, head_dim: int, *, interpret: bool = False,
-                 segment_ids: bool = False, manual: bool | None = None) -> str:
+                 segment_ids: bool = False, manual: bool | None = None,
+                 seq_len: int | None = None) -> str:
     """The backend 'auto' means here, by platform, compute capability, dtype, head_dim, whether
     there are segment ids, and whether we trace inside jax.shard_map (`manual`; None: look).
-    Any other name is checked against the table and returned as it is."""
+    seq_len (optional) puts numbers on the logged reason. Any other name is checked against
+    the table and returned as it is."""
     if impl not in IMPLS:
         raise ValueError(f"unknown flash attention impl {impl!r}; use one of {IMPLS}")
     if impl != "auto":
@@ -73,16 +82,28 @@ def resolve_impl(impl: str, dtype, head_dim: int, *, interpret: bool = False,
         return CPU_DEFAULT
     cc = compute_capability() or (0, 0)
     manual = in_manual_axes() if manual is None else manual
-    return _on_gpu(cc, dtype, head_dim, segment_ids, manual)
+    return _on_gpu(cc, dtype, head_dim, segment_ids, manual, seq_len)
 
 
-def _on_gpu(cc, dtype, head_dim: int, segment_ids: bool, manual: bool) -> str:
+def _dense_mask_work(seq_len: int | None) -> str:
+    """Why packed documents go to our kernels, with the tile counts when the length is known."""
+    why = ("packed documents (segment ids): cuDNN takes them only as a dense [S, S] mask, "
+           "computing every score and streaming an S^2 bias per head, while ours skip the key "
+           "tiles before each query tile's document start")
+    if seq_len:
+        n = -(-seq_len // 128)
+        why += (f" (S={seq_len} in 128 x 128 tiles: cuDNN {n * n}, ours at most the "
+                f"{causal_tiles(n, 128, 128, seq_len)} causal ones, fewer with each document "
+                "boundary)")
+    return why
+
+
+def _on_gpu(cc, dtype, head_dim: int, segment_ids: bool, manual: bool, seq_len=None) -> str:
     vendor = backend(GPU_VENDOR)
     ours = our_kernel(cc, dtype, head_dim)
     won = ours is not None and measured.ours_won("attention", cc, ours)
-    # Why the vendor path cannot take this call, if it cannot.
-    vendor_out = ("packed documents (segment ids) need a dense mask in cuDNN"
-                  if segment_ids and vendor.dense_segment_mask else
+    # Why the vendor path would do more work or cannot take this call at all.
+    vendor_out = (_dense_mask_work(seq_len) if segment_ids and vendor.dense_segment_mask else
                   "cuDNN attention does not compile inside jax.shard_map"
                   if manual and not vendor.in_shard_map else None)
     if ours is not None and (won or vendor_out):
@@ -95,7 +116,9 @@ def _on_gpu(cc, dtype, head_dim: int, segment_ids: bool, manual: bool) -> str:
                   f"{cc[0]}.{cc[1]}, {jnp.dtype(dtype).name}, head_dim {head_dim}; using "
                   f"{GPU_FALLBACK!r} (cuDNN cannot take segment ids or shard_map bodies here)")
         return GPU_FALLBACK
-    _log_once(f"flash_attention auto: using {GPU_VENDOR!r} on compute capability "
-              f"{cc[0]}.{cc[1]}: no benchmark in {measured.WHERE} shows a titanax kernel faster "
-              f"there (ours stay one impl= away: {', '.join(KERNEL_IMPLS)})")
+    _log_once(f"flash_attention auto: using {GPU_VENDOR!r} (causal mask type, no dense mask) "
+              f"on compute capability {cc[0]}.{cc[1]}: without packed documents both compute "
+              f"the causal half of the scores, and no benchmark in {measured.WHERE} shows a "
+              f"titanax kernel faster there (ours stay one impl= away: "
+              f"{', '.join(KERNEL_IMPLS)})")
     return GPU_VENDOR

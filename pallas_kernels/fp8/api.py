@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from pallas_kernels.fp8.backends import IMPLS, load, matmul
+from pallas_kernels.fp8.backends import IMPLS, load, matmul, mx_refusal
 from pallas_kernels.fp8.reference import scaling_mode
 from pallas_kernels.fp8.resolve import resolve_impl
-from pallas_kernels.target import target_platform
+from pallas_kernels.target import compute_capability, target_platform
 
 __all__ = ["IMPLS", "fp8_matmul", "resolve_impl"]
 
@@ -21,7 +21,7 @@ _SCALES = {"tensorwise": "tensorwise", "mx": "MX (e8m0 block)"}
 
 
 def fp8_matmul(a, a_scale, b, b_scale, out_dtype=jnp.bfloat16, *, impl: str = "auto",
-               config=None, interpret=False):
+               config=None, interpret=False, gemm: str = "fprop"):
     """(a * a_scale) @ (b * b_scale) -> out_dtype, float32 accumulation.
 
     a [M, K], b [K, N]: float8_e4m3fn or float8_e5m2 (mixed allowed). Scales: float32 scalars
@@ -29,8 +29,13 @@ def fp8_matmul(a, a_scale, b, b_scale, out_dtype=jnp.bfloat16, *, impl: str = "a
     [ceil(K/32), N] (MXFP8: one per 32 consecutive elements of K, as quantize_mxfp8(a, axis=1)
     and quantize_mxfp8(b, axis=0) return them). `interpret`: True runs the Pallas grid kernel
     on CPU; a plgpu.InterpretGPUParams runs the sm90 kernel under the Mosaic GPU interpreter.
+    gemm: which product of a linear layer this is ('fprop', 'dgrad', 'wgrad'); it sets XLA's
+    accumulation (accumulation.py: fast for the forward only). MX scales on a GPU older than
+    Blackwell are refused (backends.mx_refusal).
     """
     mode = scaling_mode(a, a_scale, b, b_scale)
+    if mode == "mx" and not interpret and (why := mx_refusal(compute_capability())):
+        raise ValueError(why)
     (m, k), n = a.shape, b.shape[1]
     impl = matmul(resolve_impl(impl, mode, m, n, k, interpret=interpret is True, config=config))
     if not impl.gpu_kernel and target_platform() == "gpu" and not interpret:
@@ -44,7 +49,7 @@ def fp8_matmul(a, a_scale, b, b_scale, out_dtype=jnp.bfloat16, *, impl: str = "a
         raise ValueError(f"the {impl.name} kernel takes "
                          f"{' or '.join(_SCALES[s] for s in impl.scalings)} scales; "
                          f"{_SCALES[mode]} scales run through 'xla'")
-    kw = {}
+    kw = {"gemm": gemm} if impl.takes_gemm else {}
     if impl.config is not None:
         kw["config"] = config or load(impl.config)()
     if impl.interpret == "grid":

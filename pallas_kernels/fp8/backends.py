@@ -51,6 +51,28 @@ RECIPES = tuple(RECIPES_TABLE)
 # MX scale exponent: 'up' = ceil(log2(amax / fmax)) (NVIDIA / TE, never clips the block max),
 # 'floor' = floor(log2 amax) - emax (OCP MX v1.0; may saturate the block max). quant.py.
 MX_SCALE_ROUNDINGS = ("up", "floor")
+# The XLA flags the FP8 GEMMs need on a GPU (titanax/xla_flags.py puts them in every GPU run
+# and deviceless compile): XLA's Triton GEMMs never promote an FP8 accumulator, whatever the
+# dot's precision, so the per-GEMM accumulation of accumulation.py holds on cuBLASLt only.
+# Every dot then runs on cuBLAS(Lt), as the deviceless compile shows it.
+XLA_GPU_FLAGS = ("--xla_gpu_enable_triton_gemm=false",)
+
+# MX scales need the tensor core to apply them (block-scaled MMA): Blackwell, compute
+# capability 10.0, is the first GPU with it. On Hopper XLA would dequantize to float32 and
+# run loop-fused dots, so an MX GEMM there is refused (mx_refusal).
+BLOCK_SCALED_MMA_CC = 10
+
+
+def mx_refusal(cc: tuple[int, int] | None) -> str | None:
+    """The one-line error for MX scaling (recipe 'mxfp8') on a GPU of compute capability cc,
+    None where it runs (Blackwell or later, or no GPU target: cc None). fp8_matmul raises it
+    at trace time, launch.plan before compiling."""
+    if cc is None or cc[0] >= BLOCK_SCALED_MMA_CC:
+        return None
+    name = " (Hopper)" if cc[0] == 9 else ""
+    return (f"mxfp8 (MX block scales) needs Blackwell's block-scaled MMA (compute capability "
+            f"{BLOCK_SCALED_MMA_CC}.0+) and the target GPU is {cc[0]}.{cc[1]}{name}: use "
+            "model.matmul_precision=fp8_tensorwise or fp8_delayed there")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +97,9 @@ class Matmul:
     supported: str | None = None
     interpret: str | None = None
     gpu_kernel: bool = True  # False: refused on a GPU (interpret mode on CPU only)
+    # True: run takes gemm= ('fprop', 'dgrad' or 'wgrad') and sets that GEMM's accumulation
+    # from accumulation.FAST_ACCUMULATION.
+    takes_gemm: bool = False
 
     def __post_init__(self):
         if not set(self.scalings) <= set(SCALINGS):
@@ -87,8 +112,8 @@ class Matmul:
 
 
 MATMULS: dict[str, Matmul] = {m.name: m for m in (
-    Matmul("xla", "XLA's FP8 dot (cuBLASLt on Hopper; jax.nn.scaled_matmul for MX)",
-           run=".reference:fp8_matmul_xla"),
+    Matmul("xla", "XLA's FP8 dot (cuBLASLt FP8 GEMM; cuDNN block-scaled GEMM for MX)",
+           run=".reference:fp8_matmul_xla", takes_gemm=True),
     Matmul("reference", "jnp upcast-and-dot (reference.py)",
            run=".reference:fp8_matmul_reference"),
     # Its Triton build spills (23 KB per thread at 128x128x128) and cannot load e8m0 MX

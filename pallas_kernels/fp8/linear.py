@@ -19,6 +19,10 @@ error of the gradients. Recipes:
                    backward re-quantizes x and w from their high-precision residuals). Scale
                    exponents round up by default (quantize_mxfp8's `rounding`).
 The tensorwise recipes keep the FP8 copies of x and w as residuals (half the bytes of bf16).
+Each product names its GEMM to fp8_matmul (gemm='fprop', 'dgrad', 'wgrad'); accumulation.py
+alone decides which may accumulate fast on a GPU (the forward only, as Transformer Engine).
+On a GPU without block-scaled MMA (before Blackwell) 'mxfp8' is refused at trace time
+(backends.mx_refusal).
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ def _fwd(x, w, meta, recipe, out_dtype, impl, mx_rounding):
         qx, sx = quantize_mxfp8(x, axis=1, dtype=E4M3, rounding=mx_rounding)
         qw, sw = quantize_mxfp8(w, axis=0, dtype=E4M3, rounding=mx_rounding)
         res = (x, None, w, None, None)
-    y = mm(qx, sx, qw, sw, out_dtype)
+    y = mm(qx, sx, qw, sw, out_dtype, gemm="fprop")
     # Shapes and dtypes of the primals ride along as zero-size arrays (residuals must be arrays).
     return y, (res, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
 
@@ -71,10 +75,10 @@ def _bwd(recipe, out_dtype, impl, mx_rounding, saved, g):
         x, w = r_x, r_w
         qg_n, sg_n = mx(g, axis=1)  # dx contracts over N
         qw_n, sw_n = mx(w, axis=1)
-        dx = mm(qg_n, sg_n, qw_n.T, sw_n.T, x_like.dtype)
+        dx = mm(qg_n, sg_n, qw_n.T, sw_n.T, x_like.dtype, gemm="dgrad")
         qx_t, sx_t = mx(x, axis=0)  # dw contracts over tokens
         qg_t, sg_t = mx(g, axis=0)
-        dw = mm(qx_t.T, sx_t.T, qg_t, sg_t, w_like.dtype)
+        dw = mm(qx_t.T, sx_t.T, qg_t, sg_t, w_like.dtype, gemm="wgrad")
     else:
         qx, qw = r_x, r_w
         if not r.delayed:
@@ -83,8 +87,8 @@ def _bwd(recipe, out_dtype, impl, mx_rounding, saved, g):
             hx, hw, g_hist = hist
             qg, sg, hg = quantize_delayed(g, g_hist, E5M2)
             new_meta = {"x": hx, "w": hw, "g": hg}
-        dx = mm(qg, sg, qw.T, sw, x_like.dtype)
-        dw = mm(qx.T, sx, qg, sg, w_like.dtype)
+        dx = mm(qg, sg, qw.T, sw, x_like.dtype, gemm="dgrad")
+        dw = mm(qx.T, sx, qg, sg, w_like.dtype, gemm="wgrad")
     return dx, dw, new_meta
 
 

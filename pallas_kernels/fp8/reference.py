@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.fp8.accumulation import xla_dot_precision
 from pallas_kernels.fp8.config import FP8_DTYPES, MX_BLOCK
 from pallas_kernels.fp8.quant import dequantize_mxfp8
 from pallas_kernels.target import target_platform
@@ -51,20 +52,52 @@ def fp8_matmul_reference(a, a_scale, b, b_scale, out_dtype=jnp.bfloat16) -> jax.
     return jnp.dot(a32, b32, precision=hp).astype(out_dtype)
 
 
-def fp8_matmul_xla(a, a_scale, b, b_scale, out_dtype=jnp.bfloat16) -> jax.Array:
+# cuDNN from which XLA lowers jax.nn.scaled_matmul to cuDNN's block-scaled GEMM (XLA's
+# block-scaling rewriter, kCudnnSupportsBlockScaledDot); below it XLA dequantizes both operands
+# to float32 and multiplies them with a plain dot.
+CUDNN_BLOCK_SCALED_DOT = (9, 10)
+
+
+def check_cudnn_block_scaled_dot() -> None:
+    """Raises when the cuDNN this process loaded (the GPU's, or the CUDA plugin's in a
+    deviceless compile) is older than CUDNN_BLOCK_SCALED_DOT. jax 0.11.2's CUDA plugin asks
+    pip for 9.10.2 or newer, so only a system cuDNN can be older. Silent without the plugin."""
+    try:
+        from jax._src.lib import cuda_versions
+        version = cuda_versions.cudnn_get_version() if cuda_versions else None
+    except Exception:  # a private module: a jax that moves it loses only this check
+        version = None
+    if version is not None and (version // 10000, version // 100 % 100) < CUDNN_BLOCK_SCALED_DOT:
+        need = ".".join(map(str, CUDNN_BLOCK_SCALED_DOT))
+        raise ValueError(f"mxfp8 needs cuDNN >= {need} for XLA's block-scaled GEMM (older cuDNN "
+                         f"makes it a float32 dequantize-and-dot); this process loaded "
+                         f"{version // 10000}.{version // 100 % 100}: install "
+                         f"nvidia-cudnn-cu12>={need}")
+
+
+def fp8_matmul_xla(a, a_scale, b, b_scale, out_dtype=jnp.bfloat16, *,
+                   gemm: str = "fprop") -> jax.Array:
     """XLA's own FP8 dot. Tensorwise: an fp8 x fp8 dot_general with a float32 result, scaled
-    after; on Hopper XLA rewrites this pattern to a cuBLASLt FP8 GEMM with the scales fused,
-    on CPU it upcasts (same numbers as the reference). MX: jax.nn.scaled_matmul (cuDNN's
-    block-scaled GEMM on Blackwell), which needs K to be a whole number of 32-blocks; other K,
-    and CPU, go through the reference."""
+    after: the cuBLASLt FP8 GEMM on a GPU, where it carries the precision accumulation.py
+    gives `gemm` ('fprop', 'dgrad' or 'wgrad': fast accumulation for the forward only); on
+    CPU a plain upcast (the reference's numbers).
+    MX: on a GPU jax.nn.scaled_matmul, which XLA lowers to cuDNN's block-scaled GEMM
+    (`__cudnn$blockScaledDot`) on Blackwell with cuDNN >= 9.10 (checked: older raises), K
+    zero-padded to whole 32-blocks; off a GPU the reference."""
+    platform = target_platform()
     if scaling_mode(a, a_scale, b, b_scale) == "tensorwise":
         acc = jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())),
+                                  precision=xla_dot_precision(gemm, platform),
                                   preferred_element_type=jnp.float32)
         scale = a_scale.astype(jnp.float32) * b_scale.astype(jnp.float32)
         return (acc * scale).astype(out_dtype)
-    if a.shape[1] % MX_BLOCK or target_platform() == "cpu":
+    if platform != "gpu":
         # Off GPU scaled_matmul is a slower composite of the same dequantize-and-dot.
         return fp8_matmul_reference(a, a_scale, b, b_scale, out_dtype)
+    check_cudnn_block_scaled_dot()
+    pad = -a.shape[1] % MX_BLOCK  # zeros in the partial last block add nothing
+    if pad:
+        a, b = jnp.pad(a, ((0, 0), (0, pad))), jnp.pad(b, ((0, pad), (0, 0)))
     out = jax.nn.scaled_matmul(a[None], b.T[None], a_scale[None], b_scale.T[None],
                                preferred_element_type=jnp.float32)
     return out[0].astype(out_dtype)

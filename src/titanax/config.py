@@ -422,6 +422,14 @@ class DataConfig:
             _fail("data.val_fraction", f"must lie in (0, 0.5), got {self.val_fraction}")
         _check_positive("data", self, "embedded_max_bytes")
 
+    @property
+    def masks_documents(self) -> bool:
+        """Whether the train step passes segment ids to attention: document_masking, unless
+        the source has no documents (synthetic random tokens: every row is one segment, and
+        all-equal ids would only send attention down the masked path of a packed-document
+        kernel for nothing)."""
+        return self.document_masking and self.source != "synthetic"
+
     def folders(self) -> list[tuple[str, float]]:
         """(folder, weight) per shard folder of data.source: [] for embedded/synthetic, one
         entry (weight 1.0) for a plain folder, several for a mixture (weights as written)."""

@@ -15,10 +15,12 @@ from titanax.models import preset
 
 def llama3_gpu_config(name: str, *, batch_size: int, lr: float) -> Config:
     """A Llama 3 preset for GPU clusters: bf16 compute over fp32 master weights with full
-    remat (the layout MaxText and TorchTitan use at these sizes), FSDP over all devices."""
+    remat (the layout MaxText and TorchTitan use at these sizes), FSDP over all devices.
+    Attention 'auto': cuDNN's causal kernel without packed documents, our kernels (which skip
+    other documents' tiles) with them; resolve.py logs which and why."""
     return Config(
         model=preset(name, dtype="bfloat16", param_dtype="float32", remat="full",
-                     attention_impl="cudnn"),
+                     attention_impl="auto"),
         mesh=MeshConfig(data=1, fsdp=-1, tensor=1, pipeline=1),
         train=TrainConfig(steps=1000, batch_size=batch_size, seq_len=8192, log_every=10,
                           eval_every=500, eval_batches=4),

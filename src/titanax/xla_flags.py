@@ -13,6 +13,8 @@ from __future__ import annotations
 import importlib.util
 import os
 
+from pallas_kernels.fp8.backends import XLA_GPU_FLAGS  # plain data: no jax
+
 # Overlapping communication with compute (flag names checked against jaxlib 0.11.2).
 GPU_FLAGS = (
     # Schedule async collectives to overlap independent compute (the base of all overlap).
@@ -34,6 +36,11 @@ GPU_FLAGS = (
     "--xla_gpu_enable_reduce_scatter_combine_by_dim=false",
     # Give the collectives' stream priority so they are not starved behind compute kernels.
     "--xla_gpu_enable_highest_priority_async_stream=true",
+    # Every GEMM on cuBLAS(Lt), none on XLA's Triton GEMMs: these never promote an FP8
+    # accumulator, so the FP8 recipes' per-GEMM accumulation (forward fast, dgrad and wgrad
+    # not: pallas_kernels/fp8/accumulation.py) holds only on cuBLASLt; and the deviceless
+    # compile then shows the library call a GPU runs, not an un-autotuned Triton tile.
+    *XLA_GPU_FLAGS,
 )
 
 # XLA's own tensor-parallel overlap (SPMD "windowed einsum" / collective matmul), deliberately

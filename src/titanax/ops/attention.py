@@ -3,11 +3,14 @@
 `impl` picks the backend by config (model.attention_impl; the names are
 pallas_kernels/flash_attention/backends.py's table): 'xla' is the reference written here
 (grouped-query attention without repeating K/V in memory, softmax in float32); 'cudnn' is
-jax.nn.dot_product_attention (cuDNN's fused kernel on GPU, XLA elsewhere); 'triton',
-'mosaic_sm90', 'mosaic_sm100' and 'auto' go to pallas_kernels.flash_attention (Pallas flash
-kernels with their own backward; 'auto' takes cuDNN on GPU unless a recorded benchmark shows
-ours faster or the call needs ours (segment ids, shard_map bodies), and 'xla' on a CPU). On a CPU the Pallas kernels run in interpret mode, which is slow and meant for tests.
-Decoding with a KV cache (q_offset / kv_valid_len) always takes the XLA path: the flash
+jax.nn.dot_product_attention (cuDNN's fused kernel on GPU, XLA elsewhere), causal through its
+CAUSAL mask type with nothing S x S built, and a dense mask only for packed documents and
+decoding; 'triton', 'mosaic_sm90', 'mosaic_sm100' and 'auto' go to
+pallas_kernels.flash_attention (Pallas flash kernels with their own backward, which skip the
+key tiles of other documents; 'auto' chooses by the work: cuDNN for plain causal attention,
+ours for packed documents and shard_map bodies, unless measured.py records ours faster; 'xla'
+on a CPU). On a CPU the Pallas kernels run in interpret mode, which is slow and meant for
+tests. Decoding with a KV cache (q_offset / kv_valid_len) always takes the XLA path: the flash
 kernels are for training and prefill, where queries and keys are the same sequence. The flash
 kernels run per device shard (parallel/per_shard.py): XLA cannot partition them. cuDNN's
 attention keeps XLA's partitioning rule (inside jax.shard_map its compile crashes).
@@ -16,6 +19,7 @@ attention keeps XLA's partitioning rule (inside jax.shard_map its compile crashe
 from __future__ import annotations
 
 import functools
+import logging
 import math
 
 import jax
@@ -34,6 +38,8 @@ from pallas_kernels.flash_attention.resolve import resolve_impl
 from pallas_kernels.target import target_platform
 from titanax.parallel.context import ContextAttention, context_shards
 from titanax.parallel.per_shard import aligned, per_shard_attention, seq_axes
+
+log = logging.getLogger(__name__)
 
 # The names that go to pallas_kernels.flash_attention: our kernels and 'auto' (backends.py).
 FLASH_IMPLS = ("auto", *KERNEL_IMPLS)
@@ -123,7 +129,7 @@ def attention(q_BSHD, k_BTKD, v_BTKD, *, impl: str = "xla", causal: bool = True,
         interpret = target_platform() == "cpu" and impl != "auto"
         kw = dict(causal=causal, softmax_scale=softmax_scale, interpret=interpret)
         resolved = resolve_impl(impl, q_BSHD.dtype, q_BSHD.shape[-1], interpret=interpret,
-                                segment_ids=segment_ids is not None)
+                                segment_ids=segment_ids is not None, seq_len=S)
         if interpret:
             # Interpreted kernels are plain HLO loops that XLA partitions itself (and Pallas'
             # interpreter fails jax's varying-axes check inside shard_map).
@@ -132,7 +138,12 @@ def attention(q_BSHD, k_BTKD, v_BTKD, *, impl: str = "xla", causal: bool = True,
         if backend(resolved).is_kernel:  # XLA cannot partition a Pallas call: per shard
             fwd = functools.partial(flash_attention_fwd, impl=resolved, **kw)
             bwd = functools.partial(flash_attention_bwd, impl=resolved, **kw)
-            return per_shard_attention(fwd, bwd, q_BSHD, k_BTKD, v_BTKD, segment_ids)
+            # With segment ids the kernels' loop bounds are scalars read from their tile
+            # ranges, which vary over the batch axes; jax's varying-axes check rejects such a
+            # bound inside a Mosaic kernel's loops, so it is off for that call (the results
+            # are typed like their inputs again, as for context parallelism).
+            return per_shard_attention(fwd, bwd, q_BSHD, k_BTKD, v_BTKD, segment_ids,
+                                       check_vma=segment_ids is None)
         impl = resolved  # 'auto' chose cuDNN or XLA: their own partitioning, below
     if impl in FLASH_IMPLS:
         impl = "xla"
@@ -140,6 +151,10 @@ def attention(q_BSHD, k_BTKD, v_BTKD, *, impl: str = "xla", causal: bool = True,
         raise ValueError(f"query heads {q_BSHD.shape[2]} must be a multiple of kv heads "
                          f"{k_BTKD.shape[2]}")
     scale = softmax_scale if softmax_scale is not None else q_BSHD.shape[-1] ** -0.5
+    if impl == "cudnn":
+        return cudnn_attention(q_BSHD, k_BTKD, v_BTKD, scale=scale, causal=causal,
+                               segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+                               q_offset=q_offset, kv_valid_len=kv_valid_len, decoding=decoding)
     if segment_ids is not None and kv_segment_ids is None:
         kv_segment_ids = segment_ids
     mask = attention_mask(S, T, causal=causal, q_offset=q_offset, q_segment_ids=segment_ids,
@@ -151,14 +166,39 @@ def attention(q_BSHD, k_BTKD, v_BTKD, *, impl: str = "xla", causal: bool = True,
         chunks = chunks if chunks > 1 and S % chunks == 0 else 1
         return xla_attention(q_BSHD, k_BTKD, v_BTKD, mask=mask, softmax_scale=scale,
                              causal_chunks=chunks)
-    if impl == "cudnn":
-        on_gpu = target_platform() == "gpu"
-        if not decoding:
-            q_BSHD, k_BTKD, v_BTKD = aligned(q_BSHD, k_BTKD, v_BTKD)
-        return jax.nn.dot_product_attention(
-            q_BSHD, k_BTKD, v_BTKD, mask=mask, scale=scale,
-            implementation="cudnn" if on_gpu else None)
     raise ValueError(f"unknown attention impl {impl!r}; use one of {('auto', *BACKENDS)}")
+
+
+@functools.cache
+def _warn_dense_mask() -> None:
+    log.warning("attention_impl=cudnn with packed documents (segment ids): cuDNN takes them as "
+                "a dense [S, S] mask, so it computes every score (twice the causal work) and "
+                "streams an S^2 bias per head; model.attention_impl=auto runs our kernels, "
+                "which skip the tiles of other documents (or set data.document_masking=false)")
+
+
+def cudnn_attention(q_BSHD, k_BTKD, v_BTKD, *, scale, causal, segment_ids=None,
+                    kv_segment_ids=None, q_offset=0, kv_valid_len=None, decoding=False):
+    """jax.nn.dot_product_attention: cuDNN's fused kernel on GPU, XLA's elsewhere. Causal
+    self-attention goes as is_causal (cuDNN's CAUSAL mask type: the upper triangle is never
+    computed, nothing S x S is built); packed documents and decoding need a dense mask.
+    (cuDNN's packed-sequence layout, q_offsets/kv_offsets in jax's private cudnn module, needs
+    a static maximum of documents per row: one too many and attention silently crosses
+    documents; so packed documents go to our kernels under 'auto'.)"""
+    on_gpu = target_platform() == "gpu"
+    S, T = q_BSHD.shape[1], k_BTKD.shape[1]
+    if not decoding:
+        q_BSHD, k_BTKD, v_BTKD = aligned(q_BSHD, k_BTKD, v_BTKD)
+    kw = dict(scale=scale, implementation="cudnn" if on_gpu else None)
+    if not decoding and segment_ids is None and S == T:
+        return jax.nn.dot_product_attention(q_BSHD, k_BTKD, v_BTKD, is_causal=causal, **kw)
+    if segment_ids is not None and on_gpu:
+        _warn_dense_mask()
+    if segment_ids is not None and kv_segment_ids is None:
+        kv_segment_ids = segment_ids
+    mask = attention_mask(S, T, causal=causal, q_offset=q_offset, q_segment_ids=segment_ids,
+                          kv_segment_ids=kv_segment_ids, kv_valid_len=kv_valid_len)
+    return jax.nn.dot_product_attention(q_BSHD, k_BTKD, v_BTKD, mask=mask, **kw)
 
 
 def context_parallel_attention(q_BSHD, k_BTKD, v_BTKD, *, impl: str, causal: bool,

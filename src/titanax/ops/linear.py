@@ -7,7 +7,9 @@ pallas_kernels.fp8.fp8_linear (e4m3 forward; gradients e5m2 for the tensorwise r
 for mxfp8), flattened to one 2-D matmul [tokens, in] x [in, out]. Call sites that must stay in
 the compute dtype whatever the recipe (the output layer) pass fp8=False.
 `mxfp8_scale_rounding` (model.mxfp8_scale_rounding) picks mxfp8's scale exponents: 'up' never
-clips a block's max, 'floor' is the OCP rule (pallas_kernels/fp8/quant.py).
+clips a block's max, 'floor' is the OCP rule (pallas_kernels/fp8/quant.py). On a GPU the FP8
+GEMMs are cuBLASLt's (tensorwise; forward with fast accumulation, dgrad and wgrad without:
+pallas_kernels/fp8/accumulation.py) or cuDNN's block-scaled GEMM (mxfp8, Blackwell only).
 
 Specs: 'AK,KB->AB' (w's contracted axes first: w is [in, out]) or 'AK,BK->AB' (contracted axes
 last: w is [out, in], the torch Linear layout), e.g. 'bsd,dhk->bshk' and 'bshk,dhk->bsd'. The
@@ -25,10 +27,22 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.fp8.backends import RECIPES as FP8_RECIPES  # plain data: no kernels loaded
-from pallas_kernels.fp8.backends import RECIPES_TABLE
+from pallas_kernels.fp8.backends import RECIPES_TABLE, mx_refusal
+from pallas_kernels.target import compute_capability
 from titanax.parallel import collective_matmul as cm
 
 _PRECISION = {"default": None, "highest": jax.lax.Precision.HIGHEST}
+
+
+def precision_refusal(matmul_precision: str) -> str | None:
+    """Why the GPU this process runs on cannot run model.matmul_precision (mxfp8 before
+    Blackwell: no block-scaled MMA), or None. Checked before anything is built, so the run
+    stops with one line instead of a traceback from inside the first trace."""
+    recipe = RECIPES_TABLE.get(matmul_precision)
+    if recipe is None or recipe.scaling != "mx":
+        return None
+    why = mx_refusal(compute_capability())
+    return f"model.matmul_precision={matmul_precision}: {why}" if why else None
 
 
 def _split_spec(spec: str) -> tuple[str, str, str, bool]:

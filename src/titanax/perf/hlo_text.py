@@ -2,8 +2,8 @@
 order, the computations control flow runs (while bodies, conditional branches, calls), and the
 mesh axes a collective communicates over.
 
-Only what perf/tp_overlap.py needs, from `compiled.as_text()`; no XLA bindings, so a saved HLO
-file can be read anywhere. Device ids in replica groups and source-target pairs are positions
+What perf/tp_overlap.py and the compiled-step audit (plan/audit.py, perf/hlo_flops.py) need,
+from `compiled.as_text()`; no XLA bindings, so a saved HLO file can be read anywhere. Device ids in replica groups and source-target pairs are positions
 in the mesh's device array (SPMD with use_global_device_ids), row-major over its axes.
 """
 
@@ -21,6 +21,7 @@ _HEADER = re.compile(r"^(?:ENTRY )?%([\w.\-]+) \(.*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.+?) ([a-z][\w\-]*)\((.*)$")
 _CALLED = re.compile(r"\b(body|condition|true_computation|false_computation|to_apply)=%([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +34,13 @@ class Instr:
     @property
     def operands(self) -> list[str]:
         return re.findall(r"%([\w.\-]+)", self.rest.split(")", 1)[0])
+
+    @property
+    def operand_refs(self) -> list[tuple[str, int | None]]:
+        """(name, tuple index) per operand: newer HLO text writes an element of a tuple-shaped
+        value as %name#k (an implicit get-tuple-element)."""
+        return [(n, int(k) if k else None)
+                for n, k in re.findall(r"%([\w.\-]+)(?:#(\d+))?", self.rest.split(")", 1)[0])]
 
     def called(self) -> list[str]:
         """Computations this instruction runs as control flow (not fusion bodies or
@@ -47,6 +55,32 @@ class Instr:
         if self.opcode == "call":
             return [n for k, n in _CALLED.findall(self.rest) if k == "to_apply"]
         return []
+
+    @property
+    def arrays(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(element type, dims) of each array in this instruction's (maybe tuple) shape."""
+        return arrays(self.shape)
+
+    def attr(self, pattern: str) -> str | None:
+        """The first group of `pattern` searched in the operands and attributes, or None."""
+        m = re.search(pattern, self.rest)
+        return m.group(1) if m else None
+
+    @property
+    def fusion_body(self) -> str | None:
+        """The computation a fusion (or async-start) instruction runs: its calls=."""
+        return self.attr(r"\bcalls=%([\w.\-]+)")
+
+    @property
+    def stack_frame(self) -> int:
+        """The metadata's stack_frame_id (0: none); stack_frames() resolves it."""
+        return int(self.attr(r"\bstack_frame_id=(\d+)") or 0)
+
+    @property
+    def op_name(self) -> str:
+        """The metadata's op_name (jax's name stack), unescaped."""
+        name = self.attr(r'\bop_name="((?:[^"\\]|\\.)*)"') or ""
+        return re.sub(r"\\(.)", r"\1", name)
 
     @property
     def is_gemm(self) -> bool:
@@ -88,6 +122,62 @@ def computations(hlo_text: str) -> dict[str, list[Instr]]:
         if m:
             current.append(Instr(m.group(1), m.group(3), m.group(2), m.group(4)))
     return comps
+
+
+def entry_name(hlo_text: str) -> str:
+    """The name of the module's ENTRY computation."""
+    return re.search(r"^ENTRY %([\w.\-]+)", hlo_text, re.M).group(1)
+
+
+def arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
+    """'(bf16[4,8]{1,0}, f32[])' -> [('bf16', (4, 8)), ('f32', ())]."""
+    return [(dt, tuple(int(d) for d in dims.split(",") if d))
+            for dt, dims in _ARRAY.findall(shape)]
+
+
+def tuple_element(shape: str, index: int) -> str:
+    """The shape of element `index` of a tuple shape (nested tuples stay whole)."""
+    if not shape.startswith("("):
+        return shape
+    depth, start, parts = 0, 1, []
+    for i, ch in enumerate(shape):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+            if depth == 0:
+                parts.append(shape[start:i])
+                break
+        elif ch == "," and depth == 1:
+            parts.append(shape[start:i])
+            start = i + 1
+    parts = [re.sub(r"^\s*(/\*index=\d+\*/)?", "", p) for p in parts]
+    return parts[index] if index < len(parts) else ""
+
+
+def stack_frames(hlo_text: str) -> dict[int, str]:
+    """{stack_frame_id: 'folder/file.py:line (function)'}, the innermost Python frame each id
+    names, from the FileNames / FunctionNames / FileLocations / StackFrames tables that HLO text
+    starts with (jax's source information; {} when the module has none)."""
+    end = hlo_text.find("\nENTRY ")
+    head = hlo_text[:end] if end > 0 else ""
+
+    def table(title: str) -> dict[int, str]:
+        m = re.search(rf"^{title}\n(.*?)(?:\n\n|\Z)", head, re.S | re.M)
+        rows = (r.split(" ", 1) for r in (m.group(1).splitlines() if m else []))
+        return {int(r[0]): r[1].strip('"') for r in rows if len(r) == 2 and r[0].isdigit()}
+
+    def ids(text: str) -> dict[str, int]:
+        return {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", text)}
+
+    files, funcs = table("FileNames"), table("FunctionNames")
+    where = {}
+    for i, loc in table("FileLocations").items():
+        loc = ids(loc)
+        path = "/".join(files.get(loc.get("file_name_id"), "?").split("/")[-2:])
+        where[i] = f"{path}:{loc.get('line', '?')} ({funcs.get(loc.get('function_name_id'), '?')})"
+    return {i: where.get(ids(f).get("file_location_id"), "")
+            for i, f in table("StackFrames").items()}
 
 
 def reachable(comps: dict[str, list[Instr]], root: str, into_loops: bool = True) -> list[str]:
@@ -144,6 +234,21 @@ def device_groups(ins: Instr) -> list[list[int]] | None:
     if spec.startswith("{{"):
         return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", spec)]
     return _mesh_groups(spec) if spec.startswith("mesh") else _iota_groups(spec)
+
+
+def collective_dtypes(hlo_text: str) -> dict[str, dict[str, int]]:
+    """{collective: {element type: instructions carrying it}} in compiled HLO text, e.g. which
+    dtype FSDP reduce-scatters gradients in (model.grad_reduce_dtype). A combined collective
+    (the GPU flags' combiners) is one instruction over a tuple of arrays, maybe of several
+    types, with /*index=5*/ comments in its shape."""
+    out: dict[str, dict[str, int]] = {}
+    pattern = (r"= (\(*\w+\[[^\n]*?) (all-gather|all-reduce|reduce-scatter|"
+               r"collective-permute|all-to-all)(?:-start)?\(")
+    for shape, op in re.findall(pattern, hlo_text):
+        for dtype in dict.fromkeys(re.findall(r"(\w+)\[", shape)):
+            out.setdefault(op, {}).setdefault(dtype, 0)
+            out[op][dtype] += 1
+    return out
 
 
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,

@@ -110,12 +110,22 @@ def windowed_loops(comps, live: list[str], mesh_shape: dict[str, int]) -> list[d
     return loops
 
 
-def _gemm_busy(instrs: list[Instr]) -> list[tuple[int, int]]:
+def _runs_gemm(ins: Instr, comps) -> bool:
+    """A GEMM, or a fusion wrapping one (XLA's dynamic-slice fusion around a cuBLAS call
+    that reads a slice of its operand in place)."""
+    if ins.is_gemm:
+        return True
+    body = re.search(r"\bcalls=%([\w.\-]+)", ins.rest) if ins.opcode == "fusion" else None
+    return bool(body) and any(i.is_gemm for i in comps.get(body.group(1), ()))
+
+
+def _gemm_busy(instrs: list[Instr], comps) -> list[tuple[int, int]]:
     """(first, last) schedule positions during which each GEMM runs: one position for a
     GEMM on the main stream, start..done for one launched on another stream."""
     done_at = {op: i for i, ins in enumerate(instrs) if ins.opcode == "fusion-done"
                for op in ins.operands}
-    return [(i, done_at.get(ins.name, i)) for i, ins in enumerate(instrs) if ins.is_gemm]
+    return [(i, done_at.get(ins.name, i)) for i, ins in enumerate(instrs)
+            if _runs_gemm(ins, comps)]
 
 
 def _beside_gemm(instrs: list[Instr], i: int, busy) -> bool:
@@ -136,7 +146,7 @@ def tensor_collectives(comps, live: list[str], mesh_shape: dict[str, int]) -> di
            for op in COLLECTIVES}
     for comp in live:
         instrs = comps[comp]
-        busy = _gemm_busy(instrs)
+        busy = _gemm_busy(instrs, comps)
         for i, ins in enumerate(instrs):
             if not _on_axis(ins, mesh_shape):
                 continue
@@ -158,7 +168,7 @@ def analyze(hlo_text: str, mesh_shape: dict[str, int]) -> dict:
     wire = sum(r["wire_mb"] for r in collectives.values())
     hidden = sum(r["wire_mb_beside_gemm"] for r in collectives.values())
     return {"collectives": collectives, "windowed_loops": windowed_loops(comps, live, mesh_shape),
-            "gemms": sum(ins.is_gemm for comp in live for ins in comps[comp]),
+            "gemms": sum(_runs_gemm(ins, comps) for comp in live for ins in comps[comp]),
             "wire_mb": wire, "wire_fraction_beside_gemm": hidden / wire if wire else 0.0,
             "wire_mb_all_axes": all_axes_wire_mb(comps, live)}
 

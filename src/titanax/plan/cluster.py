@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from pallas_kernels import aot
+from pallas_kernels.fp8.backends import RECIPES_TABLE, mx_refusal
 from titanax.config import Config, ConfigError, apply_overrides, check_parallel_layout
 from titanax.hardware import HARDWARE, Hardware
 from titanax.parallel.mesh import resolve_degrees, split_degrees
@@ -78,7 +80,12 @@ class Layout:
 
 
 def plan_config(cfg: Config, cluster: Cluster) -> Config:
-    """cfg with mesh.nvlink_domain set to the cluster's (unless the config pins one)."""
+    """cfg with mesh.nvlink_domain set to the cluster's (unless the config pins one); a
+    recipe the GPU cannot run (mxfp8 before Blackwell) is refused before anything compiles."""
+    recipe, target = RECIPES_TABLE.get(cfg.model.matmul_precision), aot.TARGETS[cluster.gpu]
+    if recipe is not None and recipe.scaling == "mx" and (
+            why := mx_refusal((target["major"], target["minor"]))):
+        raise PlanError(f"--gpu {cluster.gpu}: {why}")
     if cfg.mesh.nvlink_domain:
         return cfg
     return apply_overrides(cfg, {"mesh.nvlink_domain": cluster.nvlink_domain})

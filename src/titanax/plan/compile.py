@@ -27,14 +27,17 @@ import time
 from pallas_kernels import aot
 from titanax import xla_flags
 from titanax.config import Config
+from titanax.perf.hlo_text import collective_dtypes
 from titanax.plan.cluster import Cluster
 
 _RESULT = "PLAN_COMPILE_RESULT "
 
 
-def compile_train_step(cfg: Config, cluster: Cluster, target: str, buffers: int = 0) -> dict:
+def compile_train_step(cfg: Config, cluster: Cluster, target: str, buffers: int = 0,
+                       audit: bool = False) -> dict:
     """In this process (already set up for `target`): lower and compile; memory per device.
-    buffers > 0: also the largest buffers live at the memory peak (titanax.plan.buffers)."""
+    buffers > 0: also the largest buffers live at the memory peak (titanax.plan.buffers).
+    audit: also the audit of the optimized HLO (titanax.plan.audit), GPU target only."""
     import jax
 
     from titanax.parallel.mesh import build_mesh, describe_mesh
@@ -59,6 +62,7 @@ def compile_train_step(cfg: Config, cluster: Cluster, target: str, buffers: int 
         else:
             compiled = lowered.compile()
         t3 = time.perf_counter()
+    hlo = compiled.as_text()
     return {
         "target": target,
         "device_kind": devices[0].device_kind,
@@ -67,27 +71,27 @@ def compile_train_step(cfg: Config, cluster: Cluster, target: str, buffers: int 
         "mesh": describe_mesh(mesh),
         "setup_s": t1 - t0, "lower_s": t2 - t1, "compile_s": t3 - t2,
         "memory": compiled_memory(compiled),
-        "collectives": collective_dtypes(compiled.as_text()),
+        "collectives": collective_dtypes(hlo),
         **({"peak_buffers": peak_buffers} if buffers else {}),
+        **({"audit": _audit(cfg, hlo, target, len(devices))} if audit else {}),
     }
 
 
-def collective_dtypes(hlo_text: str) -> dict[str, dict[str, int]]:
-    """{collective: {element type: instructions carrying it}} in compiled HLO text, e.g. which
-    dtype FSDP reduce-scatters gradients in (model.grad_reduce_dtype). A combined collective
-    (the GPU flags' combiners) is one instruction over a tuple of arrays, maybe of several
-    types, with /*index=5*/ comments in its shape."""
-    out: dict[str, dict[str, int]] = {}
-    pattern = (r"= (\(*\w+\[[^\n]*?) (all-gather|all-reduce|reduce-scatter|"
-               r"collective-permute|all-to-all)(?:-start)?\(")
-    for shape, op in re.findall(pattern, hlo_text):
-        for dtype in dict.fromkeys(re.findall(r"(\w+)\[", shape)):
-            out.setdefault(op, {}).setdefault(dtype, 0)
-            out[op][dtype] += 1
-    return out
+def _audit(cfg: Config, hlo: str, target: str, n_devices: int) -> dict:
+    if target != "gpu":
+        return {"skipped": "no deviceless CUDA compile (the CUDA plugin is not installed; "
+                           "scripts/dev.sh installs it): XLA:CPU's program is not the GPU's"}
+    from titanax.plan.audit import audit_step
+    return audit_step(cfg, hlo, n_devices)
 
 
 def _worker_env(cluster: Cluster) -> tuple[dict, str]:
+    return worker_env(cluster.n_gpus)
+
+
+def worker_env(n_gpus: int) -> tuple[dict, str]:
+    """(environment, target) of a compile subprocess: deviceless CUDA with the GPU flags when
+    the plugin is installed ('gpu'), else n_gpus simulated CPU devices ('cpu')."""
     if aot.plugin_available():
         # The XLA flags launch.train runs with on GPU: they move the compiled memory peak.
         env = aot.cuda_plugin_env()
@@ -95,7 +99,7 @@ def _worker_env(cluster: Cluster) -> tuple[dict, str]:
         return env, "gpu"
     env = dict(os.environ)
     env["JAX_PLATFORMS"] = "cpu"
-    env["JAX_NUM_CPU_DEVICES"] = str(cluster.n_gpus)
+    env["JAX_NUM_CPU_DEVICES"] = str(n_gpus)
     return env, "cpu"
 
 
@@ -107,15 +111,17 @@ def _error_summary(stderr: str) -> str:
 
 
 def compile_in_subprocess(cfg: Config, cluster: Cluster, *, timeout_s: float = 600,
-                          buffers: int = 0, fit: dict | None = None) -> dict:
+                          buffers: int = 0, fit: dict | None = None, audit: bool = False) -> dict:
     """compile_train_step in a fresh process: {'ok': True, ...} or {'ok': False, 'error'}.
     fit {'capacity': bytes, 'where': text}: on the GPU target, when the step exceeds the
     capacity, also the smallest grad_accum / remat change that fits ('fit': plan.fit's
-    answer; each candidate is one more compile, so the time limit grows with them)."""
+    answer; each candidate is one more compile, so the time limit grows with them).
+    audit: the result's 'audit' (titanax.plan.audit), read in the subprocess from the
+    optimized HLO (tens of MB for a 70B step, never sent back)."""
     env, target = _worker_env(cluster)
     spec = {"config": cfg.to_dict(), "gpu": cluster.gpu, "nodes": cluster.nodes,
             "gpus_per_node": cluster.gpus_per_node, "target": target, "buffers": buffers,
-            "fit": fit if target == "gpu" else None}
+            "fit": fit if target == "gpu" else None, "audit": audit}
     if spec["fit"]:
         timeout_s *= 8
     t0 = time.perf_counter()
@@ -143,20 +149,22 @@ def main(argv: list[str]) -> None:
                           spec["nodes"] * spec["gpus_per_node"])
     cfg = Config.from_dict(spec["config"])
     cluster = Cluster(spec["gpu"], spec["nodes"], spec["gpus_per_node"])
-    result = compile_train_step(cfg, cluster, spec["target"], spec.get("buffers", 0))
+    audit = spec.get("audit", False)
+    result = compile_train_step(cfg, cluster, spec["target"], spec.get("buffers", 0), audit)
     if spec.get("fit"):
-        result["fit"] = _fit(cfg, cluster, spec["target"], spec["fit"], result["memory"])
+        result["fit"] = _fit(cfg, cluster, spec["target"], spec["fit"], result["memory"], audit)
     print(_RESULT + json.dumps(result), flush=True)
 
 
-def _fit(cfg: Config, cluster: Cluster, target: str, fit: dict, need: dict) -> dict:
+def _fit(cfg: Config, cluster: Cluster, target: str, fit: dict, need: dict,
+         audit: bool = False) -> dict:
     """plan.fit's answer for cfg on the cluster, candidates compiled here, one by one."""
     from titanax.plan.cluster import layout_for
     from titanax.plan.fit import search_fit
 
     degrees = layout_for(cfg, cluster).degrees
-    answer = search_fit(cfg, lambda c: compile_train_step(c, cluster, target), fit["capacity"],
-                        fit["where"], degrees["data"] * degrees["fsdp"], need=need,
+    answer = search_fit(cfg, lambda c: compile_train_step(c, cluster, target, audit=audit),
+                        fit["capacity"], fit["where"], degrees["data"] * degrees["fsdp"], need=need,
                         log=lambda msg: print(msg, file=sys.stderr, flush=True))
     return {"line": answer.line(), "fits": answer.fits, "overrides": answer.overrides,
             "bytes": answer.fit_bytes, "tried": answer.tried, "set_flags": answer.set_flags(),

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pallas_kernels.fp8.backends import RECIPES as FP8_RECIPES
 from titanax.config import Config
 from titanax.plan.cluster import Cluster
+from titanax.plan.documents import attention_share
 from titanax.plan.efficiencies import Efficiencies
 from titanax.plan.step_shape import StepShape
 
@@ -62,9 +63,11 @@ def attention_seconds(cfg: Config, shape: StepShape, cluster: Cluster,
                       eff: Efficiencies) -> float:
     m, hw = cfg.model, cluster.hardware
     attn_model_flops = 12.0 * m.n_layers * m.d_model * cfg.train.seq_len * shape.tokens
-    # Fused kernels skip the masked half of causal attention; they run at bf16 rate. Context
-    # parallelism's balanced chunks give every device 1/n_gpus of the total as well.
-    return (attn_model_flops * 0.5 * attention_passes(cfg, shape) / 3 / cluster.n_gpus
+    # The share of the full S x S scores the kernels compute (causal: half; packed documents:
+    # less, documents.py); at bf16 rate. Context parallelism's balanced chunks give every
+    # device 1/n_gpus of the total as well.
+    share = attention_share(cfg, shape.doc_tokens)
+    return (attn_model_flops * share * attention_passes(cfg, shape) / 3 / cluster.n_gpus
             / (hw.bf16_flops * eff.attention))
 
 

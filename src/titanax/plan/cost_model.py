@@ -33,6 +33,7 @@ from titanax.models.registry import model_spec
 from titanax.plan.cluster import Cluster, Layout
 from titanax.plan.comm_model import AxisComm, Network, axis_comms, host_link_seconds
 from titanax.plan.compute_model import attention_seconds, elementwise_seconds, gemm_seconds
+from titanax.plan.documents import mean_document_tokens
 from titanax.plan.efficiencies import EFFICIENCIES, Efficiencies
 from titanax.plan.memory_model import memory_per_device, param_split
 from titanax.plan.step_shape import StepShape
@@ -67,9 +68,13 @@ def param_counts(model: ModelConfig) -> tuple[int, int]:
 
 
 def estimate(cfg: Config, cluster: Cluster, layout: Layout,
-             eff: Efficiencies = EFFICIENCIES) -> Estimate:
+             eff: Efficiencies = EFFICIENCIES, doc_tokens: float | None = None) -> Estimate:
+    """doc_tokens: mean tokens per packed document (plan/documents.py); None: read from the
+    config's shard folders, if it masks documents and they say."""
     hw = cluster.hardware
-    shape = StepShape.of(cfg, layout.degrees)
+    if doc_tokens is None:
+        doc_tokens = mean_document_tokens(cfg)
+    shape = StepShape.of(cfg, layout.degrees, doc_tokens)
     pp, tokens = shape.deg["pipeline"], shape.tokens
     n_params, n_no_embed = param_counts(cfg.model)
     fpt = flops_per_token(cfg.model, cfg.train.seq_len, n_no_embed)

@@ -12,6 +12,7 @@ from titanax.plan import compile as plan_compile
 from titanax.plan import search as plan_search
 from titanax.plan.cluster import Cluster, Layout, PlanError, layout_for, plan_config
 from titanax.plan.cost_model import EFFICIENCIES, Estimate, estimate
+from titanax.plan.documents import documents_summary
 from titanax.train.metrics import FLOP_FORMULA
 
 
@@ -31,8 +32,10 @@ def _compiled_for(result: dict | None, cluster: Cluster) -> str:
     return where if result.get("ok") else f"{where}: FAILED"
 
 
-def evaluate(cfg: Config, cluster: Cluster, *, compile_step: bool, buffers: int = 0) -> dict:
-    """Plan for cfg as configured (its mesh, batch, remat) on the cluster."""
+def evaluate(cfg: Config, cluster: Cluster, *, compile_step: bool, buffers: int = 0,
+             audit: bool = False) -> dict:
+    """Plan for cfg as configured (its mesh, batch, remat) on the cluster; audit: also the
+    audit of the compiled step (plan/audit.py), as the plan's "audit"."""
     try:
         layout = layout_for(cfg, cluster)
     except ConfigError as e:
@@ -45,18 +48,20 @@ def evaluate(cfg: Config, cluster: Cluster, *, compile_step: bool, buffers: int 
     fit = {"capacity": int(est.usable_memory_bytes),
            "where": f"{est.usable_memory_bytes / hw.hbm_bytes:.0%} of the {hw.name}'s "
                     f"{hw.hbm_bytes / 1e9:.1f} GB"}
-    compiled = plan_compile.compile_in_subprocess(cfg, cluster, buffers=buffers, fit=fit)
+    compiled = plan_compile.compile_in_subprocess(cfg, cluster, buffers=buffers, fit=fit,
+                                                  audit=audit)
     plan = _plan_dict(cfg, cluster, layout, est, compiled)
     if compiled.get("fit"):  # the line to copy when it does not fit
         plan["fit"] = {k: v for k, v in compiled["fit"].items() if k != "result"}
     return plan
 
 
-def evaluate_auto(cfg: Config, cluster: Cluster, *, compile_step: bool, buffers: int = 0):
+def evaluate_auto(cfg: Config, cluster: Cluster, *, compile_step: bool, buffers: int = 0,
+                  audit: bool = False):
     """evaluate() for train.grad_accum=auto: planned at 1, then at the smallest count whose
     compiled step fits (what launch.train would choose on those GPUs), when one does."""
     cfg = apply_overrides(cfg, {"train.grad_accum": 1})
-    plan = evaluate(cfg, cluster, compile_step=compile_step, buffers=buffers)
+    plan = evaluate(cfg, cluster, compile_step=compile_step, buffers=buffers, audit=audit)
     fit = (plan.get("compile") or {}).get("fit") or {}
     if fit.get("fits"):
         plan["grad_accum_auto"] = "train.grad_accum=auto -> 1"
@@ -74,6 +79,9 @@ def evaluate_auto(cfg: Config, cluster: Cluster, *, compile_step: bool, buffers:
 def _plan_dict(cfg: Config, cluster: Cluster, layout: Layout, est: Estimate,
                compiled: dict | None) -> dict:
     hw = cluster.hardware
+    audit = (compiled or {}).get("audit")
+    if audit is not None:  # a key of its own in plan.json, not inside "compile"
+        compiled = {k: v for k, v in compiled.items() if k != "audit"}
     trust_compiled = bool(compiled and compiled.get("ok") and compiled["target"] == "gpu")
     per_device = compiled["memory"]["total"] if trust_compiled else est.memory["total"]
     usable = est.usable_memory_bytes
@@ -93,6 +101,7 @@ def _plan_dict(cfg: Config, cluster: Cluster, layout: Layout, est: Estimate,
                      "context_strategy": cfg.model.context_strategy,
                      "tp_overlap": cfg.model.tp_overlap,
                      "pipeline": dataclasses.asdict(cfg.pipeline)},
+        "documents": documents_summary(cfg),
         "compiled_for": _compiled_for(compiled, cluster),
         "compile": compiled,
         "params": est.params,
@@ -121,17 +130,18 @@ def _plan_dict(cfg: Config, cluster: Cluster, layout: Layout, est: Estimate,
         "predicted_tokens_per_s_per_gpu": est.tokens_per_s_per_gpu,
         "predicted_mfu": est.mfu,
         "efficiencies": dataclasses.asdict(EFFICIENCIES),
+        **({"audit": audit} if audit is not None else {}),
     }
 
 
 def run_search(cfg: Config, cluster: Cluster, *, verify: int, top: int = 10,
-               max_context: int = 0) -> dict:
+               max_context: int = 0, audit: bool = False) -> dict:
     """The search, with up to `verify` of the best candidates compiled (on the GPU target,
     a candidate whose compiled memory exceeds the usable HBM is dropped and the next tried)."""
     kept, dropped = plan_search.search(cfg, cluster, max_context)
     best, tried = None, []
     for cand in kept[:verify] if verify else []:
-        result = plan_compile.compile_in_subprocess(cand.cfg, cluster)
+        result = plan_compile.compile_in_subprocess(cand.cfg, cluster, audit=audit)
         entry = {"layout": cand.label, "compiled_for": _compiled_for(result, cluster)}
         if not result.get("ok"):
             cand.dropped = f"compile failed: {result['error'][:400]}"
@@ -185,11 +195,12 @@ def overrides_for(cfg: Config) -> list[str]:
 
 def make_plan(cfg: Config, cluster: Cluster, *, compile_step: bool = True,
               search: bool = False, verify: int = 1, buffers: int = 0,
-              max_context: int = 0) -> dict:
+              max_context: int = 0, audit: bool = False) -> dict:
+    """The plan (plan.json's dict); audit: with the audit of the compiled step ("audit")."""
     cfg = plan_config(cfg, cluster)
     plan_one = evaluate_auto if cfg.train.grad_accum_auto else evaluate
     try:
-        plan = plan_one(cfg, cluster, compile_step=compile_step, buffers=buffers)
+        plan = plan_one(cfg, cluster, compile_step=compile_step, buffers=buffers, audit=audit)
     except PlanError as e:
         if not search:
             raise
@@ -200,7 +211,7 @@ def make_plan(cfg: Config, cluster: Cluster, *, compile_step: bool = True,
                 "configured_layout_error": str(e)}
     if search:
         plan["search"] = run_search(cfg, cluster, verify=verify if compile_step else 0,
-                                    max_context=max_context)
+                                    max_context=max_context, audit=audit)
         best = plan["search"]["best"]
         if "configured_layout_error" in plan and best is not None:
             # plan.json's top-level fields then describe the best layout found

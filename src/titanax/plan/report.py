@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import pathlib
 
+from titanax.plan.audit import format_audit
+
 GB = 1e9
 
 
@@ -48,6 +50,19 @@ def _memory_lines(plan: dict) -> list[str]:
     if plan.get("grad_accum_auto"):
         lines.append(f"  => {plan['grad_accum_auto']}")
     return lines
+
+
+def _documents_line(plan: dict) -> list[str]:
+    """What packed documents do to attention's work, when the step masks them."""
+    doc = plan.get("documents") or {}
+    if not doc.get("masked"):
+        return []
+    if doc.get("mean_tokens") is None:
+        return ["documents: masked, length unknown (no meta.json): attention counted as plain "
+                "causal; give --doc-len N"]
+    return [f"documents: {doc['mean_tokens']:,.0f} tokens on average ({doc['source']}): "
+            f"attention computes {doc['attention_share']:.1%} of the S x S scores "
+            "(plain causal: 50%)"]
 
 
 def _context_setting(plan: dict) -> str:
@@ -95,6 +110,7 @@ def format_plan(plan: dict) -> str:
             f"{s['grad_accum']}, remat {s['remat']}, attention {s['attention_impl']}, matmul "
             f"{s['matmul_precision']}" + _context_setting(plan)
             + (", tp_overlap" if s.get("tp_overlap") else ""),
+            *_documents_line(plan),
             f"compiled for: {plan['compiled_for']}"
             + (f" in {plan['compile']['compile_s']:.1f} s (lowering {plan['compile']['lower_s']:.1f}"
                " s)" if (plan.get("compile") or {}).get("ok") else ""),
@@ -118,6 +134,8 @@ def format_plan(plan: dict) -> str:
             f"  => {plan['predicted_step_s']:.2f} s per step, "
             f"{plan['predicted_tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, MFU "
             f"{plan['predicted_mfu']:.1%} (of dense bf16 peak)"]
+    if "audit" in plan:
+        out.append(format_audit(plan["audit"]))
     if "search" in plan:
         out.append(format_search(plan["search"]))
     return "\n".join(out)

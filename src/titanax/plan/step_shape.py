@@ -19,15 +19,18 @@ class StepShape:
     virtual: int  # virtual stages per device (1 without a pipeline)
     tokens: int  # per step, whole cluster
     act_bytes: int  # bytes of one activation value in the compute dtype
+    # Mean tokens per packed document when the step masks documents (plan/documents.py);
+    # None: no documents, or of unknown length (attention counted as plain causal).
+    doc_tokens: float | None = None
 
     @classmethod
-    def of(cls, cfg: Config, deg: dict[str, int]) -> StepShape:
+    def of(cls, cfg: Config, deg: dict[str, int], doc_tokens: float | None = None) -> StepShape:
         pp = deg["pipeline"]
         return cls(deg=deg, accum=cfg.train.grad_accum,
                    micro=cfg.pipeline.microbatches if pp > 1 else 1,
                    virtual=cfg.pipeline.resolved_virtual_stages if pp > 1 else 1,
                    tokens=cfg.train.batch_size * cfg.train.seq_len,
-                   act_bytes=4 if cfg.model.dtype == "float32" else 2)
+                   act_bytes=4 if cfg.model.dtype == "float32" else 2, doc_tokens=doc_tokens)
 
     @property
     def context(self) -> int:

@@ -27,6 +27,7 @@ from titanax.checkpoint.orbax_io import Checkpointer, resolve_restore_source
 from titanax.config import Config, ConfigError, format_config
 from titanax.data.pipeline import build_data
 from titanax.models.registry import model_spec
+from titanax.ops.linear import precision_refusal
 from titanax.parallel.layer_order import reorder_restored
 from titanax.parallel.mesh import build_mesh, describe_mesh
 from titanax.parallel.rules import batch_input_spec, model_context
@@ -101,6 +102,8 @@ class Trainer:
         if cfg.train.batch_size % batch_ways:
             raise ConfigError(f"train.batch_size={cfg.train.batch_size} must be divisible by "
                               f"mesh data x fsdp = {batch_ways}")
+        if why := precision_refusal(cfg.model.matmul_precision):  # e.g. mxfp8 on Hopper
+            raise ConfigError(why)
         # Before any state or data exists: a step that cannot fit stops here, in seconds.
         # The step compiled for the check is the one the first step runs (jax reuses it).
         self.checked_step = None  # the step the check compiled, run as is (no second compile)

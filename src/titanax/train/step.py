@@ -33,7 +33,7 @@ def make_loss_fn(cfg: Config, graphdef):
     model is traced with its tensor-parallel matmuls as collective matmuls (config.py has
     refused the layouts they cannot run; others fall back by themselves). The config decides,
     also against an enclosing use_collective_matmul() block."""
-    masking, chunk = cfg.data.document_masking, cfg.train.loss_chunk
+    masking, chunk = cfg.data.masks_documents, cfg.train.loss_chunk
     pipeline = PipelineSchedule.from_config(cfg.pipeline)
 
     def mean_loss(params, batch, fp8=None):
@@ -131,7 +131,7 @@ def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation, sch
 
 
 def make_eval_step(cfg: Config, graphdef):
-    masking, chunk = cfg.data.document_masking, cfg.train.loss_chunk
+    masking, chunk = cfg.data.masks_documents, cfg.train.loss_chunk
     pipeline = PipelineSchedule.from_config(cfg.pipeline)
 
     def eval_step(params, batch, fp8=None):

@@ -70,6 +70,11 @@ def _child_env(sec: Section, dry_run: bool) -> dict:
         env["JAX_PLATFORMS"] = "cpu"  # the dry run stays off any GPU the machine has
         # The Mosaic GPU interpreter blocks XLA CPU pool threads on mbarriers (conftest.py).
         defaults["PJRT_NPROC"] = "16"
+    else:
+        # The XLA flags launch.train runs with (cuBLAS GEMMs, FP8 accumulation, collective
+        # overlap): the sections measure what training runs.
+        from titanax import xla_flags
+        env["XLA_FLAGS"] = xla_flags.with_gpu_flags(env.get("XLA_FLAGS", ""), env)
     for k, v in defaults.items():
         env.setdefault(k, v)
     return env

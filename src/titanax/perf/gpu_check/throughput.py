@@ -3,11 +3,14 @@ benchmarks' own code (pallas_kernels/flash_attention/bench.py, pallas_kernels/fp
 which launch/bench_attention.py and launch/bench_fp8.py run), so gpu_check and
 `python -m launch.bench` report the same numbers for the same case.
 
-Attention (FlashAttention papers' count): fwd FLOPs = 4*B*S^2*Hq*D / 2 (causal), bwd = 2.5 x
-fwd; the backward time is (fwd+bwd) - fwd, medians of timed calls. Our kernel for this GPU
-against cuDNN, Hq 64 / Hkv 8 / D 128, bf16, B = tokens // S. "With segment ids" passes one
-document per sequence, as launch.bench train's batches and unpacked data do: the FLOPs are the
-same, so the column prices the segment-id path itself (cuDNN takes it as a dense S x S mask).
+Attention times the exact call the model makes (titanax.ops.attention with the shipped
+presets' model.attention_impl, 'auto', causal, Hq 64 / Hkv 8 / D 128, bf16, B = tokens // S),
+without documents and with 2,048-token documents packed into each window, against cuDNN's
+causal kernel (CAUSAL mask type, no documents), and our kernel for this GPU named explicitly.
+FLOPs (FlashAttention papers' count): fwd = 4*B*S^2*Hq*D / 2 (causal); with documents only
+the visible pairs, 4*B*Hq*D*sum L(L+1)/2; bwd = 2.5 x fwd; the backward time is
+(fwd+bwd) - fwd, medians of timed calls. `vs_cudnn_causal`: cuDNN causal's time over this
+row's (> 1: faster than plain causal attention on cuDNN).
 GEMMs: FLOPs = 2*M*N*K at M = 8192 tokens and (K, N) = (8192, 8192), (8192, 28672),
 (28672, 8192); TFLOP/s = FLOPs / median time, operands quantized before timing.
 """
@@ -22,32 +25,56 @@ from titanax.perf.gpu_check.device import our_attention_impl
 
 # (seqs, tokens per call, iters): the GPU run, and the dry run's tiny twin. The training
 # length first: a budget that runs short drops the others.
-ATTN_PLAN = {False: ((8192, 4096, 16384, 2048), 16384, 10), True: ((256, 128), 256, 2)}
+ATTN_PLAN = {False: ((8192, 4096, 16384, 2048), 16384, 10), True: ((256,), 256, 2)}
+# Tokens per packed document in the "documents" rows (the dry run's windows are shorter).
+DOC_TOKENS = {False: 2048, True: 64}
+MODEL_IMPL = "auto"  # configs/llama3_*.py model.attention_impl (titanax/recipes.py)
+
+
+def model_attention(impl: str):
+    """The model's attention call (llama3 Block.attention -> titanax.ops.attention)."""
+    from titanax import ops
+    return lambda q, k, v, seg: ops.attention(q, k, v, impl=impl, causal=True,
+                                              segment_ids=seg)
+
+
+def _attention_cases(ours: str, dry: bool):
+    """(label impl, attend or None for flash_attention, documents) in measuring order: cuDNN
+    causal first, the baseline every later row is compared with."""
+    model = f"model:{MODEL_IMPL}"
+    return [("cudnn", None, False),
+            (model, model_attention("xla" if dry else MODEL_IMPL), False),
+            (model, model_attention("xla" if dry else MODEL_IMPL), True),
+            (ours, None, True), (ours, None, False)]
 
 
 def attention_section(ctx) -> None:
     seqs, tokens, iters = ATTN_PLAN[ctx.dry_run]
+    doc = DOC_TOKENS[ctx.dry_run]
     # The dry run cannot time kernels in an interpreter: xla stands in for our kernel there.
     ours = "xla" if ctx.dry_run else our_attention_impl()
-    ctx.note(ours=ours, baseline="cudnn", tokens_per_call=tokens, iters=iters,
+    ctx.note(ours=ours, model_call=f"titanax.ops.attention(impl={MODEL_IMPL!r})",
+             baseline="cudnn causal", tokens_per_call=tokens, iters=iters, doc_tokens=doc,
              heads=f"{bench_attention.HQ}/{bench_attention.HKV}", head_dim=bench_attention.D,
-             flops="fwd = 4*B*S^2*Hq*D / 2 (causal); bwd = 2.5*fwd; TFLOP/s = FLOPs / median")
+             flops="fwd = 4*B*S^2*Hq*D / 2 (causal), documents: visible pairs only; "
+                   "bwd = 2.5*fwd; TFLOP/s = FLOPs / median")
     for S in seqs:
         B = max(1, tokens // S)
-        for segments in (False, True):
-            base = None
-            for impl in ("cudnn", ours):  # cuDNN first: our row carries the ratio to it
-                label = {"impl": impl, "seq": S, "batch": B, "segments": segments}
+        base = None
+        for impl, attend, documents in _attention_cases(ours, ctx.dry_run):
+            label = {"impl": impl, "seq": S, "batch": B, "documents": documents}
 
-                def measure(impl=impl, B=B, S=S, segments=segments, base=base):
-                    row = bench_attention.bench_one(impl, B, S, causal=True, iters=iters,
-                                                    segments=segments)
-                    if base and "fwd_tflops" in base:
-                        row["fwd_vs_cudnn"] = row["fwd_tflops"] / base["fwd_tflops"]
-                        row["bwd_vs_cudnn"] = row["bwd_tflops"] / base["bwd_tflops"]
-                    return row
-                row = ctx.run_item(label, measure, estimate_s=6.0, group="attention")
-                base = row if impl == "cudnn" else base
+            def measure(impl=impl, attend=attend, documents=documents, base=base, B=B, S=S):
+                row = bench_attention.bench_one(
+                    impl if attend is None else "cudnn", B, S, causal=True, iters=iters,
+                    segments=documents, doc_tokens=doc if documents else 0, attend=attend)
+                row["impl"] = impl
+                if base and "fwd_ms" in base:
+                    row["vs_cudnn_causal"] = ((base["fwd_ms"] + base["bwd_ms"])
+                                              / (row["fwd_ms"] + row["bwd_ms"]))
+                return row
+            row = ctx.run_item(label, measure, estimate_s=6.0, group="attention")
+            base = row if base is None else base
 
 
 def _fp8_impls(dry: bool) -> list[str]:

@@ -1,0 +1,46 @@
+"""The shipped GPU presets compile, for GPUs we do not have, to a step that does only the work
+it needs (titanax.plan.preset_audit, plan/audit.py): causal attention without anything S x S,
+our kernels for packed documents, every GEMM in a library or kernel call, matmul FLOPs within
+10% of what the step must execute.
+
+CI compiles one cell per code path (one subprocess per GPU kind, ~25 s a cell on 2 cores): cuDNN causal
+and bf16 cuBLAS on Hopper; the sm90 kernel with packed documents and the delayed-scaling FP8
+GEMMs; on Blackwell the sm100 kernel with MXFP8's block-scaled GEMMs. `python -m launch.audit_presets` runs all 42 cells (3 presets x H100/B200 x
+each recipe x documents on/off); docs/planner.md holds that table."""
+
+import pytest
+
+from pallas_kernels import aot
+from titanax.plan import preset_audit
+from titanax.plan.preset_audit import Cell
+
+pytestmark = pytest.mark.skipif(not aot.plugin_available(), reason="CUDA plugin not installed "
+                                "in .venv/cuda-plugin (bash scripts/dev.sh test installs it)")
+
+CELLS = [Cell("llama3_70b", "h100", "default", False),
+         Cell("llama3_70b", "h100", "fp8_delayed", True),
+         Cell("llama3_70b", "b200", "mxfp8", True)]
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return {Cell(**r["cell"]): r for r in preset_audit.audit_cells(CELLS)}
+
+
+@pytest.mark.parametrize("cell", CELLS, ids=Cell.label)
+def test_preset_passes_the_audit(rows, cell):
+    row = rows[cell]
+    assert row["ok"], row.get("error")
+    assert row["findings"] == [], row["findings"]
+    assert row["s_by_s"] == 0
+    # What runs the attention: cuDNN's causal kernel without documents, ours with them.
+    if cell.documents:
+        assert row["attention"] == ["Mosaic GPU kernel (in kernel)"], row["attention"]
+    else:
+        assert row["attention"] == ["cuDNN fMHA (CAUSAL)"], row["attention"]
+    # Every GEMM in a library: FP8 recipes in FP8 GEMMs (block-scaled for MXFP8), no loop
+    # fusion anywhere (the audit's findings would name it).
+    want = {"default": "cuBLASLt", "fp8_delayed": "cuBLASLt f8", "fp8_tensorwise": "cuBLASLt f8",
+            "mxfp8": "cuDNN"}[cell.precision]
+    assert any(g.startswith(want) for g in row["gemms"]), row["gemms"]
+    assert 0.9 < row["ratio"] <= 1.1, row["ratio"]
