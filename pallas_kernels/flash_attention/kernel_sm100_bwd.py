@@ -39,7 +39,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ..target import out_struct
-from .mosaic_common import LOG2E, MASK, column_slices, grid_bwd, interpret_ctx, q_block
+from .mosaic_common import (
+    LOG2E,
+    MASK,
+    column_slices,
+    grid_bwd,
+    interpret_ctx,
+    masked_plain_masked,
+    q_block,
+)
 from .tile_ranges import tile_ranges
 
 BLOCK = 128  # resident rows per CTA: one per TMEM lane
@@ -255,6 +263,11 @@ def _kernel(kind, q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_
 
             def tiles(g):  # one q head's tiles (dq: the only one), t counted from lo
                 at = lambda i: g * per_head + i - lo
+                if has_seg and is_dq:  # one copy of each step (dkv: two passes spill)
+                    masked_plain_masked(lambda: lo, lambda: full_lo, lambda: full_hi,
+                                        lambda: hi, lambda i, c, masked: step(at(i), i, masked),
+                                        None)
+                    return
                 # Without segment ids lo == full_lo in dq, full_hi == hi in dkv: two loops.
                 if has_seg or not is_dq:
                     lax.fori_loop(lo, full_lo, lambda i, c: step(at(i), i, True), None)

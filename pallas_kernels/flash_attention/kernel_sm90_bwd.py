@@ -60,6 +60,7 @@ from .mosaic_common import (
     cta_ranges,
     grid_bwd,
     interpret_ctx,
+    masked_plain_masked,
     q_block,
     tile_mask,
 )
@@ -249,11 +250,13 @@ def _dq(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, confi
             dq = _zeros((bq, D))
             if has_seg:
                 lax.fori_loop(first, bound(LO), drain, None)
-                dq = lax.fori_loop(bound(LO), bound(FULL_LO), functools.partial(step, masked=True),
-                                   dq)
-            dq = lax.fori_loop(bound(FULL_LO), bound(FULL_HI), step, dq)
-            dq = lax.fori_loop(bound(FULL_HI), bound(HI), functools.partial(step, masked=True),
-                               dq)
+                dq = masked_plain_masked(*(functools.partial(bound, c)
+                                           for c in (LO, FULL_LO, FULL_HI, HI)),
+                                         lambda t, dq, masked: step(t, dq, masked), dq)
+            else:
+                dq = lax.fori_loop(bound(FULL_LO), bound(FULL_HI), step, dq)
+                dq = lax.fori_loop(bound(FULL_HI), bound(HI),
+                                   functools.partial(step, masked=True), dq)
             if causal or has_seg:
                 lax.fori_loop(bound(HI), bound(END), drain, None)
             q_smem[...] = (dq * scale).astype(dtype)

@@ -67,6 +67,30 @@ def cta_ranges(ranges, wgs: int):
     return jnp.concatenate([cta[..., :1], own, cta[..., 1:], pad], -1).reshape(B, n, RANGE_COLS)
 
 
+def masked_plain_masked(lo, full_lo, full_hi, hi, step, carry):
+    """Runs carry = step(i, carry, masked) over the tiles [lo, hi) in order: masked on
+    [lo, full_lo), unmasked on [full_lo, full_hi), masked again on [full_hi, hi) (packed
+    documents: a tile straddles a document start, then tiles inside the query tile's document,
+    then the causal diagonal or the next document). The bounds are callables, each read where a
+    loop starts (a GMEM scalar is not kept live across the loops).
+
+    Each variant of the step is emitted once: a two-pass outer loop runs the leading masked
+    span and the unmasked one in pass 0, the trailing masked span in pass 1. Three loops in a
+    row hold a third copy of the step: longer lowering and ptxas (the dq kernels). The bounds
+    then stay live across both passes, which spills the kernels that are already at their
+    register limit (sm90 forward at head_dim 256, sm100 forward and dkv: ptxas_report), so
+    those keep three loops."""
+
+    def part(p, carry):  # p = 0: [lo, full_lo) masked, [full_lo, full_hi); p = 1: [full_hi, hi)
+        start = lo() + p * (full_hi() - lo())
+        stop = full_lo() + p * (hi() - full_lo())
+        carry = lax.fori_loop(start, stop, lambda i, c: step(i, c, True), carry)
+        plain_stop = full_hi() + p * (full_lo() - full_hi())
+        return lax.fori_loop(full_lo(), plain_stop, lambda i, c: step(i, c, False), carry)
+
+    return lax.fori_loop(0, 2, part, carry)
+
+
 def tile_mask(q_base, k_base, shape, *, causal, kv_len, q_seg=None, k_seg=None, q_dim=0):
     """Visibility of a [rows, cols] WGMMA tile; q_dim says which axis indexes queries. Built
     from one id vector per axis, broadcast only in the comparisons: two full-tile int32 iotas
