@@ -7,10 +7,13 @@ import os
 import pathlib
 import subprocess
 import sys
+import tarfile
 import textwrap
 import time
 
-from titanax.perf.gpu_check import NAMES, Section, run
+from titanax.perf.gpu_check import DEFAULT_ORDER, Section, pack, run
+from titanax.perf.gpu_check.choices import CHOICES
+from titanax.perf.gpu_check.runner import suspects_after
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MISSING_ON_GPU = ("grain", "gin", "tensorboardX")  # not installed on the GPU machine
@@ -30,35 +33,68 @@ sys.meta_path.insert(0, _Missing())
 """
 
 
+# The loan machine has no editable install of titanax: the test removes .venv's, so only the
+# working tree (scripts/gpu_loan.sh puts src/ on PYTHONPATH) can provide it.
+NO_INSTALL = """
+sys.meta_path[:] = [f for f in sys.meta_path
+                    if not getattr(f, "__module__", "").startswith("__editable__")]
+"""
+
+
 def _env_with(path: pathlib.Path) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(path), env.get("PYTHONPATH")) if p)
     return env
 
 
-def test_dry_run_every_section_without_grain_gin_tensorboardx(tmp_path):
-    (tmp_path / "site").mkdir()
-    (tmp_path / "site" / "sitecustomize.py").write_text(BLOCKER)
-    env = _env_with(tmp_path / "site")
-    probe = subprocess.run([sys.executable, "-c", "import grain"], env=env, capture_output=True,
-                           text=True)
-    assert probe.returncode != 0 and "blocked by the test" in probe.stderr
+def _loan_machine(tmp_path: pathlib.Path) -> dict:
+    """The loan machine's constraints: grain, gin and tensorboardX unimportable, titanax not
+    installed, the interpreter `python3` on PATH, nothing on PYTHONPATH but the blocker."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(BLOCKER + NO_INSTALL)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    # A wrapper, not a symlink: through a symlink elsewhere Python would not find its venv.
+    (bin_dir / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (bin_dir / "python3").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(PYTHONPATH=str(site), PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}")
+    return env
 
-    out = tmp_path / "out"
+
+def test_loan_command_dry_run_under_the_loan_machines_constraints(tmp_path):
+    env = _loan_machine(tmp_path)
+    for probe in ("import grain", "import titanax"):
+        r = subprocess.run(["python3", "-c", probe], env=env, cwd=tmp_path,
+                           capture_output=True, text=True)
+        assert r.returncode != 0 and "ModuleNotFoundError" in r.stderr, (probe, r.stderr)
+
+    out, work = tmp_path / "OUT", tmp_path / "work"
+    out.mkdir()
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "launch.gpu_check", "--dry-run", "--out",
-                        str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_loan.sh"), "--dry-run"],
+                       env={**env, "OUT": str(out), "GPU_LOAN_WORK": str(work)},
+                       capture_output=True, text=True, timeout=600)
     wall = time.monotonic() - t0
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert wall < 180, f"dry run took {wall:.0f} s"
+    # The smoke test printed the versions, and titanax came from the working tree.
+    assert "jax 0.11.2" in r.stdout and f"{ROOT}/src/titanax" in r.stdout, r.stdout[:2000]
+
+    # What the loan returns: three files, within the machine's limits.
+    assert sorted(p.name for p in out.iterdir()) == sorted((*pack.FILES, pack.ARCHIVE))
+    assert pack.check_returnable(out) == []
+    with tarfile.open(out / pack.ARCHIVE) as tar:
+        names = set(tar.getnames())
+    assert {f"logs/{n}.log" for n in DEFAULT_ORDER} <= names
+    assert {f"sections/{n}.json" for n in DEFAULT_ORDER} <= names
 
     rep = json.loads((out / "gpu_check.json").read_text())
-    assert rep["dry_run"] and list(rep["sections"]) == list(NAMES)
+    assert rep == json.loads((work / "gpu_check.json").read_text())
+    assert rep["dry_run"] and list(rep["sections"]) == list(DEFAULT_ORDER)
+    assert rep["suspects"] == {}
     for name, sec in rep["sections"].items():
-        if sec["status"] == "skipped":
-            assert name == "ptxas" and "dry run" in sec["reason"], (name, sec)
-            continue
         assert sec["status"] == "ok", (name, sec.get("error"), sec.get("rows"))
         assert sec["rows"] or name == "device", name
         assert all(row["status"] in ("ok", "n/a") for row in sec["rows"]), name
@@ -79,15 +115,35 @@ def test_dry_run_every_section_without_grain_gin_tensorboardx(tmp_path):
     assert all(r["vs_cudnn_causal"] > 0 for r in attn if r["impl"] != "cudnn")
     assert {r["impl"] for r in s["fp8"]["rows"]} >= {"bf16", "xla_fp8", "xla_mx"}
     train = s["train"]["rows"]
-    assert [r["precision"] for r in train] == ["default", "fp8_tensorwise", "fp8_delayed",
-                                               "mxfp8"]
+    # What the shipped config runs first (on a GPU cuDNN; the dry run's xla stands in).
+    assert [r["precision"] for r in train] == ["default", "default", "fp8_tensorwise",
+                                               "fp8_delayed", "mxfp8"]
     assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] for r in train)
+    # Every choice made without a GPU, shipped variant first, the alternative against it.
+    choices = s["choices"]["rows"]
+    assert [r["choice"] for r in choices if r["shipped"]] == [c.name for c in CHOICES]
+    assert all(r["vs_shipped"] > 0 for r in choices if not r["shipped"])
 
     md = (out / "gpu_check.md").read_text()
-    for i, name in enumerate(NAMES, 1):
+    for i, name in enumerate(DEFAULT_ORDER, 1):
         assert f"## {i}. {name}: " in md
     assert "| precision | attention |" in md and "fwd_tflops" in md
     print(f"dry run wall time: {wall:.1f} s")
+
+
+def test_loan_command_names_a_missing_package_in_one_line(tmp_path):
+    env = _loan_machine(tmp_path)
+    (tmp_path / "site" / "sitecustomize.py").write_text(
+        BLOCKER.replace(repr(MISSING_ON_GPU), repr(MISSING_ON_GPU + ("optax",))) + NO_INSTALL)
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_loan.sh"), "--dry-run"],
+                       env={**env, "OUT": str(tmp_path / "OUT"),
+                            "GPU_LOAN_WORK": str(tmp_path / "work")},
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    err = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(err) == 1 and err[0].startswith("error: cannot import optax"), r.stderr
+    assert "What to carry" in err[0] and "Traceback" not in r.stderr
+    assert not (tmp_path / "work" / "gpu_check.json").exists()  # nothing ran
 
 
 FAKES = textwrap.dedent("""
@@ -99,13 +155,15 @@ FAKES = textwrap.dedent("""
 
     def hang(ctx):
         ctx.add({"case": "done"})
-        ctx.run_item({"case": "stuck"}, lambda: time.sleep(120), estimate_s=0)
+        ctx.run_item({"case": "stuck"}, lambda: time.sleep(120), estimate_s=0,
+                     uses=("k:hangs",))
 
     def fine(ctx):
         ctx.run_item({"case": "a"}, lambda: {"value": 1}, estimate_s=0)
         ctx.run_item({"case": "b"}, lambda: 1 / 0, estimate_s=0)
-        ctx.run_item({"case": "c"}, lambda: {"pass": False}, estimate_s=0)
+        ctx.run_item({"case": "c"}, lambda: {"pass": False}, estimate_s=0, uses=("k:wrong",))
         ctx.run_item({"case": "d"}, lambda: {}, estimate_s=1e9, group="big")  # over budget
+        ctx.run_item({"case": "e"}, lambda: {}, estimate_s=0, uses=("k:hangs",))  # not again
 """)
 
 
@@ -119,10 +177,18 @@ def test_a_failing_or_hanging_section_keeps_its_rows_and_the_rest_run(tmp_path, 
     assert boom["status"] == "error" and "section exploded" in boom["error"]
     assert boom["rows"][0]["case"] == "before"
     assert hang["status"] == "timeout" and hang["rows"][0]["case"] == "done"
-    assert hang["current"] == {"case": "stuck"}
+    assert hang["current"] == {"case": "stuck", "uses": ["k:hangs"]}
     assert fine["status"] == "fail"
-    assert [r["status"] for r in fine["rows"]] == ["ok", "error", "fail", "skipped"]
+    assert [r["status"] for r in fine["rows"]] == ["ok", "error", "fail", "skipped", "skipped"]
     assert "ZeroDivisionError" in fine["rows"][1]["error"]
+    # The kernel that hung in one section is not run by a later one, and the report says why;
+    # the one that computed wrong values is marked for any section after.
+    assert fine["rows"][4]["reason"] == "k:hangs: timeout in section hang while it ran"
+    assert rep["suspects"] == {"k:hangs": "timeout in section hang while it ran",
+                               "k:wrong": "fail in section fine"}
+    assert suspects_after("x", {"status": "ok", "rows": [
+        {"status": "error", "error": "boom", "uses": ["k:e"]}, {"status": "ok", "uses": ["k:o"]}
+    ]}) == {"k:e": "error in section x (boom)"}
     on_disk = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     assert {n: s["status"] for n, s in on_disk["sections"].items()} == {
         "boom": "error", "hang": "timeout", "fine": "fail"}

@@ -20,12 +20,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from ..target import out_struct
-from .kernel_fwd import block_mask, dot, mask_scores, visible_tiles
+from .kernel_fwd import block_mask, dot, mask_scores, split_loops, visible_tiles
 from .tile_ranges import tile_ranges
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, scale, causal,
-               block_q, block_kv, kv_len, has_segments):
+               block_q, block_kv, kv_len, has_segments, split):
     if has_segments:
         qseg_ref, kseg_ref, ranges_ref, dq_ref = rest
     else:
@@ -54,7 +54,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, scale, ca
           if causal else n_kv)
     dq = jnp.zeros(q.shape, jnp.float32)
     if has_segments:  # masked, unmasked, masked runs of the visible key tiles
-        dq = visible_tiles(ranges_ref, body, dq)
+        dq = visible_tiles(ranges_ref, body, dq, split=split)
     else:
         dq = lax.fori_loop(0, hi, body, dq)
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
@@ -93,7 +93,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, scale, c
 
     def g_body(g, carry):
         if has_segments:  # the query tiles that see this key tile
-            return visible_tiles(ranges_ref, functools.partial(q_body, g=g), carry)
+            return visible_tiles(ranges_ref, functools.partial(q_body, g=g), carry, split=False)
         return lax.fori_loop(lo, n_q, functools.partial(q_body, g=g), carry)
 
     zeros = jnp.zeros(k.shape, jnp.float32)
@@ -135,7 +135,7 @@ def flash_bwd(q, k, v, o, lse, do, q_seg, kv_seg, *, scale, causal, kv_len, conf
         dq_args = args + [q_seg, kv_seg, ranges(rows=bq, cols=bk)]
         dkv_args = args + [q_seg, kv_seg, ranges(rows=bk, cols=bq, transposed=True)]
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, **static),
+        functools.partial(_dq_kernel, split=split_loops(), **static),
         grid=(Sp // bq, B, Hq),
         in_specs=dq_specs,
         out_specs=pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),

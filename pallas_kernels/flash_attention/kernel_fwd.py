@@ -21,7 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from ..target import out_struct
+from ..target import compute_capability, out_struct
 from .reference import MASK_VALUE
 from .tile_ranges import FULL_HI, FULL_LO, HI, LO, tile_ranges
 
@@ -52,15 +52,31 @@ def block_mask(q_pos, k_pos, *, causal, kv_len, kv_len_padded, q_seg=None, k_seg
     return mask
 
 
-def visible_tiles(ranges_ref, body, carry):
-    """body(t, carry, masked) over a row tile's column tiles [lo, hi) (tile_ranges.py), masked
-    a traced bool: False on [full_lo, full_hi), the tiles wholly inside the row tile's one
-    document. One loop switching the mask per tile, not three loops (masked, unmasked,
-    masked): three copies of the body need more registers (ptxas: the dkv kernel spills at
-    head_dim 128)."""
+def visible_tiles(ranges_ref, body, carry, *, split: bool):
+    """body(t, carry, masked) over a row tile's column tiles [lo, hi) (tile_ranges.py), with no
+    mask on [full_lo, full_hi), the tiles wholly inside the row tile's one document.
+
+    split: three loops (masked, unmasked, masked), `masked` a Python bool; the forward and dq
+    kernels on Hopper (split_loops). Otherwise one loop deciding the mask per tile (a traced
+    bool: mask_scores' lax.cond): three copies of the dkv kernel's body spill at head_dim 128,
+    and the forward's at 256 on sm_100. (A two-pass loop emitting each body once spilled
+    more.)"""
     lo, full_lo, full_hi, hi = (ranges_ref[r] for r in (LO, FULL_LO, FULL_HI, HI))
-    return lax.fori_loop(lo, hi, lambda t, c: body(t, c, masked=(t < full_lo) | (t >= full_hi)),
-                         carry)
+    if not split:
+        return lax.fori_loop(
+            lo, hi, lambda t, c: body(t, c, masked=(t < full_lo) | (t >= full_hi)), carry)
+    carry = lax.fori_loop(lo, full_lo, lambda t, c: body(t, c, masked=True), carry)
+    carry = lax.fori_loop(full_lo, full_hi, lambda t, c: body(t, c, masked=False), carry)
+    return lax.fori_loop(full_hi, hi, lambda t, c: body(t, c, masked=True), carry)
+
+
+def split_loops() -> bool:
+    """Whether the forward and dq kernels run the masked and unmasked tiles in loops of their
+    own (visible_tiles' split): on Hopper, where Triton's dots are wgmma and a branch inside
+    the loop serializes them (ptxas C7515). Elsewhere one loop: on sm_100 three loops spill
+    the forward at head_dim 256. (Tests set both on the CPU.)"""
+    cc = compute_capability()
+    return cc is not None and cc[0] == 9
 
 
 def mask_scores(s, masked, make_mask):
@@ -75,7 +91,7 @@ def mask_scores(s, masked, make_mask):
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, *rest, scale, causal, block_q, block_kv, kv_len,
-                has_segments):
+                has_segments, split):
     if has_segments:
         qseg_ref, kseg_ref, ranges_ref, o_ref, lse_ref = rest
     else:
@@ -114,7 +130,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *rest, scale, causal, block_q, block_kv, kv
     init = (jnp.zeros((block_q, D), jnp.float32), jnp.full((block_q,), MASK_VALUE, jnp.float32),
             jnp.zeros((block_q,), jnp.float32))
     if has_segments:  # only the key tiles that hold a key this query tile may see
-        o, m, l = visible_tiles(ranges_ref, body, init)
+        o, m, l = visible_tiles(ranges_ref, body, init, split=split)
         # No tile visited (lo == hi): l = 0; zeros out and lse = MASK_VALUE, finite.
         l = jnp.where(l == 0, 1.0, l)
     else:
@@ -131,7 +147,8 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
     bq, bk = config.block_q, config.block_kv
     has_segments = q_seg is not None
     kernel = functools.partial(_fwd_kernel, scale=scale, causal=causal, block_q=bq,
-                               block_kv=bk, kv_len=kv_len, has_segments=has_segments)
+                               block_kv=bk, kv_len=kv_len, has_segments=has_segments,
+                               split=split_loops())
     in_specs = [
         pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
         pl.BlockSpec((None, Tp, None, D), lambda i, b, h: (b, 0, h // G, 0)),

@@ -67,9 +67,11 @@ def _case(name: str, ops: dict, on_cpu: bool):
     return jax.jit(lambda *t: fp8_matmul(*t, impl=name, **kw)), ops[kernel.scalings[0]]
 
 
-def run(tokens: int = 8192, scale: int = 1, impls=None, iters: int = 20) -> dict:
+def run(tokens: int = 8192, scale: int = 1, impls=None, iters: int = 20, on_row=None) -> dict:
     """{'device', 'platform', ..., 'rows'}: one row per (shape, impl) with ms, tflops and
-    vs_bf16, or the error of an impl that failed (reported on stderr; the others go on)."""
+    vs_bf16, or the error of an impl that failed (reported on stderr; the others go on).
+    on_row(row) is called as each row is measured (gpu_check saves it at once)."""
+    on_row = on_row or (lambda row: None)
     impls = list(impls or default_impls())
     dev = jax.devices()[0]
     rows = []
@@ -86,10 +88,12 @@ def run(tokens: int = 8192, scale: int = 1, impls=None, iters: int = 20) -> dict
                 print(f"  {impl} at {m}x{k}->{n} failed: {type(e).__name__}: {str(e)[:200]}",
                       file=sys.stderr)
                 rows.append({"m": m, "k": k, "n": n, "impl": impl, "error": str(e)[:500]})
+                on_row(rows[-1])
                 continue
             tflops = flops / sec / 1e12
             base = tflops if impl == "bf16" else base
             rows.append({"m": m, "k": k, "n": n, "impl": impl, "ms": sec * 1e3,
                          "tflops": tflops, "vs_bf16": tflops / base if base else None})
+            on_row(rows[-1])
     return {"device": dev.device_kind, "platform": dev.platform, "tokens": tokens,
             "scale": scale, "iters": iters, "flops": "2*M*N*K", "impls": impls, "rows": rows}

@@ -57,17 +57,24 @@ _PROPS = re.compile(r"Function properties for (\S+)")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _USED = re.compile(r"Used (\d+) registers")
 _SMEM = re.compile(r"(\d+) bytes smem")
+# ptxas' C751x notes: the function's wgmma instructions run one after another instead of
+# overlapping (an accumulator touched inside the pipeline, too few registers, a call): the
+# kernel computes the right values at a fraction of the tensor cores' speed.
+_SERIAL = re.compile(r"\((C75\d\d)\) Potential Performance Loss: wgmma\.mma_async instructions "
+                     r"are serialized (.*?) in the function '([^']+)'")
 
 
 def parse_ptxas(text: str) -> list[dict]:
     """Entry functions of `ptxas -v` output, in order: kernel, arch, registers, stack_bytes,
-    spill_stores, spill_loads, static_smem. Other lines (warnings, gmem, device functions'
-    properties, anything interleaved) are skipped."""
-    entries, current, props_of = [], None, None
+    spill_stores, spill_loads, static_smem, wgmma_serialized (None, or ptxas' code and reason).
+    Other lines (gmem, device functions' properties, anything interleaved) are skipped."""
+    entries, current, props_of, serial = [], None, None, []
     for line in text.splitlines():
-        if m := _ENTRY.search(line):
+        if m := _SERIAL.search(line):
+            serial.append((len(entries), m.group(3), f"{m.group(1)}: {m.group(2)}"))
+        elif m := _ENTRY.search(line):
             current = dict(kernel=m.group(1), arch=m.group(2), registers=None, stack_bytes=0,
-                           spill_stores=0, spill_loads=0, static_smem=0)
+                           spill_stores=0, spill_loads=0, static_smem=0, wgmma_serialized=None)
             entries.append(current)
             props_of = None
         elif m := _PROPS.search(line):
@@ -79,6 +86,11 @@ def parse_ptxas(text: str) -> list[dict]:
             current["registers"] = int(m.group(1))
             if s := _SMEM.search(line):
                 current["static_smem"] = int(s.group(1))
+    for seen, kernel, why in serial:  # the function's entry before the note, else after it
+        named = [i for i, e in enumerate(entries) if e["kernel"] == kernel]
+        before = [i for i in named if i < seen]
+        if named:
+            entries[(before or named)[-1 if before else 0]]["wgmma_serialized"] = why
     return entries
 
 
@@ -189,6 +201,8 @@ def verdict(row: dict, budget: Budget = Budget()) -> dict:
     why = []
     if row["spill_stores"] or row["spill_loads"]:
         why.append(f"spills {row['spill_stores']} B stores / {row['spill_loads']} B loads")
+    if row.get("wgmma_serialized"):
+        why.append(f"wgmma serialized ({row['wgmma_serialized']})")
     if row["threads"] and row["registers"] * row["threads"] > budget.registers_per_cta:
         why.append(f"{row['registers']} registers x {row['threads']} threads > "
                    f"{budget.registers_per_cta}")

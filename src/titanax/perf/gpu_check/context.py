@@ -16,6 +16,25 @@ import time
 import traceback
 
 ROW_OK = ("ok", "n/a")
+# The runner hands each section the kernels that failed or hung in an earlier one, as JSON
+# {key: why}; keys name a kernel and its variant (attention_key, fp8_key).
+SUSPECTS_ENV = "TITANAX_GPU_CHECK_SUSPECTS"
+
+
+def attention_key(impl: str, documents: bool) -> str:
+    """The suspects' key of an attention kernel: impl, and its segment-id variant."""
+    return f"flash_attention:{impl}" + (":documents" if documents else "")
+
+
+def fp8_key(impl: str, mode: str) -> str:
+    return f"fp8_matmul:{impl}:{mode}"
+
+
+def suspects_from_env() -> dict:
+    try:
+        return dict(json.loads(os.environ.get(SUSPECTS_ENV) or "{}"))
+    except ValueError:
+        return {}
 
 
 def write_json(path: pathlib.Path, data) -> None:
@@ -46,6 +65,9 @@ class SectionContext:
         self.markdown: str | None = None  # a section's own table (ptxas), instead of the rows'
         self.current: dict | None = None
         self._slowest: dict[str, float] = {}
+        # A kernel that hung or failed earlier is not run again: a hang would spend this
+        # section's budget too, a fault would end it.
+        self.suspects = suspects_from_env()
         self.flush()
 
     def elapsed(self) -> float:
@@ -64,11 +86,19 @@ class SectionContext:
         self.flush()
         return row
 
-    def run_item(self, label: dict, fn, *, estimate_s: float, group: str = "") -> dict:
+    def run_item(self, label: dict, fn, *, estimate_s: float, group: str = "",
+                 uses: tuple = ()) -> dict:
         """One row: label plus what fn() returns. An exception becomes the row's error and the
         section goes on. Before starting, the item must fit the budget left, judged by the
         slowest item of its group so far (compiles dominate, and they are alike within a
-        group), or estimate_s for the first; otherwise it is recorded as skipped."""
+        group), or estimate_s for the first; otherwise it is recorded as skipped. `uses`: the
+        kernels it runs (attention_key, fp8_key); one that failed or hung in an earlier section skips
+        the row, and a row of this one that fails marks them for the later sections."""
+        label = {**label, "uses": list(uses)} if uses else label
+        bad = [u for u in uses if u in self.suspects]
+        if bad:
+            return self.add({**label, "status": "skipped",
+                             "reason": "; ".join(f"{u}: {self.suspects[u]}" for u in bad)})
         need = self._slowest.get(group, estimate_s)
         if self.time_left() < need:
             return self.add({**label, "status": "skipped",

@@ -76,7 +76,7 @@ def device_section(ctx) -> None:
     cc = compute_capability()
     ctx.note(
         python=platform.python_version(), host=socket.gethostname(), jax=jax.__version__,
-        jaxlib=_version("jaxlib"), cuda_plugin=_version("jax-cuda12-plugin"),
+        jaxlib=_version("jaxlib"), cuda_plugin=_version("jax-cuda13-plugin") or _version("jax-cuda12-plugin"),
         flax=_version("flax"), platform=dev.platform,
         platform_version=getattr(dev.client, "platform_version", None),
         device_kind=dev.device_kind, device_count=jax.device_count(), gpu=key,

@@ -31,6 +31,7 @@ from pallas_kernels.fp8.matmul_sm90 import supported as sm90_supported
 from pallas_kernels.fp8.matmul_sm100 import supported as sm100_supported
 from pallas_kernels.fp8.reference import fp8_matmul_reference
 from pallas_kernels.target import compute_capability
+from titanax.perf.gpu_check.context import attention_key, fp8_key
 
 ATTN_TOL = 2e-2  # bf16, flash_attention_test.py TOL
 FP8_TOL = 8e-3  # bf16 output, test_sm90.py / test_matmul.py
@@ -38,6 +39,7 @@ FP8_TOL = 8e-3  # bf16 output, test_sm90.py / test_matmul.py
 ATTN_IMPLS = (*(n for n in KERNEL_IMPLS if backend(n).compute_capability), GPU_FALLBACK,
               GPU_VENDOR)
 HEAD_DIMS = (128, 64, 256)  # 70B's first: a budget that runs short drops the others
+TIMED_HEAD_DIM = 128  # what the attention and train sections run
 # (B, S, Hq, Hkv): S off the block grid, so padding and key tails are checked too.
 ATTN_SHAPE = {False: (2, 1000, 16, 2), True: (1, 100, 2, 1)}
 FP8_SHAPES = {False: [(1024, 2048, 1536), (8192, 8192, 8192)], True: [(128, 256, 256)]}
@@ -120,7 +122,10 @@ def _attention_rows(ctx, major: int) -> None:
                             "max_abs": max(e["max_abs"] for e in errs.values()),
                             "tol": ATTN_TOL, "errors": errs,
                             "pass": all(e["rel"] < ATTN_TOL for e in errs.values())}
-                ctx.run_item(label, check, estimate_s=10.0, group="attention")
+                # The timing sections run head_dim 128: a kernel failing or hanging there is
+                # not timed (context.py); at other head dims it is only reported.
+                uses = (attention_key(impl, segments),) if D == TIMED_HEAD_DIM else ()
+                ctx.run_item(label, check, estimate_s=10.0, group="attention", uses=uses)
 
 
 def _fp8_cases(major: int, dry: bool):
@@ -174,7 +179,7 @@ def _fp8_rows(ctx, major: int) -> None:
                 ok = bool(np.all(np.isfinite(got))
                           and np.all(np.abs(got - ref) <= atol + FP8_TOL * np.abs(ref)))
                 return {**_errors(got, ref), "tol": FP8_TOL, "pass": ok}
-            ctx.run_item(label, check, estimate_s=5.0, group="fp8")
+            ctx.run_item(label, check, estimate_s=5.0, group="fp8", uses=(fp8_key(impl, mode),))
 
 
 def kernels_section(ctx) -> None:

@@ -11,7 +11,8 @@ from titanax.perf.gpu_check.context import write_json
 # Columns the tables leave out (all stay in the JSON): nested detail, what every row repeats,
 # and the train bench's secondary numbers.
 _HIDDEN = {"errors", "step_times_s", "config", "causal", "kernel", "devices", "step_p10_s",
-           "step_p90_s", "achieved_flops", "peak_flops", "max_rss_bytes", "flops_per_step"}
+           "step_p90_s", "achieved_flops", "peak_flops", "max_rss_bytes", "flops_per_step",
+           "uses"}
 _INFO_HIDDEN = {"skipped", "reason", "traceback"}  # shown above the bullets, or JSON only
 
 

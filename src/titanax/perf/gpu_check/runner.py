@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import functools
 import importlib
 import json
 import os
@@ -23,8 +24,8 @@ import threading
 import time
 import traceback
 
-from titanax.perf.gpu_check import report
-from titanax.perf.gpu_check.context import SectionContext, error_text
+from titanax.perf.gpu_check import pack, report
+from titanax.perf.gpu_check.context import SUSPECTS_ENV, SectionContext, error_text
 from titanax.perf.gpu_check.sections import DEFAULT_TIME_LIMIT_S, SECTIONS, Section
 
 REPO = pathlib.Path(__file__).resolve().parents[4]
@@ -62,8 +63,9 @@ def run_worker(name: str, fn: str, out_dir: str, *, dry_run: bool, budget_s: flo
 
 # --- the parent -----------------------------------------------------------------------------
 
-def _child_env(sec: Section, dry_run: bool) -> dict:
+def _child_env(sec: Section, dry_run: bool, suspects: dict) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env[SUSPECTS_ENV] = json.dumps(suspects)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     defaults = dict(sec.env)
     if dry_run:
@@ -103,7 +105,7 @@ def _read_result(path: pathlib.Path) -> dict:
 
 
 def _run_child(sec: Section, out: pathlib.Path, budget: float, *, dry_run: bool,
-               cache_dir: str | None) -> dict:
+               cache_dir: str | None, suspects: dict) -> dict:
     cmd = [sys.executable, "-m", "launch.gpu_check", "--worker", sec.name, "--worker-fn",
            sec.fn, "--out", str(out), "--budget", f"{budget:.1f}"]
     cmd += ["--dry-run"] if dry_run else []
@@ -117,7 +119,8 @@ def _run_child(sec: Section, out: pathlib.Path, budget: float, *, dry_run: bool,
         # Its own process group: a section's own children (ptxas_report's compile worker) go
         # down with it at the time limit instead of holding the GPU.
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=_child_env(sec, dry_run), stdin=subprocess.DEVNULL,
+                                env=_child_env(sec, dry_run, suspects),
+                                stdin=subprocess.DEVNULL,
                                 start_new_session=True)
         pump = threading.Thread(target=_pump, args=(proc.stdout, log, sec.name, tail),
                                 daemon=True)
@@ -149,28 +152,59 @@ def _run_child(sec: Section, out: pathlib.Path, budget: float, *, dry_run: bool,
     return res
 
 
+def suspects_after(name: str, res: dict) -> dict:
+    """The kernels (context.attention_key, fp8_key) a finished section shows to be unsafe to
+    run again: those of a row that failed or raised, and those of the row it was in when it
+    hung or died."""
+    found = {}
+    for row in res.get("rows", []):
+        if row.get("status") in ("error", "fail"):
+            why = f"{row['status']} in section {name}"
+            if row.get("error"):
+                why += f" ({str(row['error'])[:100]})"
+            for u in row.get("uses", []):
+                found.setdefault(u, why)
+    current = res.get("current") or {}
+    if res.get("status") in ("timeout", "error", "interrupted"):
+        for u in current.get("uses", []):
+            found[u] = f"{res['status']} in section {name} while it ran"
+    return found
+
+
 def run(names, out_dir, *, dry_run: bool, time_limit_s: float = DEFAULT_TIME_LIMIT_S,
-        cache_dir: str | None = None, command: str = "", sections=SECTIONS) -> dict:
+        cache_dir: str | None = None, command: str = "", sections=SECTIONS,
+        pack_dir: str | None = None) -> dict:
+    """Runs the named sections in the order given. pack_dir: after every section, also
+    gpu_check.json, gpu_check.md and logs.tar.gz (every log and section file) there: three
+    files, for a machine that returns only a few (scripts/gpu_loan.sh)."""
     out = pathlib.Path(out_dir).resolve()
     for sub in ("sections", "logs"):
         (out / sub).mkdir(parents=True, exist_ok=True)
-    chosen = [s for s in sections if s.name in names]
+    by_name = {s.name: s for s in sections}
+    chosen = [by_name[n] for n in names if n in by_name]
     rep = {"command": command, "dry_run": dry_run, "time_limit_s": time_limit_s,
            "started": datetime.datetime.now().isoformat(timespec="seconds"), "out": str(out),
-           "cache_dir": cache_dir, "elapsed_s": 0.0,
+           "cache_dir": cache_dir, "elapsed_s": 0.0, "suspects": {},
            "sections": {s.name: {"status": "pending", "what": s.what} for s in chosen}}
-    report.write(out, rep)
+    write = functools.partial(_write, pack_dir=pathlib.Path(pack_dir) if pack_dir else None)
+    write(out, rep)
     # A SIGTERM (a scheduler's or a tool's time limit) unwinds like Ctrl-C, so the running
     # section's process group is killed on the way out (its own session does not get it).
     main = threading.current_thread() is threading.main_thread()  # where handlers may be set
     previous = signal.signal(signal.SIGTERM, _raise_exit) if main else None
     try:
         _run_sections(chosen, rep, out, dry_run=dry_run, time_limit_s=time_limit_s,
-                      cache_dir=cache_dir)
+                      cache_dir=cache_dir, write=write)
     finally:
         if main:
             signal.signal(signal.SIGTERM, previous)
     return rep
+
+
+def _write(out: pathlib.Path, rep: dict, *, pack_dir: pathlib.Path | None) -> None:
+    report.write(out, rep)
+    if pack_dir is not None:
+        pack.pack(out, pack_dir)
 
 
 def _raise_exit(signum, frame):
@@ -178,7 +212,7 @@ def _raise_exit(signum, frame):
 
 
 def _run_sections(chosen, rep: dict, out: pathlib.Path, *, dry_run: bool, time_limit_s: float,
-                  cache_dir: str | None) -> None:
+                  cache_dir: str | None, write) -> None:
     scale = time_limit_s / DEFAULT_TIME_LIMIT_S
     t0 = time.monotonic()
     for sec in chosen:
@@ -190,16 +224,19 @@ def _run_sections(chosen, rep: dict, out: pathlib.Path, *, dry_run: bool, time_l
         else:
             print(f"== {sec.name}: budget {budget:.0f} s", flush=True)
             try:
-                res = _run_child(sec, out, budget, dry_run=dry_run, cache_dir=cache_dir)
+                res = _run_child(sec, out, budget, dry_run=dry_run, cache_dir=cache_dir,
+                                 suspects=rep["suspects"])
             except BaseException:  # Ctrl-C or SIGTERM: keep what the section had written
                 res = _read_result(out / "sections" / f"{sec.name}.json")
                 res.update(status="interrupted", error="the run was stopped (Ctrl-C/SIGTERM)")
                 rep["sections"][sec.name] = {"what": sec.what, **res}
-                report.write(out, rep)
+                write(out, rep)
                 raise
         if res["status"] == "skipped" and not res.get("reason"):
             res["reason"] = res.get("info", {}).get("reason", "")
         rep["sections"][sec.name] = {"what": sec.what, **res}
+        for key, why in suspects_after(sec.name, res).items():
+            rep["suspects"].setdefault(key, why)
         rep["elapsed_s"] = round(time.monotonic() - t0, 1)
-        report.write(out, rep)
+        write(out, rep)
         print(f"== {sec.name}: {res['status']} in {res.get('seconds', 0):.0f} s", flush=True)

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 from pallas_kernels.flash_attention import bench as bench_attention
 from pallas_kernels.fp8 import bench as bench_fp8
-from pallas_kernels.fp8.backends import SCALINGS, generation_kernels
+from pallas_kernels.fp8.backends import MATMULS, SCALINGS, generation_kernels, mx_refusal
 from pallas_kernels.target import compute_capability
+from titanax.perf.gpu_check.context import attention_key, fp8_key
 from titanax.perf.gpu_check.device import our_attention_impl
 
 # (seqs, tokens per call, iters): the GPU run, and the dry run's tiny twin. The training
@@ -73,7 +74,12 @@ def attention_section(ctx) -> None:
                     row["vs_cudnn_causal"] = ((base["fwd_ms"] + base["bwd_ms"])
                                               / (row["fwd_ms"] + row["bwd_ms"]))
                 return row
-            row = ctx.run_item(label, measure, estimate_s=6.0, group="attention")
+            # model:auto runs cuDNN causal without documents and our kernel with them
+            # (resolve.py), in the dry run xla.
+            runs = impl if attend is None else ("xla" if ctx.dry_run else
+                                                ours if documents else "cudnn")
+            row = ctx.run_item(label, measure, estimate_s=6.0, group="attention",
+                               uses=(attention_key(runs, documents),))
             base = row if base is None else base
 
 
@@ -81,25 +87,42 @@ def _fp8_impls(dry: bool) -> list[str]:
     """Explicit impl names (never a default that may change): ours and XLA's, bf16 and FP8."""
     if dry:
         return ["bf16", "xla_fp8", "xla_mx", "pallas_grid"]  # the grid kernel, interpreted
-    major = (compute_capability() or (0, 0))[0]
-    ours = [m.name for s in SCALINGS for m in generation_kernels(major, s)]
-    # Hopper has no MX hardware: xla_mx there is XLA's own lowering, kept for the record.
-    return ["bf16", "xla_fp8", "xla_mx"] + ours
+    cc = compute_capability()
+    ours = [m.name for s in SCALINGS for m in generation_kernels(cc[0] if cc else 0, s)]
+    # Before Blackwell no MX GEMM runs in hardware: titanax refuses mxfp8 there (mx_refusal).
+    return ["bf16", "xla_fp8"] + ([] if mx_refusal(cc) else ["xla_mx"]) + ours
+
+
+def _fp8_uses(impl: str) -> tuple:
+    if impl == "bf16":
+        return ()
+    if impl in ("xla_fp8", "xla_mx"):
+        return (fp8_key("xla", "tensorwise" if impl == "xla_fp8" else "mx"),)
+    return tuple(fp8_key(impl, s) for s in MATMULS[impl].scalings)
 
 
 def fp8_section(ctx) -> None:
     impls = _fp8_impls(ctx.dry_run)
+    skipped = {i: "; ".join(ctx.suspects[u] for u in _fp8_uses(i) if u in ctx.suspects)
+               for i in impls}
+    run = [i for i in impls if not skipped[i]]
     kw = dict(tokens=8192, scale=64 if ctx.dry_run else 1, iters=2 if ctx.dry_run else 20)
-    argv = (f"--tokens {kw['tokens']} --iters {kw['iters']} --impls {' '.join(impls)}"
+    argv = (f"--tokens {kw['tokens']} --iters {kw['iters']} --impls {' '.join(run)}"
             + (f" --scale {kw['scale']}" if ctx.dry_run else ""))  # the launch.bench fp8 twin
     ctx.note(impls=impls, argv=argv, flops="2*M*N*K; TFLOP/s = FLOPs / median time")
-    data = bench_fp8.run(impls=impls, **kw)
+    if not ctx.dry_run and mx_refusal(compute_capability()):
+        ctx.note(xla_mx=mx_refusal(compute_capability()))
+    for impl in impls:
+        if skipped[impl]:
+            ctx.add({"impl": impl, "status": "skipped", "reason": skipped[impl]})
+    xla_fp8: dict[tuple, float] = {}
+
+    def on_row(r: dict) -> None:  # saved as each GEMM finishes: a timeout keeps the rest
+        shape = (r["m"], r["k"], r["n"])
+        if r["impl"] == "xla_fp8" and "tflops" in r:
+            xla_fp8[shape] = r["tflops"]
+        if "tflops" in r and xla_fp8.get(shape):
+            r["vs_xla_fp8"] = r["tflops"] / xla_fp8[shape]
+        ctx.add({**r, "uses": list(_fp8_uses(r["impl"]))})
+    data = bench_fp8.run(impls=run, on_row=on_row, **kw)
     ctx.note(device=data["device"], scale=data["scale"])
-    by_shape: dict[tuple, dict] = {}
-    for r in data["rows"]:
-        by_shape.setdefault((r["m"], r["k"], r["n"]), {})[r["impl"]] = r
-    for r in data["rows"]:
-        base = by_shape[(r["m"], r["k"], r["n"])].get("xla_fp8", {}).get("tflops")
-        if "tflops" in r and base:
-            r["vs_xla_fp8"] = r["tflops"] / base
-        ctx.add(r)

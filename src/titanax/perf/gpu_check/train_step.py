@@ -17,8 +17,11 @@ import pathlib
 import jax
 
 from pallas_kernels.fp8.api import resolve_impl as fp8_resolve_impl
+from pallas_kernels.fp8.backends import mx_refusal
+from pallas_kernels.target import compute_capability
 from titanax.config import load_config
 from titanax.models.registry import model_spec
+from titanax.perf.gpu_check.context import attention_key, fp8_key
 from titanax.perf.gpu_check.device import our_attention_impl
 from titanax.perf.train_bench import bench_train_step
 from titanax.train.metrics import FLOP_FORMULA, flops_per_token, peak_flops_per_device
@@ -104,16 +107,24 @@ def train_section(ctx) -> None:
         _config(ctx, overrides, "default", attention).train.peak_flops, "bfloat16")
     ctx.note(flop_formula=FLOP_FORMULA, mfu="tokens/s * FLOPs/token / peak (dense bf16)",
              peak_flops=peak, peak_source=source, overrides=overrides)
-    # Our attention kernel under every recipe; then, budget permitting, bf16 with cuDNN's.
-    plan = [(p, attention) for p in PRECISIONS]
-    if not ctx.dry_run:
-        plan.append(("default", "cudnn"))
+    # What configs/llama3_70b.py runs first (bf16, and attention "auto", which is cuDNN's
+    # causal kernel for the presets' unpacked data); then our kernel under every recipe.
+    plan = [("default", attention if ctx.dry_run else "cudnn")]
+    plan += [(p, attention) for p in PRECISIONS]
+    cc = None if ctx.dry_run else compute_capability()
     for precision, attn in plan:
         label = {"precision": precision, "attention": attn,
                  "n_layers": overrides["model.n_layers"],
                  "batch": overrides["train.batch_size"], "seq": overrides["train.seq_len"]}
+        why = mx_refusal(cc) if precision == "mxfp8" else None
+        if why:
+            ctx.add({**label, "status": "n/a", "reason": why})
+            continue
+        uses = (attention_key(attn, False),) + (
+            (fp8_key("xla", "mx" if precision == "mxfp8" else "tensorwise"),)
+            if precision != "default" else ())
         row = ctx.run_item(label, lambda: _one(ctx, overrides, precision, attn, peak),
-                           estimate_s=90.0, group="train")
+                           estimate_s=90.0, group="train", uses=uses)
         if _is_oom(row) and overrides["model.n_layers"] > 1:
             # The estimate was optimistic: one layer fewer for this and every later recipe.
             row.update(status="n/a", reason=f"out of memory at {label['n_layers']} layers; "
@@ -122,4 +133,4 @@ def train_section(ctx) -> None:
             ctx.note(overrides=overrides, oom_retry=label)
             label = {**label, "n_layers": overrides["model.n_layers"]}
             ctx.run_item(label, lambda: _one(ctx, overrides, precision, attn, peak),
-                         estimate_s=90.0, group="train")
+                         estimate_s=90.0, group="train", uses=uses)

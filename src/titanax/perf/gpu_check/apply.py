@@ -1,0 +1,198 @@
+"""`python -m launch.gpu_check --apply RESULTS`: a loan's gpu_check.json into the repository, so
+that one loan updates it in one commit (docs/gpu_check.md, "Recording the results").
+
+Three files change:
+- docs/bench/gpu_check_<gpu>.json: the result as it came back;
+- docs/performance.md: the section `## GPU: <device kind>` between the markers
+  `<!-- gpu-check:<gpu>:begin -->` and `<!-- gpu-check:<gpu>:end -->` (added after the
+  introduction on the first run of that GPU), holding the command, the date, the versions and
+  the kernels, train, attention and fp8 tables;
+- pallas_kernels/measured.py: WINS for this GPU generation. Our kernel wins an op when it beats
+  the vendor path by at least MARGIN on every case measured: attention without documents
+  (`vs_cudnn_causal`, at every sequence length, the training length among them), tensorwise
+  FP8 (`vs_xla_fp8` at every 70B GEMM shape), MXFP8 (against `xla_mx`, cuDNN's block-scaled
+  GEMM). A generation's entry that the run measured and did not confirm is removed.
+
+Nothing is written unless the whole result reads: a dry run, a CPU result or one without its
+device section is refused with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import shutil
+
+# A win must hold by 2% or more: the medians of 10-20 timed calls move by about 1% between
+# runs of one machine.
+MARGIN = 1.02
+TRAINING_SEQ = 8192
+MEASURED = "pallas_kernels/measured.py"
+PERFORMANCE = "docs/performance.md"
+# measured.py's table: empty on one line, or one entry per line up to a closing brace line.
+_WINS_RE = re.compile(r"^WINS: dict\[tuple\[str, int\], str\] = (?:\{\}|\{\n.*?^\})$",
+                      re.M | re.S)
+
+
+class ApplyError(ValueError):
+    """The result cannot be applied; the message says why and what to do."""
+
+
+def load(path: pathlib.Path) -> dict:
+    try:
+        rep = json.loads(pathlib.Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ApplyError(f"cannot read {path}: {e}") from None
+    if not isinstance(rep, dict) or "sections" not in rep:
+        raise ApplyError(f"{path} is not a gpu_check.json (no 'sections')")
+    if rep.get("dry_run"):
+        raise ApplyError(f"{path} is a dry run: it holds CPU stand-ins, not GPU numbers")
+    info = rep["sections"].get("device", {}).get("info", {})
+    if info.get("platform") != "gpu" or not info.get("compute_capability") or not info.get("gpu"):
+        raise ApplyError(f"{path}: its device section names no known GPU (platform "
+                         f"{info.get('platform')!r}, gpu {info.get('gpu')!r}); run it on the GPU "
+                         "with the device section")
+    return rep
+
+
+def _ok_rows(rep: dict, section: str) -> list[dict]:
+    return [r for r in rep["sections"].get(section, {}).get("rows", []) if r.get("status") == "ok"]
+
+
+def decide(rep: dict) -> dict[str, tuple[str | None, str]]:
+    """{op: (our impl that won or None, evidence)} for the ops this run measured."""
+    from pallas_kernels.fp8.backends import MATMULS
+
+    out: dict[str, tuple[str | None, str]] = {}
+    ours = rep["sections"].get("attention", {}).get("info", {}).get("ours")
+    rows = [r for r in _ok_rows(rep, "attention")
+            if r.get("impl") == ours and not r.get("documents") and "vs_cudnn_causal" in r]
+    if ours and rows:
+        ratio = min(r["vs_cudnn_causal"] for r in rows)
+        seqs = sorted(r["seq"] for r in rows)
+        won = ratio >= MARGIN and TRAINING_SEQ in seqs
+        out["attention"] = (ours if won else None,
+                            f"vs_cudnn_causal >= {ratio:.3f} at S={seqs}")
+    fp8 = _ok_rows(rep, "fp8")
+    shapes = {(r["m"], r["k"], r["n"]) for r in fp8}
+    for op, scaling, base in (("fp8_tensorwise", "tensorwise", "xla_fp8"),
+                              ("mxfp8", "mx", "xla_mx")):
+        vendor = {(r["m"], r["k"], r["n"]): r["tflops"] for r in fp8 if r["impl"] == base}
+        for impl in sorted({r["impl"] for r in fp8 if r["impl"] in MATMULS
+                            and scaling in MATMULS[r["impl"]].scalings}):
+            mine = {(r["m"], r["k"], r["n"]): r["tflops"] for r in fp8 if r["impl"] == impl}
+            both = sorted(set(mine) & set(vendor))
+            if not both:
+                continue
+            ratio = min(mine[s] / vendor[s] for s in both)
+            won = ratio >= MARGIN and set(both) == shapes
+            out[op] = (impl if won else None,
+                       f"{impl} / {base} TFLOP/s >= {ratio:.3f} at {len(both)} of "
+                       f"{len(shapes)} shapes")
+    return out
+
+
+def _wins_source(wins: dict, comments: dict) -> str:
+    if not wins:
+        return "WINS: dict[tuple[str, int], str] = {}"
+    lines = ["WINS: dict[tuple[str, int], str] = {"]
+    for (op, major), impl in sorted(wins.items()):
+        comment = comments.get((op, major))
+        lines.append(f"    ({op!r}, {major}): {impl!r},{f'  # {comment}' if comment else ''}")
+    return "\n".join(lines + ["}"])
+
+
+def _existing_comments(source: str) -> dict:
+    found = {}
+    for m in re.finditer(r"^\s+\('(\w+)', (\d+)\): '(\w+)',(?:\s+# (.*))?$", source, re.M):
+        found[(m.group(1), int(m.group(2)))] = m.group(4)
+    return found
+
+
+def update_measured(source: str, decisions: dict, major: int, run: str) -> str:
+    namespace: dict = {}
+    exec(compile(source, MEASURED, "exec"), namespace)  # noqa: S102 - our own file
+    wins, comments = dict(namespace["WINS"]), _existing_comments(source)
+    for op, (impl, evidence) in decisions.items():
+        if impl:
+            wins[(op, major)] = impl
+            comments[(op, major)] = f"{run}: {evidence}"
+        else:
+            wins.pop((op, major), None)
+    if not _WINS_RE.search(source):
+        raise ApplyError(f"{MEASURED}: no `WINS: dict[tuple[str, int], str] = {{...}}` to rewrite")
+    return _WINS_RE.sub(lambda m: _wins_source(wins, comments), source, count=1)
+
+
+def performance_section(rep: dict, decisions: dict) -> str:
+    from titanax.perf.gpu_check import report
+
+    info = rep["sections"]["device"]["info"]
+    lines = [f"## GPU: {info.get('device_kind')}, jax {info.get('jax')}, "
+             f"{str(rep.get('started', ''))[:10]}", "",
+             f"`{rep.get('command', '')}` (`docs/bench/gpu_check_{info['gpu']}.json`; the tables "
+             "are gpu_check.md's). Compute capability "
+             f"{info.get('compute_capability')}, CUDA plugin {info.get('cuda_plugin')}, cuDNN "
+             f"{info.get('cudnn')}, driver {info.get('cuda_driver')}; {rep.get('elapsed_s', 0):.0f} s "
+             f"of a {rep.get('time_limit_s', 0):.0f} s limit."]
+    not_ok = {n: s.get("status") for n, s in rep["sections"].items()
+              if s.get("status") not in ("ok", "skipped")}
+    if not_ok:
+        lines += ["", "Not complete: " + ", ".join(f"{n} {s}" for n, s in not_ok.items()) + "."]
+    if rep.get("suspects"):
+        lines += ["", "Kernels skipped after failing or hanging: " + "; ".join(
+            f"`{k}` ({v})" for k, v in rep["suspects"].items()) + "."]
+    kernels = rep["sections"].get("kernels", {}).get("rows", [])
+    if kernels:
+        ran = [r for r in kernels if r.get("status") in ("ok", "fail", "error")]
+        bad = [r for r in kernels if r.get("status") in ("fail", "error")]
+        lines += ["", f"Kernels against their references: {len(ran) - len(bad)} of {len(ran)} "
+                      "cases pass" + (":" if bad else ".")]
+        if bad:
+            lines += ["", report.rows_table(bad)]
+    for name, title in (("train", "Train step"), ("attention", "Attention"), ("fp8", "FP8 GEMMs")):
+        sec = rep["sections"].get(name)
+        if not sec or not sec.get("rows"):
+            continue
+        lines += ["", f"### {title}", "", sec.get("what", "")]
+        lines += ["", *report.tables(sec["rows"])]
+    if decisions:
+        lines += ["", "`auto` after this run (pallas_kernels/measured.py): " + "; ".join(
+            f"{op}: {impl or 'vendor'} ({evidence})" for op, (impl, evidence) in
+            sorted(decisions.items())) + "."]
+    return "\n".join(lines)
+
+
+def update_performance(text: str, gpu: str, section: str) -> str:
+    begin, end = f"<!-- gpu-check:{gpu}:begin -->", f"<!-- gpu-check:{gpu}:end -->"
+    block = f"{begin}\n{section}\n{end}"
+    if begin in text and end in text:
+        return text[:text.index(begin)] + block + text[text.index(end) + len(end):]
+    text = text.replace("No GPU numbers yet: no session has had a GPU machine. The GPU benchmarks "
+                        "are\n`python -m launch.bench attention` and `python -m launch.bench fp8`."
+                        "\n\n", "")
+    first = text.find("\n## ")
+    if first < 0:
+        return text.rstrip("\n") + "\n\n" + block + "\n"
+    return text[:first + 1] + block + "\n\n" + text[first + 1:]
+
+
+def apply(results: pathlib.Path, repo: pathlib.Path) -> list[pathlib.Path]:
+    """Writes the three files (module docstring); returns their paths."""
+    rep = load(results)
+    info = rep["sections"]["device"]["info"]
+    gpu, major = info["gpu"], int(str(info["compute_capability"]).split(".")[0])
+    decisions = decide(rep)
+    run = f"{info.get('device_kind')} {str(rep.get('started', ''))[:10]}"
+    measured = repo / MEASURED
+    new_measured = update_measured(measured.read_text(), decisions, major, run)
+    perf = repo / PERFORMANCE
+    new_perf = update_performance(perf.read_text(), gpu, performance_section(rep, decisions))
+    bench = repo / "docs" / "bench" / f"gpu_check_{gpu}.json"
+    bench.parent.mkdir(parents=True, exist_ok=True)
+    if pathlib.Path(results).resolve() != bench.resolve():
+        shutil.copyfile(results, bench)
+    measured.write_text(new_measured)
+    perf.write_text(new_perf)
+    return [bench, perf, measured]

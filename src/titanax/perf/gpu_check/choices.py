@@ -1,0 +1,165 @@
+"""Section 'choices': each kernel choice made without a GPU, timed against its alternative in the
+same loan. The shipped variant runs first; `vs_shipped` = its time / the variant's (above 1: the
+alternative is faster, and the default should change).
+
+- fp8_promotion (Hopper): the sm90 FP8 GEMM promoting its accumulator to float32 every K tile
+  (Sm90Config.promote_every=1, shipped: accuracy) against never (0);
+- fp8_tile (Hopper): its 64 x 128 tile (shipped) against 128 x 128 (without promotion: with it,
+  128 x 128 spills);
+- triton_warps_hd64: the portable attention kernel at head_dim 64 with 8 warps (shipped: 4
+  spill on sm_100) against 4;
+- triton_stages_bwd_hd256: its backward at head_dim 256 unpipelined (num_stages_bwd=1,
+  shipped: 2 stages spill) against 2 stages;
+- documents: packed 2,048-token documents in 8,192-token windows on our kernel for this GPU
+  (what `auto` picks) against cuDNN with the documents as a dense mask.
+
+Attention cases: 64 q / 8 kv heads, causal, bf16, 16,384 tokens per call, forward and backward
+(FLOPs as the attention section counts them); FP8 GEMMs at M = 8192, K = 8192, N = 28672,
+FLOPs 2*M*N*K. Each time is the median of the timed calls after warm-up. Dry run: tiny shapes
+in the interpreters, one timed call (exercises the code; the times mean nothing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.flash_attention import default_config, flash_attention
+from pallas_kernels.flash_attention.bench import attention_flops, packed_segment_ids
+from pallas_kernels.fp8 import fp8_matmul, quantize_tensorwise
+from pallas_kernels.fp8.config import E4M3, Sm90Config
+from pallas_kernels.target import compute_capability
+from pallas_kernels.timing import median_call_seconds
+from titanax.perf.gpu_check.context import attention_key, fp8_key
+from titanax.perf.gpu_check.device import our_attention_impl
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    label: str
+    shipped: bool
+    run: dict  # measure()'s keywords
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    name: str
+    question: str
+    generation: int | None  # compute capability major it applies to; None: every GPU
+    variants: tuple
+
+
+def _triton(head_dim: int, **knobs) -> dict:
+    """The portable kernel at its shipped config for head_dim, with knobs changed."""
+    return {"kind": "attention", "impl": "triton", "head_dim": head_dim,
+            "config": dataclasses.replace(default_config("triton", head_dim), **knobs)}
+
+
+CHOICES = (
+    Choice("fp8_promotion", "sm90 FP8 GEMM: float32 promotion every K tile, or never", 9, (
+        Variant("promote_every=1", True, {"kind": "fp8", "config": Sm90Config()}),
+        Variant("promote_every=0", False, {"kind": "fp8",
+                                           "config": Sm90Config(promote_every=0)}))),
+    Choice("fp8_tile", "sm90 FP8 GEMM tile: 64 x 128 or 128 x 128", 9, (
+        Variant("64x128", True, {"kind": "fp8", "config": Sm90Config()}),
+        Variant("128x128, promote_every=0", False, {"kind": "fp8", "config": Sm90Config(
+            tile_m=128, tile_n=128, promote_every=0)}))),
+    Choice("triton_warps_hd64", "portable attention kernel at head_dim 64: 8 or 4 warps", None, (
+        Variant("num_warps=8", True, _triton(64)),
+        Variant("num_warps=4", False, _triton(64, num_warps=4)))),
+    Choice("triton_stages_bwd_hd256", "portable attention backward at head_dim 256: 1 or 2 "
+           "pipeline stages", None, (
+               Variant("num_stages_bwd=1", True, _triton(256)),
+               Variant("num_stages_bwd=2", False, _triton(256, num_stages_bwd=2)))),
+    Choice("documents", "2k-token documents in 8k windows: our tile-skipping kernel or cuDNN "
+           "with a dense mask", None, (
+               Variant("ours (auto)", True, {"kind": "attention", "impl": "ours",
+                                             "documents": True}),
+               Variant("cudnn, dense mask", False, {"kind": "attention", "impl": "cudnn",
+                                                    "documents": True}))),
+)
+
+# (tokens per call, seq, q heads, kv heads, doc tokens, timed calls); FP8 (M, K, N).
+GPU_ATTENTION = (16384, 8192, 64, 8, 2048, 10)
+DRY_ATTENTION = (128, 128, 2, 1, 32, 1)
+GPU_GEMM, DRY_GEMM = (8192, 8192, 28672), (128, 256, 256)
+
+
+def _attention(ctx, impl, head_dim=128, config=None, documents=False, **_) -> dict:
+    tokens, S, hq, hkv, doc, iters = DRY_ATTENTION if ctx.dry_run else GPU_ATTENTION
+    B = max(1, tokens // S)
+    if ctx.dry_run and impl != "triton":
+        impl = "xla"  # the interpreters cannot stand in for cuDNN or a Mosaic kernel's speed
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((B, S, h, head_dim), np.float32), jnp.bfloat16)
+               for h in (hq, hkv, hkv))
+    seg = packed_segment_ids(B, S, doc) if documents else None
+    kw = {"interpret": True} if ctx.dry_run and impl == "triton" else {}
+
+    def attend(q, k, v, s):
+        return flash_attention(q, k, v, causal=True, segment_ids=s, impl=impl, config=config,
+                               **kw)
+    grad = jax.jit(jax.grad(lambda q, k, v, s: attend(q, k, v, s).astype(jnp.float32).sum(),
+                            argnums=(0, 1, 2)))
+    sec = median_call_seconds(grad, (q, k, v, seg), iters)
+    f_fwd, f_bwd = attention_flops(B, S, hq, head_dim, causal=True,
+                                   doc_tokens=doc if documents else 0)
+    return {"ms": sec * 1e3, "tflops": (f_fwd + f_bwd) / sec / 1e12, "impl": impl,
+            "shape": f"B{B} S{S} Hq{hq}/Hkv{hkv} D{head_dim}"}
+
+
+def _gemm(ctx, config, **_) -> dict:
+    m, k, n = DRY_GEMM if ctx.dry_run else GPU_GEMM
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((m, k), np.float32))
+    w = jnp.asarray(rng.standard_normal((k, n), np.float32) * 0.02)
+    ops = jax.jit(lambda x, w: (*quantize_tensorwise(x, E4M3), *quantize_tensorwise(w, E4M3)))(
+        x, w)
+    if ctx.dry_run:
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+        kw = {"interpret": plgpu.InterpretGPUParams()}
+    else:
+        kw = {}
+    fn = jax.jit(lambda *t: fp8_matmul(*t, jnp.bfloat16, impl="sm90", config=config, **kw))
+    sec = median_call_seconds(fn, ops, 1 if ctx.dry_run else 20)
+    return {"ms": sec * 1e3, "tflops": 2.0 * m * n * k / sec / 1e12,
+            "shape": f"{m}x{k}->{n}"}
+
+
+def _uses(run: dict, ours: str) -> tuple:
+    if run["kind"] == "fp8":
+        return (fp8_key("sm90", "tensorwise"),)
+    impl = ours if run["impl"] == "ours" else run["impl"]
+    return (attention_key(impl, run.get("documents", False)),)
+
+
+def choices_section(ctx) -> None:
+    cc = None if ctx.dry_run else compute_capability()
+    ours = "xla" if ctx.dry_run else our_attention_impl()
+    ctx.note(ours=ours, vs_shipped="shipped variant's time / this variant's (> 1: faster)",
+             flops="attention fwd+bwd = 3.5 x 4*B*S^2*Hq*D/2 (documents: visible pairs); "
+                   "GEMM 2*M*N*K")
+    for choice in CHOICES:
+        shipped_ms = None
+        for var in choice.variants:
+            label = {"choice": choice.name, "variant": var.label, "shipped": var.shipped}
+            if cc is not None and choice.generation not in (None, cc[0]):
+                ctx.add({**label, "status": "n/a", "reason": f"a compute capability "
+                         f"{choice.generation}.x choice; this GPU is {cc[0]}.{cc[1]}"})
+                continue
+            run = dict(var.run)
+            if run.get("impl") == "ours":
+                run["impl"] = ours
+            measure = _gemm if run.pop("kind") == "fp8" else _attention
+            row = ctx.run_item(label, lambda m=measure, r=run: m(ctx, **r), estimate_s=20.0,
+                               group="choices", uses=_uses(var.run, ours))
+            if row.get("status") != "ok":
+                continue
+            if var.shipped:
+                shipped_ms = row["ms"]
+            elif shipped_ms:
+                row["vs_shipped"] = shipped_ms / row["ms"]
+                ctx.flush()
