@@ -1,4 +1,5 @@
-"""Where our kernels have been measured beating the vendor path, by op and GPU generation.
+"""What GPU runs measured, by GPU generation: where our kernels beat the vendor path (WINS), and
+which kernel knobs beat the shipped defaults (TUNED).
 
 `auto` picks one of our kernels over the vendor path (cuDNN attention; XLA's FP8 dot and
 scaled matmul, i.e. cuBLASLt / cuDNN) only where a benchmark recorded in docs/ showed it
@@ -6,6 +7,12 @@ faster on that GPU (`python -m launch.gpu_check`, sections attention and fp8, re
 in docs/performance.md). A kernel that has never run on a GPU has not earned the default: until
 then it stays one `impl=` away, with its tests. Add an entry here with the numbers' docs
 reference when a run shows a win; remove it when a later run does not.
+
+TUNED lays knob values over a kernel's shipped default config on one GPU generation, where the
+gpu_check choices section timed them faster than the shipped values by apply.MARGIN (e.g.
+('flash_attention/triton/hd64', 9): {'num_warps': 4}); flash_attention.default_config reads it.
+Choices that trade accuracy (FP8 promotion) never land here. `launch.gpu_check --apply`
+rewrites both tables; by hand, keep one entry per line and a comment naming the run.
 """
 
 from __future__ import annotations
@@ -19,3 +26,12 @@ WINS: dict[tuple[str, int], str] = {}
 
 def ours_won(op: str, cc: tuple[int, int], impl: str) -> bool:
     return WINS.get((op, cc[0])) == impl
+
+# (config name, compute capability major) -> knob values that replace the shipped default's.
+TUNED: dict[tuple[str, int], dict] = {}
+
+
+def tuned(config: str, major: int | None) -> dict:
+    """The measured knob values for `config` on GPU generation `major` ({} off GPU or when
+    none were measured faster)."""
+    return dict(TUNED.get((config, major), {})) if major is not None else {}

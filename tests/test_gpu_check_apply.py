@@ -14,7 +14,7 @@ import shutil
 import pytest
 
 import launch.gpu_check
-from titanax.perf.gpu_check.apply import MARGIN, ApplyError, apply, decide
+from titanax.perf.gpu_check.apply import MARGIN, ApplyError, apply, decide, tune
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SHAPES = [(8192, 8192, 8192), (8192, 8192, 28672), (8192, 28672, 8192)]
@@ -32,6 +32,27 @@ def _result() -> dict:
         fp8 += [{"m": m, "k": k, "n": n, "impl": "xla_fp8", "tflops": 1000.0, "status": "ok"},
                 {"m": m, "k": k, "n": n, "impl": "sm90", "tflops": 1000.0 * ratio,
                  "vs_xla_fp8": ratio, "status": "ok"}]
+    hd64, hd256 = "flash_attention/triton/hd64", "flash_attention/triton/hd256"
+    choices = [  # as an H200 writes them once an earlier run tuned hd256 to 2 stages
+        {"choice": "fp8_promotion", "variant": "promote_every=1", "shipped": True, "ms": 2.0},
+        {"choice": "fp8_promotion", "variant": "promote_every=0", "shipped": False, "ms": 1.5,
+         "vs_shipped": 1.33},  # faster, but an accuracy trade: never tuned
+        {"choice": "triton_warps_hd64", "variant": "num_warps=8", "shipped": True, "base": True,
+         "tunes": hd64, "knobs": {"num_warps": 8}, "ms": 2.0},
+        {"choice": "triton_warps_hd64", "variant": "num_warps=4", "shipped": False,
+         "base": False, "tunes": hd64, "knobs": {"num_warps": 4}, "ms": 1.9,
+         "vs_shipped": 1.053},
+        {"choice": "triton_stages_bwd_hd256", "variant": "num_stages_bwd=2", "shipped": True,
+         "base": False, "tunes": hd256, "knobs": {"num_stages_bwd": 2}, "ms": 3.3},
+        {"choice": "triton_stages_bwd_hd256", "variant": "num_stages_bwd=1", "shipped": False,
+         "base": True, "tunes": hd256, "knobs": {"num_stages_bwd": 1}, "ms": 3.0,
+         "vs_shipped": 1.1},
+        {"choice": "sm100_tmem_buffers_bwd", "variant": "tmem_buffers_bwd=1", "shipped": False,
+         "base": False, "tunes": "flash_attention/sm100/hd128",
+         "knobs": {"tmem_buffers_bwd": 1}, "status": "n/a"},
+    ]
+    for row in choices:
+        row.setdefault("status", "ok")
     return {
         "command": "python -m launch.gpu_check --out runs/gpu_loan --pack /out",
         "dry_run": False, "started": "2026-12-02T10:00:00", "elapsed_s": 470.0,
@@ -52,6 +73,7 @@ def _result() -> dict:
             "attention": {"status": "ok", "what": "Attention", "info": {"ours": "mosaic_sm90"},
                           "rows": attention},
             "fp8": {"status": "ok", "what": "FP8 GEMMs", "rows": fp8},
+            "choices": {"status": "ok", "what": "Kernel choices", "rows": choices},
         }}
 
 
@@ -66,7 +88,11 @@ def repo(tmp_path):
         "WINS: dict[tuple[str, int], str] = {}",
         "WINS: dict[tuple[str, int], str] = {\n"
         "    ('attention', 10): 'mosaic_sm100',  # B200 2026-11-30: earlier run\n"
-        "    ('fp8_tensorwise', 9): 'sm90',  # H100 2026-11-29: earlier run\n}"))
+        "    ('fp8_tensorwise', 9): 'sm90',  # H100 2026-11-29: earlier run\n}").replace(
+        "TUNED: dict[tuple[str, int], dict] = {}",
+        "TUNED: dict[tuple[str, int], dict] = {\n"
+        "    ('flash_attention/triton/hd256', 9): {'num_stages_bwd': 2},  # H100: earlier\n"
+        "    ('flash_attention/sm100/hd128', 10): {'tmem_buffers_bwd': 1},  # B200: earlier\n}"))
     return tmp_path
 
 
@@ -76,7 +102,7 @@ def _load_measured(path: pathlib.Path) -> dict:
     return namespace
 
 
-def test_apply_writes_wins_tables_and_the_result(repo, tmp_path):
+def test_apply_writes_wins_tuning_tables_and_the_result(repo, tmp_path, monkeypatch):
     result = tmp_path / "returned" / "gpu_check.json"
     result.parent.mkdir()
     result.write_text(json.dumps(_result()))
@@ -94,8 +120,32 @@ def test_apply_writes_wins_tables_and_the_result(repo, tmp_path):
     assert "('attention', 9): 'mosaic_sm90',  # NVIDIA H200 2026-12-02: vs_cudnn_causal" in source
     assert "# B200 2026-11-30: earlier run" in source  # other entries keep their comments
 
+    # Kernel defaults: 4 warps won at head_dim 64 by more than MARGIN; the shipped table's one
+    # stage beat the earlier run's two at 256, so that entry goes; FP8 promotion, faster off,
+    # is an accuracy trade and stays; the Blackwell entry is not this run's.
+    assert measured["TUNED"] == {("flash_attention/triton/hd64", 9): {"num_warps": 4},
+                                 ("flash_attention/sm100/hd128", 10): {"tmem_buffers_bwd": 1}}
+    assert ("('flash_attention/triton/hd64', 9): {'num_warps': 4},  # NVIDIA H200 2026-12-02: "
+            "triton_warps_hd64: num_warps=4 1.053x faster than num_warps=8") in source
+    assert "# B200: earlier" in source
+    # ... and what default_config gives on each generation from then on.
+    from pallas_kernels import measured as live
+    from pallas_kernels.flash_attention import config
+    monkeypatch.setattr(live, "TUNED", measured["TUNED"])
+    assert config.default_config("triton", 64).num_warps == 8  # CPU: no GPU generation
+    monkeypatch.setattr(config, "compute_capability", lambda: (9, 0))
+    assert config.default_config("triton", 64).num_warps == 4
+    assert config.default_config("triton", 64, interpret=True).num_warps is None
+    assert config.default_config("triton", 256).num_stages_bwd == 1
+    monkeypatch.setattr(config, "compute_capability", lambda: (10, 0))
+    assert config.default_config("triton", 64).num_warps == 8
+    assert config.default_config("mosaic_sm100", 128).tmem_buffers_bwd == 1
+    assert config.default_config("mosaic_sm100", 64).tmem_buffers_bwd is None
+
     perf = (repo / "docs" / "performance.md").read_text()
     assert "No GPU numbers yet" not in perf
+    assert "### Kernel choices (A/B)" in perf
+    assert "flash_attention/triton/hd256: the shipped table (" in perf
     assert perf.count("<!-- gpu-check:h200:begin -->") == 1
     assert perf.index("## GPU: NVIDIA H200, jax 0.11.2, 2026-12-02") < perf.index("## CPU:")
     assert "| impl | seq | batch | documents | fwd_tflops |" in perf
@@ -129,6 +179,12 @@ def test_decide_needs_every_case_and_the_margin():
         if row["vs_cudnn_causal"]:
             row["vs_cudnn_causal"] = MARGIN - 0.01
     assert decide(close)["attention"][0] is None
+    # Kernel knobs: a variant within MARGIN of the one running now changes nothing.
+    assert tune(rep)["flash_attention/triton/hd64"][0] == {"num_warps": 4}
+    for row in close["sections"]["choices"]["rows"]:
+        if row.get("tunes"):
+            row["ms"] = 2.0 if row["shipped"] else 2.0 / (MARGIN - 0.01)
+    assert tune(close) == {}
 
 
 def test_dry_runs_and_cpu_results_are_refused(tmp_path, repo, capsys):

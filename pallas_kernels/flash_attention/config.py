@@ -7,13 +7,21 @@ kernels read the same block sizes plus max_concurrent_steps (TMA pipeline depth)
 Mosaic backward, sm90 uses block_q_bwd query rows per warpgroup in its dq kernel and
 block_kv_bwd keys per warpgroup in its dkv kernel (and streams the other one's tiles); sm100
 keeps 128 resident rows per CTA (TMEM lanes) and streams block_kv_bwd (dq) or block_q_bwd (dkv)
-tiles. Invalid values fail here, at construction, instead of deep inside a kernel compile.
+tiles; tmem_buffers_bwd is how many X/Y score tiles its backward keeps in TMEM (2 lets the
+MMAs of the next tile run while the compute warpgroup works on this one). Invalid values fail
+here, at construction, instead of deep inside a kernel compile.
+
+default_config() is the shipped table below, with the knobs a GPU run measured faster on that
+GPU generation (pallas_kernels/measured.py TUNED, written by `launch.gpu_check --apply` from
+the choices section's A/B rows) laid over it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from .. import measured
+from ..target import compute_capability
 from .backends import backend
 
 
@@ -31,6 +39,7 @@ class FlashConfig:
     num_stages: int = 2  # Triton software pipelining depth
     num_stages_bwd: int | None = None  # the backward's; None = num_stages
     max_concurrent_steps: int = 2  # Mosaic: K/V (or Q/dO) tiles in flight per CTA
+    tmem_buffers_bwd: int | None = None  # sm100 backward: None = 2 where TMEM's columns allow
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd"):
@@ -47,6 +56,9 @@ class FlashConfig:
         if self.max_concurrent_steps < 2:
             raise ValueError(f"FlashConfig.max_concurrent_steps={self.max_concurrent_steps}: "
                              "the TMA pipeline needs at least 2 slots")
+        if self.tmem_buffers_bwd not in (None, 1, 2):
+            raise ValueError(f"FlashConfig.tmem_buffers_bwd={self.tmem_buffers_bwd!r}: use 1, 2 "
+                             "or None (2 where TMEM's 512 columns allow)")
 
     def check_mosaic(self) -> None:
         """wgmma/tcgen05 tiles are 64 rows per warpgroup: Mosaic needs multiples of 64."""
@@ -90,9 +102,34 @@ _DEFAULTS = {
 _INTERPRET = FlashConfig(block_q=128, block_kv=128, block_q_bwd=128, block_kv_bwd=128)
 
 
+# The GPU generation each Mosaic family runs on; the portable kernel's is the target device's.
+_FAMILY_MAJOR = {"sm90": 9, "sm100": 10}
+
+
+def tuned_key(family: str, head_dim: int) -> str:
+    """measured.TUNED's name for the default of (family, head_dim bucket)."""
+    return f"flash_attention/{family}/hd{_bucket(head_dim)}"
+
+
+def _bucket(head_dim: int) -> int:
+    return 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+
+
+def base_config(impl: str, head_dim: int) -> FlashConfig:
+    """The shipped table's entry, without measured tuning."""
+    return _DEFAULTS[(backend(impl).config_family or "triton", _bucket(head_dim))]
+
+
 def default_config(impl: str, head_dim: int, *, interpret: bool = False) -> FlashConfig:
     if interpret and impl == "triton":
         return _INTERPRET
     family = backend(impl).config_family or "triton"
-    hd = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
-    return _DEFAULTS[(family, hd)]
+    cfg = base_config(impl, head_dim)
+    if interpret:
+        return cfg
+    major = _FAMILY_MAJOR.get(family)
+    if major is None:
+        cc = compute_capability()
+        major = cc[0] if cc else None
+    knobs = measured.tuned(tuned_key(family, head_dim), major)
+    return dataclasses.replace(cfg, **knobs) if knobs else cfg

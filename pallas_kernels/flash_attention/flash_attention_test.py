@@ -8,6 +8,8 @@ small (interpret mode costs ~9 ms per grid step) but cover causal and not, GQA 1
 that are not block multiples, head_dim 64 and 128, packed-document segment ids.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +18,7 @@ import pytest
 from pallas_kernels.flash_attention import (
     FlashConfig,
     attention_reference,
+    default_config,
     flash_attention,
     flash_attention_bwd,
     flash_attention_fwd,
@@ -99,7 +102,12 @@ def test_mosaic_sm90_interpreted_matches_reference(causal, G, D, S, segments):
            dtype=jnp.bfloat16, causal=causal, segments=segments)
 
 
-@pytest.mark.parametrize("impl, cfg", [("mosaic_sm90", None), ("mosaic_sm100", None)])
+@pytest.mark.parametrize("impl, cfg", [
+    ("mosaic_sm90", None),
+    # One X/Y buffer in TMEM (the shipped configs have two): each tile waits for the last.
+    ("mosaic_sm100", dataclasses.replace(default_config("mosaic_sm100", 64),
+                                         tmem_buffers_bwd=1)),
+])
 def test_mosaic_more_keys_than_queries(impl, cfg):
     # Causal with T > S: key blocks past every query get no tiles in the dkv kernels, and
     # their dK, dV must come out zero (not uninitialized accumulators).
@@ -138,6 +146,16 @@ def test_config_validation_and_dispatch():
         FlashConfig(block_q=32).check_mosaic()
     with pytest.raises(ValueError, match="max_concurrent_steps"):
         FlashConfig(max_concurrent_steps=1)
+    with pytest.raises(ValueError, match="tmem_buffers_bwd"):
+        FlashConfig(tmem_buffers_bwd=3)
+    # Two X/Y buffers of 128-query tiles and dK, dV at head_dim 128: 768 of 512 TMEM columns.
+    over = dataclasses.replace(default_config("mosaic_sm100", 128), block_q_bwd=128,
+                               tmem_buffers_bwd=2)
+    q2, k2, v2 = (x.astype(jnp.bfloat16) for x in _inputs(1, 128, 2, 2, 128, jnp.float32)[:3])
+    loss = lambda q: flash_attention(q, k2, v2, causal=True, impl="mosaic_sm100", config=over,
+                                     interpret=True).astype(jnp.float32).sum()
+    with pytest.raises(ValueError, match="768 TMEM columns, over 512"):
+        jax.eval_shape(jax.grad(loss), q2)
     q, k, v, _ = _inputs(1, 8, 4, 2, 64, jnp.float32)
     with pytest.raises(ValueError, match="bf16/fp16"):
         flash_attention(q, k, v, impl="mosaic_sm90")

@@ -82,8 +82,15 @@ def _kernel(kind, q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_
     n_acc = 1 if is_dq else 2
     width = min(n, SLICE[kind])
     # X and Y double-buffered in TMEM where the 512 columns allow (head_dim <= 128 at n = 64):
-    # the MMAs of tile t+1 then run while the compute warpgroup works through tile t.
-    nbuf = 2 if 4 * n + n_acc * D <= TMEM_COLS else 1
+    # the MMAs of tile t+1 then run while the compute warpgroup works through tile t. One
+    # buffer (config.tmem_buffers_bwd=1) serialises them: the choices section times both.
+    nbuf = config.tmem_buffers_bwd or (2 if 4 * n + n_acc * D <= TMEM_COLS else 1)
+    if 2 * nbuf * n + n_acc * D > TMEM_COLS:
+        raise ValueError(
+            f"FlashConfig(tmem_buffers_bwd={nbuf}, block_{'kv' if is_dq else 'q'}_bwd={n}) at "
+            f"head_dim {D}: the {kind} kernel's X and Y tiles and {n_acc} accumulator(s) need "
+            f"{2 * nbuf * n + n_acc * D} TMEM columns, over {TMEM_COLS}; use "
+            "tmem_buffers_bwd=1 or a smaller block")
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, ranges_ref,
                out_refs, res_smem, str_smem, ds_smem, p_smem, x_tmem, y_tmem, acc_tmem,

@@ -11,7 +11,10 @@ Three files change:
   the vendor path by at least MARGIN on every case measured: attention without documents
   (`vs_cudnn_causal`, at every sequence length, the training length among them), tensorwise
   FP8 (`vs_xla_fp8` at every 70B GEMM shape), MXFP8 (against `xla_mx`, cuDNN's block-scaled
-  GEMM). A generation's entry that the run measured and did not confirm is removed.
+  GEMM). A generation's entry that the run measured and did not confirm is removed. And
+  TUNED, from the choices section: where a tunable choice's fastest variant beats the one
+  running now by MARGIN, its knobs become this generation's default (none when it is the
+  shipped table's own config); where the one running now holds, nothing changes.
 
 Nothing is written unless the whole result reads: a dry run, a CPU result or one without its
 device section is refused with the reason.
@@ -33,6 +36,8 @@ PERFORMANCE = "docs/performance.md"
 # measured.py's table: empty on one line, or one entry per line up to a closing brace line.
 _WINS_RE = re.compile(r"^WINS: dict\[tuple\[str, int\], str\] = (?:\{\}|\{\n.*?^\})$",
                       re.M | re.S)
+_TUNED_RE = re.compile(r"^TUNED: dict\[tuple\[str, int\], dict\] = (?:\{\}|\{\n.*?^\})$",
+                       re.M | re.S)
 
 
 class ApplyError(ValueError):
@@ -93,6 +98,43 @@ def decide(rep: dict) -> dict[str, tuple[str | None, str]]:
     return out
 
 
+def tune(rep: dict) -> dict[str, tuple[dict | None, str]]:
+    """{config name: (knobs for TUNED, None to drop the entry; evidence)} for the tunable
+    choices this run measured both ways. Unchanged where the variant running now held."""
+    by_choice: dict[str, list[dict]] = {}
+    for r in _ok_rows(rep, "choices"):
+        if r.get("tunes") and "ms" in r:
+            by_choice.setdefault(r["choice"], []).append(r)
+    out = {}
+    for name, rows in sorted(by_choice.items()):
+        now = [r for r in rows if r.get("shipped")]
+        if not now or len(rows) < 2:
+            continue
+        best = min(rows, key=lambda r: r["ms"])
+        ratio = now[0]["ms"] / best["ms"]
+        if best is now[0] or ratio < MARGIN:
+            continue
+        out[best["tunes"]] = (None if best.get("base") else dict(best["knobs"]),
+                              f"{name}: {best['variant']} {ratio:.3f}x faster than "
+                              f"{now[0]['variant']}")
+    return out
+
+
+def _knobs_source(knobs: dict) -> str:
+    return "{" + ", ".join(f"{k!r}: {v!r}" for k, v in sorted(knobs.items())) + "}"
+
+
+def _tuned_source(tuned: dict, comments: dict) -> str:
+    if not tuned:
+        return "TUNED: dict[tuple[str, int], dict] = {}"
+    lines = ["TUNED: dict[tuple[str, int], dict] = {"]
+    for (name, major), knobs in sorted(tuned.items()):
+        comment = comments.get((name, major))
+        lines.append(f"    ({name!r}, {major}): {_knobs_source(knobs)},"
+                     f"{f'  # {comment}' if comment else ''}")
+    return "\n".join(lines + ["}"])
+
+
 def _wins_source(wins: dict, comments: dict) -> str:
     if not wins:
         return "WINS: dict[tuple[str, int], str] = {}"
@@ -110,7 +152,15 @@ def _existing_comments(source: str) -> dict:
     return found
 
 
-def update_measured(source: str, decisions: dict, major: int, run: str) -> str:
+def _tuned_comments(source: str) -> dict:
+    found = {}
+    for m in re.finditer(r"^\s+\('([\w/]+)', (\d+)\): \{.*?\},(?:\s+# (.*))?$", source, re.M):
+        found[(m.group(1), int(m.group(2)))] = m.group(3)
+    return found
+
+
+def update_measured(source: str, decisions: dict, major: int, run: str,
+                    tuning: dict | None = None) -> str:
     namespace: dict = {}
     exec(compile(source, MEASURED, "exec"), namespace)  # noqa: S102 - our own file
     wins, comments = dict(namespace["WINS"]), _existing_comments(source)
@@ -120,12 +170,22 @@ def update_measured(source: str, decisions: dict, major: int, run: str) -> str:
             comments[(op, major)] = f"{run}: {evidence}"
         else:
             wins.pop((op, major), None)
-    if not _WINS_RE.search(source):
-        raise ApplyError(f"{MEASURED}: no `WINS: dict[tuple[str, int], str] = {{...}}` to rewrite")
-    return _WINS_RE.sub(lambda m: _wins_source(wins, comments), source, count=1)
+    for pattern, table in ((_WINS_RE, "WINS: dict[tuple[str, int], str]"),
+                           (_TUNED_RE, "TUNED: dict[tuple[str, int], dict]")):
+        if not pattern.search(source):
+            raise ApplyError(f"{MEASURED}: no `{table} = {{...}}` to rewrite")
+    source = _WINS_RE.sub(lambda m: _wins_source(wins, comments), source, count=1)
+    tuned, t_comments = dict(namespace["TUNED"]), _tuned_comments(source)
+    for name, (knobs, evidence) in (tuning or {}).items():
+        if knobs:
+            tuned[(name, major)] = knobs
+            t_comments[(name, major)] = f"{run}: {evidence}"
+        else:
+            tuned.pop((name, major), None)
+    return _TUNED_RE.sub(lambda m: _tuned_source(tuned, t_comments), source, count=1)
 
 
-def performance_section(rep: dict, decisions: dict) -> str:
+def performance_section(rep: dict, decisions: dict, tuning: dict | None = None) -> str:
     from titanax.perf.gpu_check import report
 
     info = rep["sections"]["device"]["info"]
@@ -151,7 +211,8 @@ def performance_section(rep: dict, decisions: dict) -> str:
                       "cases pass" + (":" if bad else ".")]
         if bad:
             lines += ["", report.rows_table(bad)]
-    for name, title in (("train", "Train step"), ("attention", "Attention"), ("fp8", "FP8 GEMMs")):
+    for name, title in (("train", "Train step"), ("attention", "Attention"), ("fp8", "FP8 GEMMs"),
+                        ("choices", "Kernel choices (A/B)")):
         sec = rep["sections"].get(name)
         if not sec or not sec.get("rows"):
             continue
@@ -161,6 +222,11 @@ def performance_section(rep: dict, decisions: dict) -> str:
         lines += ["", "`auto` after this run (pallas_kernels/measured.py): " + "; ".join(
             f"{op}: {impl or 'vendor'} ({evidence})" for op, (impl, evidence) in
             sorted(decisions.items())) + "."]
+    if tuning:
+        lines += ["", "Kernel defaults after this run (pallas_kernels/measured.py TUNED): " +
+                  "; ".join(f"{name}: {_knobs_source(knobs) if knobs else 'the shipped table'} "
+                            f"({evidence})" for name, (knobs, evidence) in sorted(tuning.items()))
+                  + "."]
     return "\n".join(lines)
 
 
@@ -183,12 +249,13 @@ def apply(results: pathlib.Path, repo: pathlib.Path) -> list[pathlib.Path]:
     rep = load(results)
     info = rep["sections"]["device"]["info"]
     gpu, major = info["gpu"], int(str(info["compute_capability"]).split(".")[0])
-    decisions = decide(rep)
+    decisions, tuning = decide(rep), tune(rep)
     run = f"{info.get('device_kind')} {str(rep.get('started', ''))[:10]}"
     measured = repo / MEASURED
-    new_measured = update_measured(measured.read_text(), decisions, major, run)
+    new_measured = update_measured(measured.read_text(), decisions, major, run, tuning)
     perf = repo / PERFORMANCE
-    new_perf = update_performance(perf.read_text(), gpu, performance_section(rep, decisions))
+    new_perf = update_performance(perf.read_text(), gpu,
+                                  performance_section(rep, decisions, tuning))
     bench = repo / "docs" / "bench" / f"gpu_check_{gpu}.json"
     bench.parent.mkdir(parents=True, exist_ok=True)
     if pathlib.Path(results).resolve() != bench.resolve():

@@ -1,6 +1,11 @@
 """Section 'choices': each kernel choice made without a GPU, timed against its alternative in the
-same loan. The shipped variant runs first; `vs_shipped` = its time / the variant's (above 1: the
-alternative is faster, and the default should change).
+same loan. The variant running now (`shipped`) runs first; `vs_shipped` = its time / the
+variant's (above 1: the alternative is faster).
+
+Speed-only attention knobs carry `tunes` (a measured.TUNED name) and their FlashConfig `knobs`:
+`launch.gpu_check --apply` makes a variant faster by apply.MARGIN this GPU generation's default
+(pallas_kernels/measured.py TUNED, read by flash_attention.default_config). The rest are
+reported only: FP8 promotion trades accuracy, and the documents row compares with cuDNN.
 
 - fp8_promotion (Hopper): the sm90 FP8 GEMM promoting its accumulator to float32 every K tile
   (Sm90Config.promote_every=1, shipped: accuracy) against never (0);
@@ -10,6 +15,9 @@ alternative is faster, and the default should change).
   spill on sm_100) against 4;
 - triton_stages_bwd_hd256: its backward at head_dim 256 unpipelined (num_stages_bwd=1,
   shipped: 2 stages spill) against 2 stages;
+- sm100_tmem_buffers_bwd (Blackwell): the tcgen05 backward at head_dim 128 with its X/Y score
+  tiles double-buffered in TMEM (shipped: the next tile's MMAs overlap this one's softmax)
+  against one buffer (each tile waits for the last);
 - documents: packed 2,048-token documents in 8,192-token windows on our kernel for this GPU
   (what `auto` picks) against cuDNN with the documents as a dense mask.
 
@@ -29,6 +37,7 @@ import numpy as np
 
 from pallas_kernels.flash_attention import default_config, flash_attention
 from pallas_kernels.flash_attention.bench import attention_flops, packed_segment_ids
+from pallas_kernels.flash_attention.config import base_config, tuned_key
 from pallas_kernels.fp8 import fp8_matmul, quantize_tensorwise
 from pallas_kernels.fp8.config import E4M3, Sm90Config
 from pallas_kernels.target import compute_capability
@@ -40,8 +49,9 @@ from titanax.perf.gpu_check.device import our_attention_impl
 @dataclasses.dataclass(frozen=True)
 class Variant:
     label: str
-    shipped: bool
+    shipped: bool  # tunable choices: decided at run time (the config default_config gives now)
     run: dict  # measure()'s keywords
+    knobs: dict = dataclasses.field(default_factory=dict)  # FlashConfig fields over the base
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,12 +60,15 @@ class Choice:
     question: str
     generation: int | None  # compute capability major it applies to; None: every GPU
     variants: tuple
+    tunes: tuple | None = None  # (impl, head_dim) whose default a faster variant replaces
 
 
-def _triton(head_dim: int, **knobs) -> dict:
-    """The portable kernel at its shipped config for head_dim, with knobs changed."""
-    return {"kind": "attention", "impl": "triton", "head_dim": head_dim,
-            "config": dataclasses.replace(default_config("triton", head_dim), **knobs)}
+def _knob(impl: str, head_dim: int, label: str, **knobs) -> Variant:
+    """A variant of the attention kernel `impl` at `head_dim`: the shipped table's config
+    (config.base_config) with `knobs` changed."""
+    return Variant(label, False, {"kind": "attention", "impl": impl, "head_dim": head_dim,
+                                  "config": dataclasses.replace(base_config(impl, head_dim),
+                                                                **knobs)}, knobs)
 
 
 CHOICES = (
@@ -68,12 +81,18 @@ CHOICES = (
         Variant("128x128, promote_every=0", False, {"kind": "fp8", "config": Sm90Config(
             tile_m=128, tile_n=128, promote_every=0)}))),
     Choice("triton_warps_hd64", "portable attention kernel at head_dim 64: 8 or 4 warps", None, (
-        Variant("num_warps=8", True, _triton(64)),
-        Variant("num_warps=4", False, _triton(64, num_warps=4)))),
+        _knob("triton", 64, "num_warps=8", num_warps=8),
+        _knob("triton", 64, "num_warps=4", num_warps=4)), tunes=("triton", 64)),
     Choice("triton_stages_bwd_hd256", "portable attention backward at head_dim 256: 1 or 2 "
            "pipeline stages", None, (
-               Variant("num_stages_bwd=1", True, _triton(256)),
-               Variant("num_stages_bwd=2", False, _triton(256, num_stages_bwd=2)))),
+               _knob("triton", 256, "num_stages_bwd=1", num_stages_bwd=1),
+               _knob("triton", 256, "num_stages_bwd=2", num_stages_bwd=2)),
+           tunes=("triton", 256)),
+    Choice("sm100_tmem_buffers_bwd", "tcgen05 attention backward at head_dim 128: X/Y scores "
+           "double-buffered in TMEM, or one buffer", 10, (
+               _knob("mosaic_sm100", 128, "tmem_buffers_bwd=None (2 at head_dim 128)"),
+               _knob("mosaic_sm100", 128, "tmem_buffers_bwd=1", tmem_buffers_bwd=1)),
+           tunes=("mosaic_sm100", 128)),
     Choice("documents", "2k-token documents in 8k windows: our tile-skipping kernel or cuDNN "
            "with a dense mask", None, (
                Variant("ours (auto)", True, {"kind": "attention", "impl": "ours",
@@ -81,6 +100,19 @@ CHOICES = (
                Variant("cudnn, dense mask", False, {"kind": "attention", "impl": "cudnn",
                                                     "documents": True}))),
 )
+
+
+def ordered_variants(choice: Choice) -> list[tuple[Variant, bool]]:
+    """(variant, shipped) with the shipped one first. A tunable choice's shipped variant is the
+    one whose config default_config gives on this GPU now (measured tuning included)."""
+    if choice.tunes is None:
+        marked = [(v, v.shipped) for v in choice.variants]
+    else:
+        impl, hd = choice.tunes
+        now = default_config(impl, hd)
+        marked = [(v, v.run["config"] == now) for v in choice.variants]
+    return sorted(marked, key=lambda vs: not vs[1])
+
 
 # (tokens per call, seq, q heads, kv heads, doc tokens, timed calls); FP8 (M, K, N).
 GPU_ATTENTION = (16384, 8192, 64, 8, 2048, 10)
@@ -144,8 +176,11 @@ def choices_section(ctx) -> None:
                    "GEMM 2*M*N*K")
     for choice in CHOICES:
         shipped_ms = None
-        for var in choice.variants:
-            label = {"choice": choice.name, "variant": var.label, "shipped": var.shipped}
+        for var, shipped in ordered_variants(choice):
+            label = {"choice": choice.name, "variant": var.label, "shipped": shipped}
+            if choice.tunes is not None:
+                label.update(tunes=tuned_key(*choice.tunes), knobs=dict(var.knobs),
+                             base=var.run["config"] == base_config(*choice.tunes))
             if cc is not None and choice.generation not in (None, cc[0]):
                 ctx.add({**label, "status": "n/a", "reason": f"a compute capability "
                          f"{choice.generation}.x choice; this GPU is {cc[0]}.{cc[1]}"})
@@ -158,7 +193,7 @@ def choices_section(ctx) -> None:
                                group="choices", uses=_uses(var.run, ours))
             if row.get("status") != "ok":
                 continue
-            if var.shipped:
+            if shipped:
                 shipped_ms = row["ms"]
             elif shipped_ms:
                 row["vs_shipped"] = shipped_ms / row["ms"]
