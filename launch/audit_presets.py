@@ -1,7 +1,7 @@
 """Audit every shipped GPU preset as a GPU would run it (titanax.plan.preset_audit): configs/
 llama3_{8b,70b,405b}.py at 2 layers and 5,120 tokens on one deviceless 8-GPU node, H100 and
 B200, each matmul recipe, with and without packed documents. Exits 1 when a cell has a finding
-or fails to compile. Needs the CUDA plugin (bash scripts/dev.sh test installs it); about 25 s a
+or fails to compile. Needs the CUDA plugin (bash scripts/dev.sh cuda-plugin installs it); about 25 s a
 cell on 2 cores.
 
     python -m launch.audit_presets                       # the whole matrix (42 cells)

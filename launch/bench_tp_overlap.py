@@ -38,7 +38,7 @@ def main(argv=None) -> None:
 
     if not aot.plugin_available():
         raise SystemExit("error: the CUDA plugin is not installed in .venv/cuda-plugin "
-                         "(bash scripts/dev.sh test installs it); deviceless compiles need it")
+                         "(bash scripts/dev.sh cuda-plugin installs it); deviceless compiles need it")
     shape = tp_overlap.StepShape(args.layers, args.batch, args.seq, args.tensor, args.data,
                                  args.gpu, args.context)
     result = tp_overlap.measure(shape, args.variants)

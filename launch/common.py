@@ -46,7 +46,8 @@ def use_tcmalloc() -> None:
 
 def add_config_flags(p: argparse.ArgumentParser, *, default_config: str | None) -> None:
     p.add_argument("--config", default=default_config,
-                   help="configs/NAME.py (defining config()) or configs/NAME.gin")
+                   help="configs/NAME.py (defining config()), configs/NAME.gin, or "
+                   "a run's WORKDIR/config.json")
     p.add_argument("--set", dest="overrides", action="append", default=[],
                    metavar="SECTION.FIELD=VALUE", help="override one config field (repeatable)")
 

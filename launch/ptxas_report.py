@@ -48,7 +48,7 @@ def main(argv=None) -> None:
         raise SystemExit("--on-device compiles for the local GPU: pass its one --gpu kind")
     if not args.on_device and not aot.plugin_available():
         raise SystemExit("the CUDA plugin is missing from .venv/cuda-plugin: "
-                         "bash scripts/dev.sh test installs it")
+                         "bash scripts/dev.sh cuda-plugin installs it")
     rows = collect_all(tuple(args.gpu), tuple(args.head_dims), args.on_device)
     print(markdown_table(rows))
     if args.json:

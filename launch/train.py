@@ -13,7 +13,6 @@ does not fit the devices' memory is one: the error names the --set that fits).""
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 
 from launch.common import (
@@ -33,15 +32,15 @@ def _base_config(args):
     """--config with --set; without --config, the workdir's own config.json (written by
     launch.import_hf or an earlier run: `launch.train --workdir W` continues W as it was
     configured) or configs/tiny.py for a new run."""
-    from titanax.config import Config, ConfigError, apply_overrides, load_config
+    from titanax.config import ConfigError, load_config
 
     saved = pathlib.Path(args.workdir) / "config.json" if args.workdir else None
     if args.config is not None or saved is None or not saved.is_file():
         return load_config(args.config or DEFAULT_CONFIG, args.overrides)
     try:
-        return apply_overrides(Config.from_dict(json.loads(saved.read_text())), args.overrides)
-    except (json.JSONDecodeError, TypeError) as e:
-        raise ConfigError(f"{saved}: not a titanax config ({e}); give --config FILE") from None
+        return load_config(saved, args.overrides)
+    except ConfigError as e:
+        raise ConfigError(f"{e}; give --config FILE") from None
 
 
 def main(argv=None) -> None:

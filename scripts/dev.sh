@@ -3,6 +3,8 @@
 #   bash scripts/dev.sh train [launch.train flags...]   # the default tiny run on CPU
 #   bash scripts/dev.sh test  [pytest flags...]         # the test suite
 #   bash scripts/dev.sh setup                           # only create .venv (and .venv-torch)
+#   bash scripts/dev.sh cuda-plugin                     # .venv plus the CUDA plugin (4.9 GB):
+#                                                       # deviceless GPU compiles for launch.plan
 # Set-up: a Python 3.12 virtual environment in .venv with the pinned versions of
 # constraints.txt (jax/jaxlib 0.11.2, the GPU image's version). Re-running it is cheap.
 set -euo pipefail
@@ -113,6 +115,9 @@ setup
 setup_tcmalloc
 case "$cmd" in
   setup) setup_torch ;;
+  cuda-plugin) setup_cuda_plugin
+         [ -f .venv/cuda-plugin/.titanax-installed ] || exit 1
+         echo "CUDA plugin installed in .venv/cuda-plugin: launch.plan now compiles for the GPU" ;;
   train) exec .venv/bin/python -m launch.train "$@" ;;
   test)  setup_torch; setup_cuda_plugin; setup_slurm
          # Lint first (seconds): pyflakes, pycodestyle and import order, as pyproject.toml says.
@@ -122,5 +127,5 @@ case "$cmd" in
          workers=${TITANAX_TEST_WORKERS:-2}
          if [ "$workers" = 0 ]; then exec .venv/bin/python -m pytest -q "$@"; fi
          exec .venv/bin/python -m pytest -q -n "$workers" --dist loadfile "$@" ;;
-  *) echo "usage: bash scripts/dev.sh train|test|setup [args...]" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/dev.sh train|test|setup|cuda-plugin [args...]" >&2; exit 2 ;;
 esac

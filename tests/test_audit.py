@@ -72,7 +72,7 @@ print("RESULT" + json.dumps(out))
 @pytest.fixture(scope="module")
 def hlo() -> dict[str, str]:
     if not aot.plugin_available():
-        pytest.skip("CUDA plugin not installed in .venv/cuda-plugin (scripts/dev.sh installs it)")
+        pytest.skip("CUDA plugin not installed in .venv/cuda-plugin (`bash scripts/dev.sh cuda-plugin` installs it)")
     args = (B, S, H, D, WIDTH, LOOP_N, SCAN_OUTER, SCAN_INNER, M, K)
     proc = aot.run_script(SCRIPT, *map(str, args), timeout=300)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")]

@@ -88,3 +88,29 @@ def test_dataclasses_are_frozen_and_typed():
 def test_round_trip_through_dict():
     cfg = apply_overrides(Config(), {"train.steps": 12, "model.n_layers": 2})
     assert Config.from_dict(cfg.to_dict()) == cfg
+
+
+def test_a_runs_config_json_is_a_config(tmp_path):
+    """launch.train and launch.plan take --config WORKDIR/config.json (what a run or an HF
+    import leaves): the same config, --set on top; a broken or foreign file says so."""
+    import json
+    import warnings
+
+    cfg = load_config(CONFIGS / "llama3_70b.py", ["train.grad_accum=8"])
+    saved = tmp_path / "config.json"
+    saved.write_text(json.dumps(cfg.to_dict(), indent=2))
+    assert load_config(saved) == cfg
+    assert load_config(saved, ["train.batch_size=128"]).train.batch_size == 128
+    d = cfg.to_dict()
+    d["train"]["retired_knob"] = 1  # a field of another titanax version: left out, named
+    saved.write_text(json.dumps(d))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert load_config(saved) == cfg
+    assert "train.retired_knob" in str(caught[0].message)
+    saved.write_text("{not json")
+    with pytest.raises(ConfigError, match="is not valid JSON"):
+        load_config(saved)
+    saved.write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))  # an HF config.json
+    with pytest.raises(ConfigError, match="expected a run's config.json.*architectures"):
+        load_config(saved)

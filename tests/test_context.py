@@ -192,7 +192,7 @@ print("RESULT" + json.dumps(res))
 
 
 @pytest.mark.skipif(not aot.plugin_available(), reason="CUDA plugin not installed in "
-                    ".venv/cuda-plugin (bash scripts/dev.sh test installs it)")
+                    ".venv/cuda-plugin (bash scripts/dev.sh cuda-plugin installs it)")
 # One strategy per GPU (the strategies' collectives do not depend on the chip, the kernels
 # do): each Mosaic kernel generation compiled once in CI.
 @pytest.mark.parametrize("gpu, impl, strategy", [("h100", "mosaic_sm90", "all_gather"),

@@ -40,7 +40,8 @@ def test_config_choice():
         apply_overrides(cfg, {"model.grad_reduce_dtype": "fp32"})
 
 
-@pytest.mark.skipif(not aot.plugin_available(), reason="needs the CUDA plugin (scripts/dev.sh)")
+@pytest.mark.skipif(not aot.plugin_available(), reason="needs the CUDA plugin "
+                    "(bash scripts/dev.sh cuda-plugin)")
 def test_fsdp_reduce_scatters_in_the_configured_dtype():
     """Llama 3 8B's layer shapes (4 layers) on 8 H100s, FSDP, bf16 compute: the weight
     gradients' reduce-scatters are bf16 by default and float32 with

@@ -223,7 +223,8 @@ def test_config_errors_name_the_fix():
 
 
 
-@pytest.mark.skipif(not aot.plugin_available(), reason="needs the CUDA plugin (scripts/dev.sh)")
+@pytest.mark.skipif(not aot.plugin_available(), reason="needs the CUDA plugin "
+                    "(bash scripts/dev.sh cuda-plugin)")
 def test_deviceless_h100_compile_moves_state_and_activations_to_host():
     """Both offloads and full_offload, 8 H100s, FSDP: the layers' weights and all moments are
     host arguments updated in place, their gradients and the saved layer inputs host

@@ -153,7 +153,7 @@ print("RESULT" + json.dumps(res))
 
 
 @pytest.mark.skipif(not aot.plugin_available(), reason="CUDA plugin not installed in "
-                    ".venv/cuda-plugin (bash scripts/dev.sh test installs it)")
+                    ".venv/cuda-plugin (bash scripts/dev.sh cuda-plugin installs it)")
 def test_h100_compile_runs_the_kernel_on_local_shards():
     import json
     proc = aot.run_script(_H100_SCRIPT)

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.usefixtures("devices8")  # meshes over 8 simulated devi
 
 CONFIG_70B = "configs/llama3_70b.py"
 needs_plugin = pytest.mark.skipif(not aot.plugin_available(), reason="CUDA plugin not installed "
-                                  "in .venv/cuda-plugin (bash scripts/dev.sh test installs it)")
+                                  "in .venv/cuda-plugin (bash scripts/dev.sh cuda-plugin installs it)")
 
 
 def _70b(*overrides):
@@ -211,6 +211,41 @@ def test_plan_cli_writes_json_and_png(tmp_path):
     assert plan["search"]["ranked"] and plan["search"]["best"]["label"]
     assert (out / "plan.png").stat().st_size > 10_000
     assert "tokens/s per GPU" in proc.stdout and "search:" in proc.stdout
+    # The prediction carries the spread of published runs against the model.
+    spread, tps = plan["predicted_tokens_per_s_spread"], plan["predicted_tokens_per_s_per_gpu"]
+    assert spread["low"] < tps < spread["high"]
+    assert {r["run"].split(",")[0] for r in spread["published_rows"]} == {
+        "NeMo", "MaxText", "Together AI (TorchTitan"}
+    assert spread["low_ratio"] == min(r["published"] / r["predicted"]
+                                      for r in spread["published_rows"])
+    assert "how sure: " in proc.stdout and "published 70B runs came in at" in proc.stdout
+    # Nothing was compiled: the winner says so, not that earlier candidates failed.
+    assert plan["search"]["best"]["unchecked_why"] == "--no-compile"
+    assert "NOT compile-checked: --no-compile" in proc.stdout
+
+
+def test_plan_without_the_plugin_says_memory_is_a_guess_and_how_to_install(
+        tmp_path, monkeypatch, capsys):
+    """No CUDA plugin: the step compiles for simulated CPU devices, whose memory is never
+    given as the GPU's; the plan says the memory is the cost model's and names the one
+    command that installs the plugin. A run's config.json is a --config like any other."""
+    from launch import plan as launch_plan
+    from titanax.config import apply_overrides
+
+    monkeypatch.setattr(aot, "plugin_available", lambda: False)
+    cfg = apply_overrides(load_config(aot.REPO / "configs/tiny.py"), {"mesh.data": -1})
+    saved = tmp_path / "run" / "config.json"
+    saved.parent.mkdir()
+    saved.write_text(json.dumps(cfg.to_dict()))
+    launch_plan.main(["--config", str(saved), "--gpu", "h100", "--nodes", "1",
+                      "--out", str(tmp_path / "plan")])
+    out = capsys.readouterr().out
+    plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert plan["compile"]["ok"] and plan["compile"]["target"] == "cpu"
+    assert plan["per_device_bytes_source"] == "cost model"
+    assert "the memory below is the cost model's guess" in out
+    assert "`bash scripts/dev.sh cuda-plugin` installs the plugin" in out
+    assert "compiled (cpu)" not in out and "is not the GPU's and is not used here" in out
 
 
 @pytest.mark.parametrize("args, message", [

@@ -19,7 +19,7 @@ from titanax.plan import preset_audit
 from titanax.plan.preset_audit import Cell
 
 pytestmark = pytest.mark.skipif(not aot.plugin_available(), reason="CUDA plugin not installed "
-                                "in .venv/cuda-plugin (bash scripts/dev.sh test installs it)")
+                                "in .venv/cuda-plugin (bash scripts/dev.sh cuda-plugin installs it)")
 
 CELLS = [Cell("llama3_70b", "h100", "default", False)]
 

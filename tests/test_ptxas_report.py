@@ -93,7 +93,7 @@ def _plugin_or_skip():
     not a skip that would pass the build with nothing checked."""
     if aot.plugin_available():
         return
-    why = "CUDA plugin not installed in .venv/cuda-plugin (bash scripts/dev.sh test installs it)"
+    why = "CUDA plugin not installed in .venv/cuda-plugin (bash scripts/dev.sh cuda-plugin installs it)"
     if os.environ.get("CI"):
         pytest.fail(f"{why}; CI must compile the kernels")
     pytest.skip(why)

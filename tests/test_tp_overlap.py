@@ -30,7 +30,7 @@ from titanax.parallel.rules import MESH_AXES
 from titanax.perf import hlo_text, tp_overlap
 
 needs_plugin = pytest.mark.skipif(not aot.plugin_available(), reason="CUDA plugin not installed "
-                                  "in .venv/cuda-plugin (bash scripts/dev.sh test installs it)")
+                                  "in .venv/cuda-plugin (bash scripts/dev.sh cuda-plugin installs it)")
 
 
 def _run_jax_with_flags(flags) -> subprocess.CompletedProcess:

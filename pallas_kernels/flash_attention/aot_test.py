@@ -52,7 +52,7 @@ print("RESULT" + json.dumps(res))
 
 
 @pytest.mark.skipif(not aot.plugin_available(), reason="CUDA plugin not installed in "
-                    ".venv/cuda-plugin (bash scripts/dev.sh test installs it)")
+                    ".venv/cuda-plugin (bash scripts/dev.sh cuda-plugin installs it)")
 def test_deviceless_compile_70b_shapes():
     res = {}
     for target in ("h100", "b200"):

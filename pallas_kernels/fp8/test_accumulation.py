@@ -66,7 +66,7 @@ _SCRIPT = textwrap.dedent(f"""
 @pytest.fixture(scope="module")
 def compiled():
     if not aot.plugin_available():
-        pytest.skip("CUDA plugin not installed (scripts/dev.sh installs it into .venv/cuda-plugin)")
+        pytest.skip("CUDA plugin not installed (`bash scripts/dev.sh cuda-plugin` installs it into .venv/cuda-plugin)")
     r = aot.run_script(_SCRIPT)
     lines = [l for l in r.stdout.splitlines() if l.startswith("RESULT ")]
     assert r.returncode == 0 and lines, r.stderr[-3000:]

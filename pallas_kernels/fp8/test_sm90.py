@@ -61,7 +61,7 @@ def test_sm90_compiles_for_h100_without_gpu():
     from pallas_kernels import aot
 
     if not aot.plugin_available():
-        pytest.skip("CUDA plugin not installed (scripts/dev.sh installs it into .venv/cuda-plugin)")
+        pytest.skip("CUDA plugin not installed (`bash scripts/dev.sh cuda-plugin` installs it into .venv/cuda-plugin)")
     script = textwrap.dedent("""
         import glob, os, tempfile
         dump = tempfile.mkdtemp()

@@ -12,11 +12,13 @@ import dataclasses
 import difflib
 import functools
 import importlib.util
+import json
 import math
 import pathlib
 import re
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 
 from pallas_kernels.flash_attention.backends import BACKENDS as _ATTENTION_BACKENDS
@@ -272,6 +274,12 @@ class TrainConfig:
     # the step for its devices and takes the smallest count whose memory fits them (the same
     # result: the step's gradient is the mean over the whole batch either way), and logs it.
     grad_accum: int | str = 1
+    # With grad_accum > 1 and model.remat='full'/'full_offload' (no pipeline): one float32
+    # gradient buffer
+    # for all microbatches, each layer's gradients added into it by the backward pass
+    # (train/accumulate.py). False: the plain sum (a zeroed sum, the loop's carry and each
+    # microbatch's fresh gradients: three copies at the peak), for comparison.
+    grad_accum_in_place: bool = True
     # The memory per device the compiled train step must fit in; launch.train checks it
     # before the first step and names the --set that fits. '' or 0: the devices' own (the
     # GPU allocator's limit; none on a CPU); else bytes or a size, '80GB', '76.5GiB'.
@@ -594,6 +602,24 @@ def check_parallel_layout(cfg: Config, degrees: dict[str, int]) -> None:
                   f"multiple of {ways}")
 
 
+def grad_accum_in_place_unsupported(cfg: Config) -> str | None:
+    """Why a step of cfg sums its microbatches' gradients the plain way, or None: in place
+    (train/accumulate.py, whose `unsupported` this is; the memory model reads it too)."""
+    t = cfg.train
+    if t.grad_accum == 1:
+        return "train.grad_accum=1: nothing to accumulate"
+    if not t.grad_accum_in_place:
+        return "train.grad_accum_in_place=False"
+    if cfg.model.remat not in ("full", "full_offload"):
+        return (f"model.remat={cfg.model.remat!r}: the in-place backward recomputes each layer "
+                "from its input, which is model.remat='full' (or 'full_offload')")
+    if cfg.mesh.pipeline > 1:
+        return "pipeline parallelism: the stages run their own backward schedule"
+    if t.offload_params:
+        return "train.offload_params: the layers' gradients are kept in host memory"
+    return None
+
+
 def tp_overlap_unsupported(cfg: Config, degrees: dict[str, int]) -> str | None:
     """Why model.tp_overlap cannot run on cfg with these mesh degrees, or None. Shared with
     parallel/collective_matmul.unsupported (this module imports no jax). mesh.tensor=1 (or
@@ -793,9 +819,34 @@ def _load_gin(path: pathlib.Path) -> Config:
         gin.clear_config()
 
 
+def _load_json(p: pathlib.Path) -> Config:
+    """A run's config.json (what launch.train and the HF import write into a workdir): the
+    sections as Config.to_dict() gives them. Fields this version does not know (a run of
+    another version) are left out with a warning naming them."""
+    try:
+        d = json.loads(p.read_text())
+    except ValueError as e:
+        raise ConfigError(f"config file {str(p)!r} is not valid JSON: {e}") from None
+    if not isinstance(d, dict) or not d or set(d) - set(SECTIONS):
+        extra = sorted(set(d) - set(SECTIONS)) if isinstance(d, dict) else type(d).__name__
+        raise ConfigError(f"config file {str(p)!r}: expected a run's config.json, an object "
+                          f"of the sections {', '.join(SECTIONS)}; got {extra or 'nothing'}")
+    unknown = [f"{name}.{k}" for name, section_cls in SECTIONS.items()
+               for k in (d.get(name) or {})
+               if k not in {f.name for f in dataclasses.fields(section_cls)}]
+    if unknown:
+        warnings.warn(f"{p}: fields this titanax does not have, left out: {', '.join(unknown)}",
+                      stacklevel=3)
+    try:
+        return Config.from_dict(d)
+    except TypeError as e:
+        raise ConfigError(f"config file {str(p)!r}: {e}") from None
+
+
 def load_config(path: str | pathlib.Path | None = None,
                 overrides: typing.Iterable[str] | typing.Mapping[str, typing.Any] = ()) -> Config:
-    """Reads a .py (defining config()) or .gin file, then applies --set overrides."""
+    """Reads a .py (defining config()) or .gin file, or a run's config.json, then applies --set
+    overrides."""
     if path is None:
         cfg = Config()
     else:
@@ -807,8 +858,11 @@ def load_config(path: str | pathlib.Path | None = None,
             cfg = _load_py(p)
         elif p.suffix == ".gin":
             cfg = _load_gin(p)
+        elif p.suffix == ".json":
+            cfg = _load_json(p)
         else:
-            raise ConfigError(f"config file {str(p)!r}: expected a .py or .gin file")
+            raise ConfigError(f"config file {str(p)!r}: expected a .py or .gin file, or a "
+                              "run's config.json")
     try:
         return apply_overrides(cfg, overrides)
     except TypeError as e:  # dataclasses.replace with a wrong type slips through as TypeError

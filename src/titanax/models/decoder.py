@@ -23,6 +23,7 @@ from titanax.ops.cross_entropy import chunk_positions, linear_cross_entropy_sum,
 from titanax.parallel.context import balanced, context_shards, natural
 from titanax.parallel.pipeline import PipelineSchedule, pipeline_stages, run_pipelined
 from titanax.parallel.rules import batch_shards, loss_rows, shard_activation
+from titanax.train import accumulate
 
 # The name of each decoder layer's input inside its checkpointed function ("full_offload").
 LAYER_INPUT = "decoder_layer_input"
@@ -159,11 +160,13 @@ class Decoder(nnx.Module):
         x_BSD = jnp.take(table_VD, tokens_BS, axis=0).astype(jnp.dtype(self.cfg.dtype))
         return shard_activation(x_BSD, ("batch", "norm_seq", "embed"))
 
-    def _layer_fn(self, cache_index):
+    def _layer_fn(self, cache_index, remat: str | None = None):
         """(one_layer(x, layer_state, kv, positions, segment_ids) -> (x, kv), the stacked
-        layer state): one decoder layer as a pure function, remat-wrapped per model.remat."""
+        layer state): one decoder layer as a pure function, remat-wrapped per model.remat
+        (or `remat`)."""
+        remat = remat or self.cfg.remat
         graphdef, layer_state = nnx.split(self.layers)
-        offload_input = self.cfg.remat == "full_offload"
+        offload_input = remat == "full_offload"
 
         def one_layer(x_BSD, state, kv, positions_BS, segment_ids_BS):
             if offload_input:  # the value the policy offloads; x itself is then not kept
@@ -175,8 +178,8 @@ class Decoder(nnx.Module):
             block = nnx.merge(graphdef, state)
             return block(x_BSD, positions_BS, segment_ids_BS, kv, cache_index)
 
-        if self.cfg.remat != "none":
-            one_layer = jax.checkpoint(one_layer, policy=REMAT_POLICIES[self.cfg.remat],
+        if remat != "none":
+            one_layer = jax.checkpoint(one_layer, policy=REMAT_POLICIES[remat],
                                        prevent_cse=False)
         return one_layer, layer_state
 
@@ -185,6 +188,14 @@ class Decoder(nnx.Module):
         if pipeline is not None and pipeline_stages() > 1:
             return run_pipelined(lambda x, state, ex: one_layer(x, state, None, *ex)[0],
                                  layer_state, x_BSD, (positions_BS, segment_ids_BS), pipeline)
+        slot = accumulate.pending()
+        if slot is not None:  # train.grad_accum in place: the backward adds into the sum
+            # It saves (or offloads) each layer's input itself: the layer is plain full remat.
+            full, _ = self._layer_fn(None, remat="full")
+            return accumulate.scan_layers_into(
+                slot, lambda x, state, *ex: full(x, state, None, *ex)[0], layer_state,
+                x_BSD, (positions_BS, segment_ids_BS),
+                offload_inputs=self.cfg.remat == "full_offload")
         x_BSD, _ = jax.lax.scan(
             lambda x, state: (one_layer(x, state, None, positions_BS, segment_ids_BS)[0], None),
             x_BSD, layer_state)

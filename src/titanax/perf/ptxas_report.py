@@ -136,7 +136,7 @@ def ptxas_path() -> str:
             return str(path)
     found = shutil.which("ptxas")
     if found is None:
-        raise FileNotFoundError("no ptxas: install the CUDA plugin (bash scripts/dev.sh test)")
+        raise FileNotFoundError("no ptxas: install the CUDA plugin (bash scripts/dev.sh cuda-plugin)")
     return found
 
 

@@ -80,7 +80,7 @@ def compile_train_step(cfg: Config, cluster: Cluster, target: str, buffers: int 
 def _audit(cfg: Config, hlo: str, target: str, n_devices: int) -> dict:
     if target != "gpu":
         return {"skipped": "no deviceless CUDA compile (the CUDA plugin is not installed; "
-                           "scripts/dev.sh installs it): XLA:CPU's program is not the GPU's"}
+                           "`bash scripts/dev.sh cuda-plugin` installs it): XLA:CPU's program is not the GPU's"}
     from titanax.plan.audit import audit_step
     return audit_step(cfg, hlo, n_devices)
 

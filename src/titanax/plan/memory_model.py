@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from titanax.config import Config, ModelConfig
+from titanax.config import Config, ModelConfig, grad_accum_in_place_unsupported
 
 
 def saved_elems_per_token(m: ModelConfig, remat: str) -> float:
@@ -119,9 +119,11 @@ def _state_bytes(cfg: Config, deg: dict[str, int], n_params: int
         moments = 0.0
     device["weights"] = weights
     device["optimizer"] = moments
-    # With accumulation the running sum and the microbatch's own gradient buffer coexist:
-    # the backward writes a fresh stacked buffer that is then added into the sum.
-    device["gradients"] = grads * (2 if t.grad_accum > 1 else 1)
+    # Accumulating in place (train/accumulate.py) the backward adds each layer's gradients into
+    # the one running sum (a layer's fresh gradients are in the transient term). The plain sum
+    # keeps the sum and the microbatch's fresh stacked buffer at once.
+    plain = t.grad_accum != 1 and grad_accum_in_place_unsupported(cfg) is not None
+    device["gradients"] = grads * (2 if plain else 1)
     return device, host
 
 

@@ -9,6 +9,7 @@ import dataclasses
 from titanax.config import Config, ConfigError, apply_overrides
 from titanax.parallel.rules import MESH_AXES
 from titanax.plan import compile as plan_compile
+from titanax.plan import published
 from titanax.plan import search as plan_search
 from titanax.plan.cluster import Cluster, Layout, PlanError, layout_for, plan_config
 from titanax.plan.cost_model import EFFICIENCIES, Estimate, estimate
@@ -22,13 +23,26 @@ def _layout_json(layout: Layout) -> dict:
             "description": layout.describe()}
 
 
+# Said wherever a plan's memory is the cost model's because no GPU compile could run.
+NO_PLUGIN = ("no CUDA plugin, so the memory below is the cost model's guess (a CPU compile's "
+             "memory is not the GPU's); `bash scripts/dev.sh cuda-plugin` installs the plugin "
+             "(4.9 GB, once) and launch.plan then compiles for the GPU")
+
+
+def _spread(tokens_per_s: float) -> dict:
+    """The prediction with the spread of published runs against the model (plan/published.py)."""
+    u = published.uncertainty()
+    return {"low": tokens_per_s * u["low"], "high": tokens_per_s * u["high"],
+            "low_ratio": u["low"], "high_ratio": u["high"], "published_rows": u["rows"],
+            "text": published.describe(tokens_per_s, u)}
+
+
 def _compiled_for(result: dict | None, cluster: Cluster) -> str:
     if result is None:
         return "none (cost model only)"
     where = (f"deviceless CUDA {result.get('device_kind', cluster.gpu)}, {cluster.nodes} host(s)"
              f" x {cluster.gpus_per_node}" if result["target"] == "gpu" else
-             f"simulated CPU devices ({cluster.n_gpus}); CUDA plugin not installed, so memory "
-             "comes from the cost model")
+             f"simulated CPU devices ({cluster.n_gpus}): {NO_PLUGIN}")
     return where if result.get("ok") else f"{where}: FAILED"
 
 
@@ -129,6 +143,7 @@ def _plan_dict(cfg: Config, cluster: Cluster, layout: Layout, est: Estimate,
         "predicted_step_s": est.step_s,
         "predicted_tokens_per_s_per_gpu": est.tokens_per_s_per_gpu,
         "predicted_mfu": est.mfu,
+        "predicted_tokens_per_s_spread": _spread(est.tokens_per_s_per_gpu),
         "efficiencies": dataclasses.asdict(EFFICIENCIES),
         **({"audit": audit} if audit is not None else {}),
     }
@@ -149,8 +164,9 @@ def run_search(cfg: Config, cluster: Cluster, *, verify: int, top: int = 10,
                 result["memory"]["total"] > cand.estimate.usable_memory_bytes:
             cand.dropped = (f"does not fit once compiled: {result['memory']['total'] / 1e9:.1f}"
                             f" GB > {cand.estimate.usable_memory_bytes / 1e9:.1f} GB usable")
-        entry.update(memory=result.get("memory"), compile_s=result.get("compile_s"),
-                     dropped=cand.dropped)
+        # A CPU compile's memory is XLA:CPU's: never shown as the GPU's.
+        entry.update(memory=result.get("memory") if result.get("target") == "gpu" else None,
+                     compile_s=result.get("compile_s"), dropped=cand.dropped)
         tried.append(entry)
         if not cand.dropped:
             best = (cand, result)
@@ -171,6 +187,11 @@ def run_search(cfg: Config, cluster: Cluster, *, verify: int, top: int = 10,
                                  cand.estimate, result)
         out["best"]["label"] = cand.label
         out["best"]["compile_checked"] = bool(result and result.get("ok"))
+        if not out["best"]["compile_checked"]:
+            out["best"]["unchecked_why"] = (
+                "--no-compile" if not verify else
+                f"the {len(tried)} candidate(s) ranked above it failed to compile or did not "
+                "fit; raise --verify")
         out["best"]["overrides"] = overrides_for(cand.cfg)
     return out
 

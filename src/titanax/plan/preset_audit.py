@@ -68,7 +68,7 @@ def audit_cells(cells: list[Cell], timeout_s: float = 3600) -> list[dict]:
     'compile_s'} or {'cell', 'ok': False, 'error'}. Needs the CUDA plugin."""
     if not aot.plugin_available():
         raise RuntimeError("the preset audit compiles for GPUs: it needs the CUDA plugin in "
-                           ".venv/cuda-plugin (bash scripts/dev.sh test installs it)")
+                           ".venv/cuda-plugin (bash scripts/dev.sh cuda-plugin installs it)")
     from titanax.plan.compile import worker_env
 
     env, target = worker_env(GPUS)

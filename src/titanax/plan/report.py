@@ -17,7 +17,10 @@ def _gb(x: float) -> str:
 def _memory_lines(plan: dict) -> list[str]:
     lines = []
     comp = plan.get("compile") or {}
-    if comp.get("ok"):
+    if comp.get("ok") and comp["target"] != "gpu":
+        lines.append("  compiled for simulated CPU devices: the step compiles (its memory, "
+                     "XLA:CPU's, is not the GPU's and is not used here)")
+    elif comp.get("ok"):
         m = comp["memory"]
         lines.append(f"  compiled ({comp['target']}): arguments {_gb(m['arguments'])}, temporaries "
                      f"{_gb(m['temporaries'])}, outputs not aliased {_gb(m['outputs'] - m['aliased'])}"
@@ -134,6 +137,9 @@ def format_plan(plan: dict) -> str:
             f"  => {plan['predicted_step_s']:.2f} s per step, "
             f"{plan['predicted_tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, MFU "
             f"{plan['predicted_mfu']:.1%} (of dense bf16 peak)"]
+        spread = plan.get("predicted_tokens_per_s_spread")
+        if spread:
+            out.append(f"  => how sure: {spread['text']} (plan/published.py)")
     if "audit" in plan:
         out.append(format_audit(plan["audit"]))
     if "search" in plan:
@@ -156,7 +162,7 @@ def format_search(s: dict) -> str:
     if s["best"] is not None:
         b = s["best"]
         checked = ("compile-checked" if b["compile_checked"] else
-                   "NOT compile-checked: the candidates tried before it failed; raise --verify")
+                   f"NOT compile-checked: {b.get('unchecked_why', 'raise --verify')}")
         out.append(f"  best ({checked}): {b['label']}: {b['predicted_tokens_per_s_per_gpu']:,.0f}"
                    f" tok/s/GPU, {b['per_device_bytes'] / GB:.1f} GB per device "
                    f"({b['per_device_bytes_source']}); run it with "

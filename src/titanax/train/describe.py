@@ -15,6 +15,20 @@ def describe_processes() -> str:
             "each; this log is process 0's")
 
 
+def describe_accumulation(cfg) -> str | None:
+    """How train.grad_accum sums the microbatches' gradients (None without accumulation)."""
+    from titanax.config import grad_accum_in_place_unsupported
+
+    if cfg.train.grad_accum == 1:
+        return None
+    why = grad_accum_in_place_unsupported(cfg)
+    if why is None:
+        return (f"grad_accum {cfg.train.grad_accum}: gradients summed in place (one float32 "
+                "buffer, train/accumulate.py)")
+    return (f"grad_accum {cfg.train.grad_accum}: gradients summed the plain way (a fresh "
+            f"gradient buffer per microbatch beside the sum): {why}")
+
+
 def describe_memory(compiled) -> str:
     try:
         return M.describe_compiled_memory(compiled)

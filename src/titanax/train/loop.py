@@ -36,7 +36,7 @@ from titanax.train import metrics as M
 from titanax.train.bad_steps import BadStepCounter, TrainingDiverged
 from titanax.train.batches import global_batch, process_rows
 from titanax.train.compilation_cache import compilation_cache
-from titanax.train.describe import describe_memory, describe_processes
+from titanax.train.describe import describe_accumulation, describe_memory, describe_processes
 from titanax.train.metrics_trim import drop_metrics_from
 from titanax.train.optim import lr_schedule, make_optimizer
 from titanax.train.profile_window import ProfileWindow
@@ -153,6 +153,8 @@ class Trainer:
                  f"  peak {self.peak / 1e9:.1f} GFLOP/s per device from {peak_src}\n"
                  f"  {describe_processes()}\n  {describe_mesh(self.mesh)}\n"
                  f"  data: {self.data.describe()}\n{format_config(cfg)}")
+        if describe_accumulation(cfg):
+            self.log(f"  {describe_accumulation(cfg)}")
 
     # --- state --------------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from titanax import ops
 from titanax.config import Config, ConfigError
 from titanax.parallel.collective_matmul import use_collective_matmul
 from titanax.parallel.pipeline import PipelineSchedule
-from titanax.train import offload
+from titanax.train import accumulate, offload
 
 
 def nll_sum(graphdef, params, batch, *, document_masking: bool, loss_chunk: int,
@@ -57,10 +57,13 @@ def _keep_if_finite(finite, new, old):
     return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
 
 
-def _grads(cfg: Config, grad_fn, params, fp8, batch):
+def _grads(cfg: Config, loss_fn, params, fp8, batch):
     """(mean loss, parameter gradients, new fp8 histories) of the batch; with train.grad_accum
     its microbatches' gradients averaged and their histories combined by max_histories."""
     accum = cfg.train.grad_accum
+    # d/d(params) and d/d(fp8): fp8_linear's custom VJP returns the updated amax histories as
+    # the "gradient" of the histories it was given; they are the step's new fp8 state.
+    grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 2))
     if accum == 1:
         loss, (grads, new_fp8) = grad_fn(params, batch, fp8)
         return loss, grads, new_fp8
@@ -69,14 +72,27 @@ def _grads(cfg: Config, grad_fn, params, fp8, batch):
     # its own rows in each, so the batch sharding stays on the row axis (a leading
     # [accum] split would put it on the scanned axis and reshard every microbatch).
     micro = jax.tree.map(lambda x: x.reshape(-1, accum, *x.shape[1:]).swapaxes(0, 1), batch)
+    if accumulate.unsupported(cfg) is None:
+        # In place (train/accumulate.py): the running sum goes in, sum + gradients come out.
+        def loss_into(acc, mb, fp8):
+            with accumulate.accumulating(acc) as slot:
+                loss = loss_fn(accumulate.attach(params, acc), mb, fp8)
+            if not slot.consumed:
+                raise RuntimeError("gradient accumulation in place: the model never ran its "
+                                   "layers through accumulate.scan_layers_into")
+            return loss
+        step_fn = jax.value_and_grad(loss_into, argnums=(0, 2))
+    else:
+        def step_fn(acc, mb, fp8):
+            loss, (grads, new_fp8) = grad_fn(params, mb, fp8)
+            return loss, (jax.tree.map(jnp.add, acc, grads), new_fp8)
 
     def add(carry, mb):
-        loss, (grads, new_fp8) = grad_fn(params, mb, fp8)
         total_loss, total, histories = carry
+        loss, (total, new_fp8) = step_fn(total, mb, fp8)
         # fp8_delayed histories: the maximum over microbatches, not the sum (TE records the
         # step's amax; ops.max_histories)
-        return (total_loss + loss, jax.tree.map(jnp.add, total, grads),
-                ops.max_histories(histories, new_fp8)), None
+        return (total_loss + loss, total, ops.max_histories(histories, new_fp8)), None
 
     zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params),
              jax.tree.map(jnp.zeros_like, fp8))
@@ -91,13 +107,11 @@ def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation, sch
         raise ConfigError("train.grad_accum=auto must be resolved before the step is built "
                           "(launch.train's memory check does it)")
     offload_update = offload.enabled(cfg)
-    # d/d(params) and d/d(fp8): fp8_linear's custom VJP returns the updated amax histories as
-    # the "gradient" of the histories it was given; they are the step's new fp8 state.
-    grad_fn = jax.value_and_grad(make_loss_fn(cfg, graphdef), argnums=(0, 2))
+    loss_fn = make_loss_fn(cfg, graphdef)
 
     def train_step(state, batch):
         params, fp8 = state["params"], state.get("fp8", nnx.State({}))
-        loss, grads, new_fp8 = _grads(cfg, grad_fn, params, fp8, batch)
+        loss, grads, new_fp8 = _grads(cfg, loss_fn, params, fp8, batch)
         # (offload_params: the layers' gradients are in host memory, read a layer at a time)
         grad_norm = offload.global_norm(grads) if offload_update else optax.tree.norm(grads)
         # A non-finite amax (inf/NaN in an FP8 operand, e.g. an overflowing gradient that the
