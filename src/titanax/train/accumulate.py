@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +48,7 @@ def unsupported(cfg: Config) -> str | None:
 @dataclasses.dataclass
 class _Slot:
     acc: nnx.State  # the running sum, laid out like the parameters
+    scale: float = 1.0  # each gradient enters the sum times this (1 / grad_accum: the mean)
     consumed: bool = False
 
 
@@ -55,10 +57,12 @@ _SLOT: contextvars.ContextVar[_Slot | None] = contextvars.ContextVar("titanax_gr
 
 
 @contextlib.contextmanager
-def accumulating(acc):
-    """Model code traced inside this block adds its layers' gradients into `acc` (the running
-    sum, the parameters' structure): Decoder._run_layers takes it from `pending()`."""
-    slot = _Slot(acc)
+def accumulating(acc, scale: float = 1.0):
+    """Model code traced inside this block adds its layers' gradients, times `scale`, into
+    `acc` (the running sum, the parameters' structure): Decoder._run_layers takes it from
+    `pending()`. Scaling as they enter (1 / grad_accum) leaves the sum the mean: dividing it
+    afterwards would write a second copy of it."""
+    slot = _Slot(acc, scale)
     token = _SLOT.set(slot)
     try:
         yield slot
@@ -70,28 +74,33 @@ def pending() -> _Slot | None:
     return _SLOT.get()
 
 
-@jax.custom_vjp
-def _attach(param, acc):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _attach(param, acc, scale):
     return param
 
 
-def _attach_fwd(param, acc):
+def _attach_fwd(param, acc, scale):
     return param, acc
 
 
-def _attach_bwd(acc, ct):
-    return None, acc + ct.astype(acc.dtype)
+def _attach_bwd(scale, acc, ct):
+    return None, acc + _scaled(ct, scale, acc.dtype)
+
+
+def _scaled(g, scale: float, dtype):
+    return (g if scale == 1.0 else g * scale).astype(dtype)
 
 
 _attach.defvjp(_attach_fwd, _attach_bwd)
 
 
-def attach(params, acc):
+def attach(params, acc, scale: float = 1.0):
     """params with every leaf outside the layer stack tied to acc's: the gradient of acc is
-    then acc + d(loss)/d(param). The layer stack's leaves are left alone (scan_layers_into)."""
+    then acc + scale x d(loss)/d(param). The layer stack's leaves are left alone
+    (scan_layers_into)."""
     def tie(path, p, a):
         top = getattr(path[0], "key", None) if path else None
-        return p if top == LAYERS else _attach(p, a)
+        return p if top == LAYERS else _attach(p, a, scale)
     return jax.tree_util.tree_map_with_path(tie, params, acc)
 
 
@@ -148,7 +157,7 @@ def scan_layers_into(slot: _Slot, one_layer, layer_state, x, extras, *,
             dx, dp, dr = snapshot.copy().run(grads, dx)
             a = [jax.lax.dynamic_update_index_in_dim(
                 acc_, jax.lax.dynamic_index_in_dim(acc_, i, keepdims=False)
-                + d.astype(acc_.dtype), i, 0) for acc_, d in zip(a, dp)]
+                + _scaled(d, slot.scale, acc_.dtype), i, 0) for acc_, d in zip(a, dp)]
             return (dx, a), dr
 
         (dx, a), dr = jax.lax.scan(back, (dy, a), (jnp.arange(n_layers), p, r, inputs),
