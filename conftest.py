@@ -18,6 +18,15 @@ collected test needs them:
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# XLA:CPU without LLVM's optimisations: the suite compiles hundreds of small programs, LLVM
+# is most of each compile, and at test shapes its faster code saves nothing (two layouts of
+# tests/test_parallel.py: 38 s -> 16 s). Inherited by the suite's subprocesses; deviceless
+# GPU compiles drop it (pallas_kernels.aot.cuda_plugin_env: register counts are the product's).
+# TITANAX_TEST_XLA_OPT=1 keeps XLA's default.
+CPU_TEST_XLA_FLAG = "--xla_backend_optimization_level=0"
+if os.environ.get("TITANAX_TEST_XLA_OPT") != "1" and \
+        "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{CPU_TEST_XLA_FLAG} {os.environ.get('XLA_FLAGS', '')}".strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

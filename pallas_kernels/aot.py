@@ -97,6 +97,14 @@ def cuda_plugin_env(env: dict | None = None) -> dict:
     plugin folder on PYTHONPATH."""
     env = dict(os.environ if env is None else env)
     env["JAX_PLATFORMS"] = "cpu"
+    # The GPU program as the product compiles it: no lowered optimisation level (the test
+    # suite sets one for its CPU compiles, conftest.py).
+    flags = [f for f in env.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_backend_optimization_level")]
+    if flags:
+        env["XLA_FLAGS"] = " ".join(flags)
+    else:
+        env.pop("XLA_FLAGS", None)
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(CUDA_PLUGIN_DIR), env.get("PYTHONPATH", "")) if p)
     return env
