@@ -124,24 +124,17 @@ def _knobs_source(knobs: dict) -> str:
     return "{" + ", ".join(f"{k!r}: {v!r}" for k, v in sorted(knobs.items())) + "}"
 
 
-def _tuned_source(tuned: dict, comments: dict) -> str:
-    if not tuned:
-        return "TUNED: dict[tuple[str, int], dict] = {}"
-    lines = ["TUNED: dict[tuple[str, int], dict] = {"]
-    for (name, major), knobs in sorted(tuned.items()):
+_WINS_DECL, _TUNED_DECL = "WINS: dict[tuple[str, int], str]", "TUNED: dict[tuple[str, int], dict]"
+
+
+def _table_source(decl: str, table: dict, comments: dict, value=repr) -> str:
+    """measured.py's `decl = {...}`: one (name, major) entry per line, with its comment."""
+    if not table:
+        return f"{decl} = {{}}"
+    lines = [f"{decl} = {{"]
+    for (name, major), v in sorted(table.items()):
         comment = comments.get((name, major))
-        lines.append(f"    ({name!r}, {major}): {_knobs_source(knobs)},"
-                     f"{f'  # {comment}' if comment else ''}")
-    return "\n".join(lines + ["}"])
-
-
-def _wins_source(wins: dict, comments: dict) -> str:
-    if not wins:
-        return "WINS: dict[tuple[str, int], str] = {}"
-    lines = ["WINS: dict[tuple[str, int], str] = {"]
-    for (op, major), impl in sorted(wins.items()):
-        comment = comments.get((op, major))
-        lines.append(f"    ({op!r}, {major}): {impl!r},{f'  # {comment}' if comment else ''}")
+        lines.append(f"    ({name!r}, {major}): {value(v)},{f'  # {comment}' if comment else ''}")
     return "\n".join(lines + ["}"])
 
 
@@ -170,11 +163,10 @@ def update_measured(source: str, decisions: dict, major: int, run: str,
             comments[(op, major)] = f"{run}: {evidence}"
         else:
             wins.pop((op, major), None)
-    for pattern, table in ((_WINS_RE, "WINS: dict[tuple[str, int], str]"),
-                           (_TUNED_RE, "TUNED: dict[tuple[str, int], dict]")):
+    for pattern, table in ((_WINS_RE, _WINS_DECL), (_TUNED_RE, _TUNED_DECL)):
         if not pattern.search(source):
             raise ApplyError(f"{MEASURED}: no `{table} = {{...}}` to rewrite")
-    source = _WINS_RE.sub(lambda m: _wins_source(wins, comments), source, count=1)
+    source = _WINS_RE.sub(lambda m: _table_source(_WINS_DECL, wins, comments), source, count=1)
     tuned, t_comments = dict(namespace["TUNED"]), _tuned_comments(source)
     for name, (knobs, evidence) in (tuning or {}).items():
         if knobs:
@@ -182,7 +174,8 @@ def update_measured(source: str, decisions: dict, major: int, run: str,
             t_comments[(name, major)] = f"{run}: {evidence}"
         else:
             tuned.pop((name, major), None)
-    return _TUNED_RE.sub(lambda m: _tuned_source(tuned, t_comments), source, count=1)
+    return _TUNED_RE.sub(lambda m: _table_source(_TUNED_DECL, tuned, t_comments, _knobs_source),
+                          source, count=1)
 
 
 def performance_section(rep: dict, decisions: dict, tuning: dict | None = None) -> str:
