@@ -1,4 +1,4 @@
-"""Gradient accumulation in place (train/accumulate.py): the running sum is an input of each
+"""Gradient accumulation in place (models/accumulate.py): the running sum is an input of each
 microbatch's backward pass, the layers add their weight gradients into it one layer at a time.
 It gives the plain sum's gradients, on a sharded mesh and with fp8_delayed's histories, and its
 compiled step holds one float32 gradient buffer whatever grad_accum is."""
@@ -12,11 +12,11 @@ from flax import nnx
 from pallas_kernels import aot
 from tests.test_train import small_config
 from titanax.config import apply_overrides
+from titanax.models import accumulate
 from titanax.parallel.mesh import build_mesh
 from titanax.parallel.rules import model_context
 from titanax.plan.cluster import Cluster
 from titanax.plan.compile import compile_in_subprocess
-from titanax.train import accumulate
 from titanax.train import step as train_step
 from titanax.train.describe import describe_accumulation
 from titanax.train.optim import make_optimizer

@@ -296,8 +296,15 @@ def test_losses_are_those_of_histories_as_params(case):
             state, m = step(state, _batch(cfg, i))
             losses.append(float(m["loss"]))
             norms.append(float(m["grad_norm"]))
-    np.testing.assert_allclose(losses, want_loss, rtol=1e-6)
-    np.testing.assert_allclose(norms, want_norm, rtol=1e-5)
+    # The first step sees the same weights and histories: equal to float32 rounding. Later
+    # steps carry updated weights through FP8 casts, where a last-bit difference in XLA:CPU's
+    # code (its LLVM optimisation level, conftest.py; AVX2 against AVX-512) moves an element
+    # across an e4m3 rounding boundary: 4e-5 relative by step 4, measured. A history trained
+    # wrongly moves the loss by 1e-2 and more.
+    np.testing.assert_allclose(losses[0], want_loss[0], rtol=1e-6)
+    np.testing.assert_allclose(norms[0], want_norm[0], rtol=1e-5)
+    np.testing.assert_allclose(losses, want_loss, rtol=3e-4)
+    np.testing.assert_allclose(norms, want_norm, rtol=1e-3)
 
 
 def test_fp8_delayed_run_resumes_exactly(tmp_path):

@@ -277,7 +277,7 @@ class TrainConfig:
     # With grad_accum > 1 and model.remat='full'/'full_offload' (no pipeline): one float32
     # gradient buffer
     # for all microbatches, each layer's gradients added into it by the backward pass
-    # (train/accumulate.py). False: the plain sum (a zeroed sum, the loop's carry and each
+    # (models/accumulate.py). False: the plain sum (a zeroed sum, the loop's carry and each
     # microbatch's fresh gradients: three copies at the peak), for comparison.
     grad_accum_in_place: bool = True
     # The memory per device the compiled train step must fit in; launch.train checks it
@@ -604,7 +604,7 @@ def check_parallel_layout(cfg: Config, degrees: dict[str, int]) -> None:
 
 def grad_accum_in_place_unsupported(cfg: Config) -> str | None:
     """Why a step of cfg sums its microbatches' gradients the plain way, or None: in place
-    (train/accumulate.py, whose `unsupported` this is; the memory model reads it too)."""
+    (models/accumulate.py, whose `unsupported` this is; the memory model reads it too)."""
     t = cfg.train
     if t.grad_accum == 1:
         return "train.grad_accum=1: nothing to accumulate"

@@ -18,12 +18,12 @@ from jax.ad_checkpoint import checkpoint_name
 
 from titanax import ops
 from titanax.config import ModelConfig
+from titanax.models import accumulate
 from titanax.models.layers import RMSNorm, rms_norm
 from titanax.ops.cross_entropy import chunk_positions, linear_cross_entropy_sum, seq_split
 from titanax.parallel.context import balanced, context_shards, natural
 from titanax.parallel.pipeline import PipelineSchedule, pipeline_stages, run_pipelined
 from titanax.parallel.rules import batch_shards, loss_rows, shard_activation
-from titanax.train import accumulate
 
 # The name of each decoder layer's input inside its checkpointed function ("full_offload").
 LAYER_INPUT = "decoder_layer_input"

@@ -119,7 +119,7 @@ def _state_bytes(cfg: Config, deg: dict[str, int], n_params: int
         moments = 0.0
     device["weights"] = weights
     device["optimizer"] = moments
-    # Accumulating in place (train/accumulate.py) the backward adds each layer's gradients into
+    # Accumulating in place (models/accumulate.py) the backward adds each layer's gradients into
     # the one running sum (a layer's fresh gradients are in the transient term). The plain sum
     # keeps the sum and the microbatch's fresh stacked buffer at once.
     plain = t.grad_accum != 1 and grad_accum_in_place_unsupported(cfg) is not None

@@ -24,7 +24,7 @@ def describe_accumulation(cfg) -> str | None:
     why = grad_accum_in_place_unsupported(cfg)
     if why is None:
         return (f"grad_accum {cfg.train.grad_accum}: gradients summed in place (one float32 "
-                "buffer, train/accumulate.py)")
+                "buffer, models/accumulate.py)")
     return (f"grad_accum {cfg.train.grad_accum}: gradients summed the plain way (a fresh "
             f"gradient buffer per microbatch beside the sum): {why}")
 

@@ -10,9 +10,10 @@ from flax import nnx
 from pallas_kernels.target import target_platform
 from titanax import ops
 from titanax.config import Config, ConfigError
+from titanax.models import accumulate
 from titanax.parallel.collective_matmul import use_collective_matmul
 from titanax.parallel.pipeline import PipelineSchedule
-from titanax.train import accumulate, offload
+from titanax.train import offload
 
 
 def nll_sum(graphdef, params, batch, *, document_masking: bool, loss_chunk: int,
@@ -73,7 +74,7 @@ def _grads(cfg: Config, loss_fn, params, fp8, batch):
     # [accum] split would put it on the scanned axis and reshard every microbatch).
     micro = jax.tree.map(lambda x: x.reshape(-1, accum, *x.shape[1:]).swapaxes(0, 1), batch)
     if accumulate.unsupported(cfg) is None:
-        # In place (train/accumulate.py): the running sum goes in, sum + gradients come out.
+        # In place (models/accumulate.py): the running sum goes in, sum + gradients come out.
         def loss_into(acc, mb, fp8):
             with accumulate.accumulating(acc, 1.0 / accum) as slot:
                 loss = loss_fn(accumulate.attach(params, acc, 1.0 / accum), mb, fp8)
