@@ -27,8 +27,9 @@ pytestmark = pytest.mark.usefixtures("devices8")  # meshes over 8 simulated devi
 BASE = {"model.dtype": "float32", "model.remat": "full", "train.grad_accum": 4}
 
 
-def _grads(cfg, n_devices):
-    """(mean loss, gradients, new fp8 state) of one batch through step._grads, jitted."""
+def _grads(cfg, n_devices, trace_only=False):
+    """(mean loss, gradients, new fp8 state) of one batch through step._grads, jitted (or only
+    traced: their shapes)."""
     mesh = build_mesh(cfg.mesh, devices=jax.devices()[:n_devices])
     graphdef, state, _ = create_train_state(cfg, mesh, make_optimizer(cfg))
     rng = np.random.default_rng(0)
@@ -38,9 +39,10 @@ def _grads(cfg, n_devices):
              "segment_ids": np.ones((B, S), np.int32),
              "positions": np.broadcast_to(np.arange(S, dtype=np.int32), (B, S))}
     loss_fn = train_step.make_loss_fn(cfg, graphdef)
+    fn = lambda p, f, b: train_step._grads(cfg, loss_fn, p, f, b)  # noqa: E731
     with model_context(mesh):
-        return jax.jit(lambda p, f, b: train_step._grads(cfg, loss_fn, p, f, b))(
-            state["params"], state.get("fp8", {}), batch)
+        return (jax.eval_shape if trace_only else jax.jit(fn))(
+            *((fn,) if trace_only else ()), state["params"], state.get("fp8", {}), batch)
 
 
 @pytest.mark.parametrize("extra, n_devices", [
@@ -86,6 +88,12 @@ def test_layouts_that_keep_the_plain_sum_say_why():
                                                                          "model.remat": "dots"}))
     piped = small_config(**BASE, **{"mesh.pipeline": 2, "pipeline.microbatches": 2})
     assert "pipeline" in accumulate.unsupported(piped)
+    # mesh.pipeline=-1 becomes a pipeline only on the mesh: the step sees it there and sums
+    # the plain way (the layers never reach scan_layers_into inside the stages).
+    filled = small_config(**BASE, **{"mesh.pipeline": -1, "pipeline.microbatches": 2})
+    assert accumulate.unsupported(filled) is None
+    _grads(filled, 2, trace_only=True)
+    assert "the plain way" in describe_accumulation(filled, pipeline_stages=2)
     # The run log says which way, and why not in place.
     assert "summed in place" in describe_accumulation(small_config(**BASE))
     assert describe_accumulation(piped).endswith(

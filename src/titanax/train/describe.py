@@ -15,13 +15,16 @@ def describe_processes() -> str:
             "each; this log is process 0's")
 
 
-def describe_accumulation(cfg) -> str | None:
-    """How train.grad_accum sums the microbatches' gradients (None without accumulation)."""
+def describe_accumulation(cfg, pipeline_stages: int = 1) -> str | None:
+    """How train.grad_accum sums the microbatches' gradients (None without accumulation);
+    pipeline_stages: the mesh's, which mesh.pipeline=-1 leaves to the mesh (train/step.py)."""
     from titanax.config import grad_accum_in_place_unsupported
 
     if cfg.train.grad_accum == 1:
         return None
     why = grad_accum_in_place_unsupported(cfg)
+    if why is None and pipeline_stages > 1:
+        why = "pipeline parallelism: the stages run their own backward schedule"
     if why is None:
         return (f"grad_accum {cfg.train.grad_accum}: gradients summed in place (one float32 "
                 "buffer, models/accumulate.py)")

@@ -153,8 +153,9 @@ class Trainer:
                  f"  peak {self.peak / 1e9:.1f} GFLOP/s per device from {peak_src}\n"
                  f"  {describe_processes()}\n  {describe_mesh(self.mesh)}\n"
                  f"  data: {self.data.describe()}\n{format_config(cfg)}")
-        if describe_accumulation(cfg):
-            self.log(f"  {describe_accumulation(cfg)}")
+        accumulation = describe_accumulation(cfg, dict(self.mesh.shape).get("pipeline", 1))
+        if accumulation:
+            self.log(f"  {accumulation}")
 
     # --- state --------------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from titanax import ops
 from titanax.config import Config, ConfigError
 from titanax.models import accumulate
 from titanax.parallel.collective_matmul import use_collective_matmul
-from titanax.parallel.pipeline import PipelineSchedule
+from titanax.parallel.pipeline import PipelineSchedule, pipeline_stages
 from titanax.train import offload
 
 
@@ -73,7 +73,8 @@ def _grads(cfg: Config, loss_fn, params, fp8, batch):
     # its own rows in each, so the batch sharding stays on the row axis (a leading
     # [accum] split would put it on the scanned axis and reshard every microbatch).
     micro = jax.tree.map(lambda x: x.reshape(-1, accum, *x.shape[1:]).swapaxes(0, 1), batch)
-    if accumulate.unsupported(cfg) is None:
+    # (mesh.pipeline=-1 is known only here, from the mesh: a pipeline sums the plain way.)
+    if accumulate.unsupported(cfg) is None and pipeline_stages() == 1:
         # In place (models/accumulate.py): the running sum goes in, sum + gradients come out.
         def loss_into(acc, mb, fp8):
             with accumulate.accumulating(acc, 1.0 / accum) as slot:
