@@ -1,4 +1,5 @@
 import pathlib
+import re
 
 import pytest
 
@@ -114,3 +115,19 @@ def test_a_runs_config_json_is_a_config(tmp_path):
     saved.write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))  # an HF config.json
     with pytest.raises(ConfigError, match="expected a run's config.json.*architectures"):
         load_config(saved)
+
+
+def test_non_finite_numbers_and_raising_python_configs_are_one_line(tmp_path):
+    for bad in ("optim.lr=nan", "optim.lr=inf", "optim.weight_decay=-inf"):
+        with pytest.raises(ConfigError, match=r"must be a finite number"):
+            load_config(CONFIGS / "tiny.py", [bad])
+    raising = tmp_path / "broken.py"
+    raising.write_text("from titanax.config import Config\n\n\ndef config():\n"
+                       "    return [Config()][1]\n")
+    with pytest.raises(ConfigError,
+                       match=rf"^{re.escape(str(raising))}:5: IndexError: list index out of"):
+        load_config(raising)
+    syntax = tmp_path / "syntax.py"
+    syntax.write_text("def config(:\n    pass\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(syntax))}:1: SyntaxError"):
+        load_config(syntax)

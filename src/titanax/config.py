@@ -58,6 +58,9 @@ def _check_types(section: str, obj) -> None:
         if typ is float and isinstance(value, int) and not isinstance(value, bool):
             object.__setattr__(obj, f.name, float(value))
             continue
+        if typ is float and isinstance(value, float) and not math.isfinite(value):
+            # optim.lr=nan trains NaN weights and saves them: no float knob means inf or nan.
+            _fail(f"{section}.{f.name}", f"must be a finite number, got {value!r}")
         if isinstance(value, bool) and typ is not bool or not isinstance(value, typ):
             _fail(f"{section}.{f.name}", f"expected {_type_name(typ)}, got "
                   f"{type(value).__name__} {value!r}")
@@ -774,15 +777,33 @@ def apply_overrides(cfg: Config, overrides: typing.Mapping[str, typing.Any] | ty
 def _load_py(path: pathlib.Path) -> Config:
     spec = importlib.util.spec_from_file_location(f"titanax_config_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not hasattr(module, "config"):
-        raise ConfigError(f"{path}: a Python config must define config() returning "
-                          "titanax.config.Config")
-    cfg = module.config()
+    try:
+        spec.loader.exec_module(module)
+        if not hasattr(module, "config"):
+            raise ConfigError(f"{path}: a Python config must define config() returning "
+                              "titanax.config.Config")
+        cfg = module.config()
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's file: one line naming where it broke
+        raise ConfigError(f"{path}{_where_in(e, path)}: {type(e).__name__}: {e}") from None
     if not isinstance(cfg, Config):
         raise ConfigError(f"{path}: config() returned {type(cfg).__name__}, expected "
                           "titanax.config.Config")
     return cfg
+
+
+def _where_in(e: BaseException, path: pathlib.Path) -> str:
+    """':LINE' of the deepest frame of e's traceback inside path ('' when none is)."""
+    if isinstance(e, SyntaxError) and e.lineno:
+        return f":{e.lineno}"
+    line = ""
+    tb = e.__traceback__
+    while tb is not None:
+        if pathlib.Path(tb.tb_frame.f_code.co_filename).resolve() == path.resolve():
+            line = f":{tb.tb_lineno}"
+        tb = tb.tb_next
+    return line
 
 
 def _load_gin(path: pathlib.Path) -> Config:
