@@ -130,8 +130,26 @@ def _quiet_abandoned_reads() -> None:
             previous(report)
     hook.titanax_quiet = True
     sys.unraisablehook = hook
-    logging.getLogger("asyncio").addFilter(
-        lambda record: not any(f"{name}()" in record.getMessage() for name in _ORBAX_READS))
+    logging.getLogger("asyncio").addFilter(lambda record: not _abandoned_read(record))
+
+
+def _abandoned_read(record: logging.LogRecord) -> bool:
+    """An asyncio report of an orbax array read whose failure nobody awaited: a Task named by
+    its coroutine, or the _GatheringFuture that gathered such reads (named only by the
+    exception's traceback, through the read functions)."""
+    if any(f"{name}()" in record.getMessage() for name in _ORBAX_READS):
+        return True
+    exc = record.exc_info[1] if record.exc_info else None
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        tb = exc.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code.co_name in _ORBAX_READS:
+                return True
+            tb = tb.tb_next
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def sampling_mesh(cfg: Config, devices=None) -> jax.sharding.Mesh:
