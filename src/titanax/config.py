@@ -278,10 +278,9 @@ class TrainConfig:
     # result: the step's gradient is the mean over the whole batch either way), and logs it.
     grad_accum: int | str = 1
     # With grad_accum > 1 and model.remat='full'/'full_offload' (no pipeline): one float32
-    # gradient buffer
-    # for all microbatches, each layer's gradients added into it by the backward pass
-    # (models/accumulate.py). False: the plain sum (a zeroed sum, the loop's carry and each
-    # microbatch's fresh gradients: three copies at the peak), for comparison.
+    # gradient buffer for all microbatches, each layer's gradients added into it by the
+    # backward pass (models/accumulate.py). False: the plain sum (the sum beside each
+    # microbatch's fresh gradients), for comparison.
     grad_accum_in_place: bool = True
     # The memory per device the compiled train step must fit in; launch.train checks it
     # before the first step and names the --set that fits. '' or 0: the devices' own (the
