@@ -147,6 +147,21 @@ def test_peak_counts_shared_memory_once():
     assert "f32[1024,1024]" in lines[1] and "jit(f)/" in lines[2]
 
 
+def test_host_memory_allocations_are_not_the_device_peak():
+    # full_offload's saved layer inputs as the 70B H100 dump writes them: a preallocated temp
+    # of memory color 5 (pinned host, S(5) layouts), live across the whole loop
+    host = ("allocation 27: size 1073741824, color 5, page 0, preallocated-temp:\n"
+            " value: <8843 wrapped_dynamic-update-slice.3 @5> (size=1073741824,offset=0): "
+            "bf16[8,1,8192,8192]{3,2,1,0:S(5)}\n")
+    live = LIVE_RANGE.replace("    ynn_fusion{}:4-5\n",
+                              "    ynn_fusion{}:4-5\n    wrapped_dynamic-update-slice.3{}:0-5\n")
+    allocs = buffers.parse_buffer_assignment(BUFFER_ASSIGNMENT + host)
+    assert allocs[-1].kind == "host"
+    r = buffers.peak_buffers(BUFFER_ASSIGNMENT + host, live, HLO, top=5)
+    assert r["peak_bytes"] == 4194304 + 602112          # as without it
+    assert all(row["allocation"] != 27 for row in r["top"])
+
+
 def _big_temp(x):
     outer = x[:, None] * x[None, :]                        # f32[1024,1024]: 4 MiB
     return jnp.sort(outer, axis=1)[:, ::7].sum()

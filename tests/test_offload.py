@@ -100,9 +100,11 @@ def test_offload_trains_as_without(reference, extra):
     assert state["opt_state"][-1][0].count.sharding.memory_kind == "device"
 
 
-def test_fsdp_over_8_devices_with_both_offloads():
-    """Both offloads together on 8 devices, mesh data 4 x fsdp 2."""
-    layout = {"mesh.data": 4, "mesh.fsdp": 2}
+def test_fsdp_over_8_devices_with_both_offloads_and_accumulation():
+    """Both offloads together on 8 devices, mesh data 4 x fsdp 2, two microbatches a step:
+    the host-resident layers' gradients are summed in place on the device
+    (models/accumulate.py brings each layer's weights over for its backward)."""
+    layout = {"mesh.data": 4, "mesh.fsdp": 2, "train.batch_size": 16, "train.grad_accum": 2}
     ref = _train(tiny(**layout), 8)
     losses, state = _train(tiny(**layout, **BOTH), 8)
     _assert_same(losses, state, *ref)
@@ -213,8 +215,12 @@ def test_checkpoints_restore_into_host_memory_either_way(tmp_path):
 def test_config_errors_name_the_fix():
     with pytest.raises(ConfigError, match="train.offload_params.*model.remat=full"):
         tiny(**PARAMS, **{"model.remat": "none"})
-    with pytest.raises(ConfigError, match="train.offload_params.*train.grad_accum=1"):
-        tiny(**PARAMS, **{"train.grad_accum": 2})
+    with pytest.raises(ConfigError, match="train.offload_params.*model.remat=full or "
+                       "full_offload.*train.grad_accum=1"):
+        tiny(**PARAMS, **{"train.grad_accum": 2, "model.remat": "dots"})
+    with pytest.raises(ConfigError, match="train.offload_params.*grad_accum_in_place=true"):
+        tiny(**PARAMS, **{"train.grad_accum": 2, "train.grad_accum_in_place": False})
+    tiny(**PARAMS, **{"train.grad_accum": "auto"})  # summed in place
     with pytest.raises(ConfigError, match="train.offload_params.*mesh.pipeline=1"):
         tiny(**PARAMS, **{"mesh.pipeline": 2, "model.n_layers": 4, "mesh.data": 1})
     tiny(**OPT, **{"mesh.pipeline": 2, "model.n_layers": 4, "train.grad_accum": 2,

@@ -13,6 +13,7 @@ import pytest
 from pallas_kernels import aot
 from titanax.config import load_config
 from titanax.plan import Cluster, PlanError, make_plan
+from titanax.plan.report import format_plan
 from titanax.plan.cluster import layout_for, plan_config
 from titanax.plan.cost_model import EFFICIENCIES, estimate, param_counts
 from titanax.plan.search import search
@@ -99,6 +100,18 @@ def test_offload_moves_state_to_host_in_the_model_and_costs_host_time():
     exposed = off["time_breakdown_s"]["host_offload_exposed"]
     assert exposed == pytest.approx(8 * n / 8 / (64e9 * 0.8), rel=0.01)
     assert off["predicted_step_s"] > base["predicted_step_s"]
+    # what the offload costs, said beside the prediction (full_offload recomputes as full)
+    assert off["host_offload_cost_s"] == pytest.approx(
+        off["predicted_step_s"] - base["predicted_step_s"], rel=0.02)
+    assert "host offload costs" in format_plan(off) and "host offload" not in format_plan(base)
+    # the layers' weights on the host with gradient accumulation: the sum stays on the device
+    # (summed in place), the weights cross the host link twice per microbatch
+    both = make_plan(_70b("train.offload_optimizer=true", "train.offload_params=true",
+                          "train.grad_accum=16"), cluster, compile_step=False)
+    assert "gradients" not in both["host_memory_model_bytes"]
+    assert both["memory_model_bytes"]["gradients"] == pytest.approx(4 * n / 8, rel=0.01)
+    assert both["memory_model_bytes"]["accumulation"] > 0
+    assert both["time_breakdown_s"]["host_offload_overlapped"] > 0
 
 
 def test_1f1b_activations_do_not_grow_with_microbatches_in_the_model():

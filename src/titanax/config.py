@@ -370,12 +370,6 @@ class TrainConfig:
         if self.batch_size % self.known_grad_accum:
             _fail("train.grad_accum", f"train.batch_size={self.batch_size} must be divisible "
                   f"by train.grad_accum={self.grad_accum}")
-        if self.offload_params and (self.grad_accum_auto or self.grad_accum > 1):
-            _fail("train.offload_params", f"does not work with train.grad_accum="
-                  f"{self.grad_accum}: the offloaded layers' gradients come out in host "
-                  "memory, where the microbatch sum cannot run; set train.grad_accum=1 (the "
-                  "memory offloading frees holds a larger batch per step) or use "
-                  "train.offload_optimizer alone")
 
 
 @dataclass(frozen=True)
@@ -534,6 +528,19 @@ class Config:
                   "backward pass keeps every layer's weights on the device, the very copy "
                   "offloading avoids; set model.remat=full (or full_offload, dots, "
                   "dots_no_batch)")
+        t = self.train
+        if t.offload_params and (t.grad_accum_auto or t.grad_accum > 1):
+            # The sum in place (models/accumulate.py) takes each layer's gradients on the
+            # device as its backward makes them; the plain sum would meet them in host memory.
+            if not t.grad_accum_in_place:
+                _fail("train.offload_params", f"with train.grad_accum={t.grad_accum} needs "
+                      "train.grad_accum_in_place=true: the plain sum would add the offloaded "
+                      "layers' gradients in host memory, where it cannot run")
+            if self.model.remat not in ("full", "full_offload"):
+                _fail("train.offload_params", f"with train.grad_accum={t.grad_accum} needs "
+                      f"model.remat=full or full_offload (got {self.model.remat!r}): the "
+                      "gradients are summed in place only under those; or set "
+                      "train.grad_accum=1")
         check_parallel_layout(self, self.mesh.degrees())
 
     def to_dict(self) -> dict:
@@ -617,8 +624,6 @@ def grad_accum_in_place_unsupported(cfg: Config) -> str | None:
                 "from its input, which is model.remat='full' (or 'full_offload')")
     if cfg.mesh.pipeline > 1:
         return "pipeline parallelism: the stages run their own backward schedule"
-    if t.offload_params:
-        return "train.offload_params: the layers' gradients are kept in host memory"
     return None
 
 

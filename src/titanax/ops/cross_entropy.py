@@ -125,7 +125,7 @@ def _ce_sum(h_BSD, w_DV, targets_BS, c: int, precision: str, rows: str):
 
 def _ce_sum_fwd(h_BSD, w_DV, targets_BS, c, precision, rows):
     h_NBcD, w_g_DV, t_NBc = _prepare(h_BSD, w_DV, targets_BS, c, rows)
-    dt = h_BSD.dtype
+    dt, wdt = h_BSD.dtype, w_DV.dtype
 
     def body(carry, xs):
         total, dw_DV = carry
@@ -134,9 +134,14 @@ def _ce_sum_fwd(h_BSD, w_DV, targets_BS, c, precision, rows):
                                             with_grad=True)
         dlogits_BcV = dlogits_BcV.astype(dt)
         dh_BcD = jnp.dot(dlogits_BcV, w_g_DV.T, precision=_PRECISION[precision])
+        # The chunk's partial weight gradient leaves the matmul in the weight's dtype, the
+        # dtype FSDP reduces gradients in (model.grad_reduce_dtype: float32 only when the
+        # weight came in as float32): under FSDP this [d, vocab] partial is reduce-scattered
+        # every chunk, and a float32 one doubled both that traffic and its buffer (4.2 GB for
+        # 70B, the peak of the 8x H100 offload step). The running sum stays float32.
         dw_DV = dw_DV + jnp.einsum("bcd,bcv->dv", h_BcD, dlogits_BcV,
                                    precision=_PRECISION[precision],
-                                   preferred_element_type=jnp.float32)
+                                   preferred_element_type=wdt).astype(jnp.float32)
         return (total + nll, dw_DV), dh_BcD.astype(dt)
 
     zeros_DV = shard_activation(jnp.zeros_like(w_g_DV, jnp.float32) + _zero(h_NBcD),

@@ -25,9 +25,11 @@ import re
 import shutil
 import tempfile
 
-# Allocations whose memory is not the program's own working set: the caller holds the
-# parameters for the whole step, constants are baked in, thread-local ones are registers.
-_NOT_HEAP = ("parameter", "constant", "thread-local")
+# Allocations whose memory is not the program's own working set on the device: the caller holds
+# the parameters for the whole step, constants are baked in, thread-local ones are registers,
+# and "host" ones (a memory color other than 0: pinned host memory, S(5) in the layouts, where
+# host offload puts saved activations and optimizer state) are not in HBM at all.
+_NOT_HEAP = ("parameter", "constant", "thread-local", "host")
 
 
 @dataclasses.dataclass
@@ -83,7 +85,9 @@ def parse_buffer_assignment(text: str) -> list[Allocation]:
         if m := _ALLOC.match(line):
             attrs = m.group(3)
             param = re.search(r"\bparameter (\d+)", attrs)
-            kind = ("parameter" if param else "constant" if ", constant" in attrs else
+            color = re.search(r"\bcolor (\d+)", attrs)
+            kind = ("parameter" if param else
+                    "host" if color and color.group(1) != "0" else "constant" if ", constant" in attrs else
                     "thread-local" if "thread-local" in attrs else
                     "temp" if "preallocated-temp" in attrs else
                     "output" if "maybe-live-out" in attrs else "temp")

@@ -293,14 +293,19 @@ def host_link_seconds(cfg: Config, shape: StepShape, n_params: int,
     hidden = 0.0
     if m.remat == "full_offload":  # layer inputs out in the forward, back in the backward
         hidden += host_memory.get("saved_activations", 0.0) * shape.accum / host_bw
-    if t.offload_params:
+    host_grads = t.offload_params and t.grad_accum == 1
+    if t.offload_params and host_grads:
         # each layer's master slice read for the forward, the recompute and the backward,
-        # its gradient written back, per accumulation step; hidden under the layers' compute
-        hidden += shape.accum * split.layers * max(3 * pbytes, 4) / host_bw
+        # its gradient written back; hidden under the layers' compute
+        hidden += split.layers * max(3 * pbytes, 4) / host_bw
+    elif t.offload_params:
+        # summed in place (models/accumulate.py): read for the forward and once for the
+        # backward's recompute and VJP, per microbatch; the gradients stay on the device
+        hidden += shape.accum * split.layers * 2 * pbytes / host_bw
     # The update streams what lives on the host through HBM once per step, after the
     # backward: nothing to hide it under. Reads and writes overlap (full duplex).
     update_read = (8 if t.offload_optimizer else 0) * split.total \
-        + (pbytes + 4 if t.offload_params else 0) * split.layers
+        + ((pbytes + (4 if host_grads else 0)) if t.offload_params else 0) * split.layers
     update_write = (8 if t.offload_optimizer else 0) * split.total \
         + (pbytes if t.offload_params else 0) * split.layers
     return hidden, max(update_read, update_write) / host_bw

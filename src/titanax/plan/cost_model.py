@@ -58,6 +58,7 @@ class Estimate:
     tokens_per_s_per_gpu: float
     mfu: float
     breakdown_s: dict[str, float]
+    host_offload_cost_s: float = 0.0  # step_s minus the same step with nothing offloaded
 
 
 @functools.lru_cache(maxsize=16)
@@ -92,7 +93,8 @@ def estimate(cfg: Config, cluster: Cluster, layout: Layout,
                                                   eff)
 
     exposed = sum(c.exposed_s for c in comm.values())
-    hidden = max(sum(c.seconds for c in comm.values() if c.overlapped), host_hidden)
+    comm_hidden = sum(c.seconds for c in comm.values() if c.overlapped)
+    hidden = max(comm_hidden, host_hidden)
     bubble = (pp - 1) / (shape.micro + pp - 1) / shape.virtual if pp > 1 else 0.0
     pipelined = (compute_s + exposed) / (1 - bubble)
     # AdamW update: read weights, gradient and two moments, write three (fp32), memory bound.
@@ -106,6 +108,9 @@ def estimate(cfg: Config, cluster: Cluster, layout: Layout,
         host_memory=host_memory, usable_memory_bytes=usable, fits=memory["total"] <= usable,
         comm=comm, compute_s=compute_s, bubble=bubble, step_s=step_s,
         tokens_per_s_per_gpu=tps, mfu=tps * fpt / hw.bf16_flops,
+        # the update's copies after the backward, and whatever of the copies under the
+        # layers outlasts their compute and collectives
+        host_offload_cost_s=host_exposed + max(pipelined, hidden) - max(pipelined, comm_hidden),
         breakdown_s={"gemm": gemm_s, "attention": attn_s, "elementwise": elem_s,
                      "exposed_comm": exposed, "overlapped_comm": hidden,
                      "comm_hidden_in_layers": sum(c.hidden_s for c in comm.values()),

@@ -92,6 +92,8 @@ def memory_per_device(cfg: Config, deg: dict[str, int], n_params: int
         host["saved_activations"], saved = saved, 0.0
     device["saved_activations"] = saved
     device["transient"] = _transient_bytes(cfg, deg, tokens, device["gradients"])
+    if t.grad_accum > 1 and grad_accum_in_place_unsupported(cfg) is None:
+        device["accumulation"] = _in_place_loop_bytes(cfg, deg)
     if cp > 1:
         device["context_kv"] = context_kv_bytes(cfg, deg, tokens)
     device["total"] = sum(device.values())
@@ -109,11 +111,13 @@ def _state_bytes(cfg: Config, deg: dict[str, int], n_params: int
     weights = p.total * pbytes
     moments = p.total * 8  # Adam's two float32 moments
     grads = p.total * 4  # float32, reduce-scattered into this shard layer by layer
-    if t.offload_params:  # the layers' master weights and their gradients live on the host
+    if t.offload_params:  # the layers' master weights live on the host
         host["weights"] = p.layers * pbytes
-        host["gradients"] = p.layers * 4
         weights -= p.layers * pbytes
-        grads -= p.layers * 4
+        if t.grad_accum == 1:  # and their gradients too, read a layer at a time by the update
+            host["gradients"] = p.layers * 4
+            grads -= p.layers * 4
+        # (with grad_accum the sum runs in place, on the device: models/accumulate.py)
     if t.offload_optimizer:
         host["optimizer"] = moments
         moments = 0.0
@@ -149,6 +153,18 @@ def _saved_activation_bytes(cfg: Config, deg: dict[str, int], tokens: float) -> 
     else:
         saved = m.n_layers * tokens * saved_elems_per_token(m, m.remat) * abytes / tp
     return saved
+
+
+def _in_place_loop_bytes(cfg: Config, deg: dict[str, int]) -> float:
+    """What the microbatch loop of the in-place sum holds beside the sum (measured, 70B on
+    8x H100, `launch.plan --buffers`): the output weight gathered in the compute dtype, which
+    XLA's pipelined all-gather fetches once for the next microbatch and keeps through the
+    backward, and the zero-initialised float32 sums of the embedding and output layer kept
+    beside their loop carries."""
+    m, tp = cfg.model, deg["tensor"]
+    d, V, abytes = m.d_model, m.vocab_size, 4 if m.dtype == "float32" else 2
+    tables = 1 if m.tie_embeddings else 2
+    return d * V / tp * abytes + tables * d * V / (tp * param_shards(deg)) * 4
 
 
 def _transient_bytes(cfg: Config, deg: dict[str, int], tokens: float,

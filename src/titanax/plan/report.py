@@ -137,6 +137,14 @@ def format_plan(plan: dict) -> str:
             f"  => {plan['predicted_step_s']:.2f} s per step, "
             f"{plan['predicted_tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, MFU "
             f"{plan['predicted_mfu']:.1%} (of dense bf16 peak)"]
+        host = plan.get("host_offload_cost_s")
+        if b.get("host_offload_exposed") or b.get("host_offload_overlapped"):
+            out.append(f"  => host offload costs {host or 0.0:.2f} s of the step "
+                       f"({(host or 0.0) / plan['predicted_step_s']:.1%}): "
+                       f"{b.get('host_offload_exposed', 0.0):.2f} s of the update's copies "
+                       "after the backward, and "
+                       f"{b.get('host_offload_overlapped', 0.0):.2f} s of copies during the "
+                       "layers, hidden where they fit under their compute")
         spread = plan.get("predicted_tokens_per_s_spread")
         if spread:
             out.append(f"  => how sure: {spread['text']} (plan/published.py)")
