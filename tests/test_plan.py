@@ -13,9 +13,9 @@ import pytest
 from pallas_kernels import aot
 from titanax.config import load_config
 from titanax.plan import Cluster, PlanError, make_plan
-from titanax.plan.report import format_plan
 from titanax.plan.cluster import layout_for, plan_config
 from titanax.plan.cost_model import EFFICIENCIES, estimate, param_counts
+from titanax.plan.report import format_plan
 from titanax.plan.search import search
 from titanax.train import metrics
 
