@@ -6,7 +6,10 @@ Without --config: the config saved in WORKDIR/config.json when there is one (an 
 earlier run), else configs/tiny.py; --set applies on top either way.
 
 Exit status: 0 when train.steps are done, 75 (EX_TEMPFAIL) when stopped by SIGTERM/SIGUSR1
-after saving a checkpoint (rerun the same command, or requeue the job, to resume), 1 when
+after saving a checkpoint, or during start-up before the first step (nothing to save), or when
+another live run holds the workdir's lock (rerun the same command, or requeue the job, to
+resume), 130 when stopped by Ctrl-C (saved the same way; a second Ctrl-C stops without
+saving), 1 when
 training diverged or a process was lost, 2 for a configuration error (a train step that
 does not fit the devices' memory is one: the error names the --set that fits)."""
 
@@ -65,20 +68,25 @@ def main(argv=None) -> None:
 
     from titanax.checkpoint.orbax_io import NoGoodCheckpoint
     from titanax.plan.fit import fit_to_devices
-    from titanax.train.loop import TrainingDiverged, train
+    from titanax.train.loop import TrainingDiverged, WorkdirLocked, train
 
     try:  # fit: the step's memory checked against the devices' before the first step
         result = train(cfg, workdir, fit=fit_to_devices)
     except ConfigError as e:
         fail(str(e))
+    except WorkdirLocked as e:  # another run holds it: retry (requeue) once it is done
+        fail(str(e), EXIT_PREEMPTED)
     except (TrainingDiverged, NoGoodCheckpoint) as e:  # each names the steps and what to do
         stop(str(e))
     if result.preempted:
-        raise SystemExit(EXIT_PREEMPTED)
+        raise SystemExit(result.exit_code)
 
 
 if __name__ == "__main__":
     from launch.common import use_tcmalloc
 
     use_tcmalloc()
-    main()
+    from titanax.preemption import StartupSignals
+
+    with StartupSignals():  # a signal before the first step: exit 75 (130: Ctrl-C), one line
+        main()

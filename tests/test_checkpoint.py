@@ -125,8 +125,13 @@ def test_damaged_latest_checkpoint_falls_back_and_mismatch_is_refused(tmp_path):
     rows = [r for r in read_metrics(work) if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]  # the repeated steps logged once
 
+    files = lambda: {p.name: p.read_bytes() for p in work.iterdir() if p.is_file()}  # noqa: E731
+    before = files()
     with pytest.raises(ConfigError) as e:
         _run(work, 8, **{"model.n_layers": 3, "model.ffn_dim": 256})
+    # Refused before it wrote anything: config.json still describes the checkpoints
+    # (`launch.train --workdir` continues from it), the tokenizer and metrics are as they were.
+    assert files() == before and b'"n_layers": 2' in before["config.json"]
     msg = str(e.value)
     assert "model.n_layers: 2 -> 3" in msg and "model.ffn_dim: 384 -> 256" in msg
     assert "new --workdir" in msg

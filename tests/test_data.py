@@ -344,3 +344,22 @@ def test_synthetic_is_deterministic(tmp_path):
     other_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=4))
     other = pipeline.build_data(other_cfg, tmp_path)
     assert not np.array_equal(next(other.train_iterator())["inputs"], x["inputs"])
+
+
+def test_sampling_and_export_take_the_tokenizer_the_config_names(tmp_path):
+    """A tokenizer.json lying in the workdir (a stray one, trained by a run of another config)
+    never overrides the tokenizer the run's config names: an imported run's, or its shard
+    folder's. The embedded corpus's own is the workdir's."""
+    from titanax.generate import find_tokenizer
+
+    work, imported, shards_dir = tmp_path / "run", tmp_path / "hf", tmp_path / "shards"
+    for folder in (work, imported, shards_dir):
+        folder.mkdir()
+        (folder / "tokenizer.json").write_text("{}")
+    named = Config(data=DataConfig(source="embedded", tokenizer=str(imported / "tokenizer.json")))
+    assert find_tokenizer(named, work) == imported / "tokenizer.json"
+    folder_cfg = Config(data=DataConfig(source=str(shards_dir)))
+    assert find_tokenizer(folder_cfg, work) == shards_dir / "tokenizer.json"
+    assert find_tokenizer(Config(data=DataConfig(source="embedded")), work) == \
+        work / "tokenizer.json"
+    assert find_tokenizer(Config(data=DataConfig(source="synthetic")), work) is None

@@ -1,6 +1,7 @@
-"""Exact resume through the command line: a run SIGKILLed at three different points and once
-SIGTERMed, restarted each time with the same command, logs the same per-step losses (bitwise)
-as a run never interrupted. CPU, one device, deterministic."""
+"""Exact resume through the command line: a run SIGKILLed at two different points, once
+interrupted by Ctrl-C and once SIGTERMed, restarted each time with the same command, logs the
+same per-step losses (bitwise) as a run never interrupted. CPU, one device, deterministic. A
+signal during start-up, before the first step, ends the command at once with exit 75."""
 
 import json
 import os
@@ -81,9 +82,14 @@ def test_killed_and_preempted_run_resumes_exactly(tmp_path):
     work = seed_data(tmp_path / "work")
     # Each target lies past what the previous, killed process could have logged, so the row
     # watched for is always the new process's own.
-    for i, target in enumerate((3, 8, 13)):
+    for i, target in enumerate((3, 8)):
         rc, _ = _run_until(work, target, signal.SIGKILL, f"kill{i}.txt")
         assert rc == -signal.SIGKILL
+    # Ctrl-C saves like SIGTERM (no traceback) and exits 130, as a shell reports it.
+    rc, text = _run_until(work, 13, signal.SIGINT, "int.txt")
+    assert rc == 130, text[-3000:]
+    assert "preempted (SIGINT): saved a checkpoint at step" in text
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text
     rc, text = _run_until(work, 17, signal.SIGTERM, "term.txt")
     assert rc == 75, text[-3000:]  # EX_TEMPFAIL: saved, rerun to resume
     assert "resumed from" in text and "preempted (SIGTERM): saved a checkpoint at step" in text
@@ -96,3 +102,43 @@ def test_killed_and_preempted_run_resumes_exactly(tmp_path):
     out.close()
     assert f"at step {stopped}" in (work / "final.txt").read_text()
     assert _losses(work) == want  # bitwise: every step, once
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """Has process pid installed a handler for sig (SigCgt in /proc/PID/status)?"""
+    try:
+        status = open(f"/proc/{pid}/status").read()
+    except OSError:
+        return False
+    caught = int(next(line.split()[1] for line in status.splitlines()
+                      if line.startswith("SigCgt:")), 16)
+    return bool(caught >> (sig - 1) & 1)
+
+
+@pytest.mark.parametrize("sig, code, when", [
+    (signal.SIGTERM, 75, "compile"),  # the run announced, its state built, the step compiling
+    (signal.SIGUSR1, 75, "early"),  # launch.train's start-up guard just installed
+    (signal.SIGINT, 130, "early")])
+def test_signal_during_start_up_exits_at_once_for_a_requeue(tmp_path, sig, code, when):
+    work = tmp_path / "run"
+    work.mkdir()
+    proc, out = _start(work, "log.txt")
+    try:
+        deadline = time.time() + 120
+        while not (_catches(proc.pid, signal.SIGTERM) if when == "early" else
+                   "titanax:" in (work / "log.txt").read_text()):
+            assert proc.poll() is None and time.time() < deadline
+            time.sleep(0.01)
+        proc.send_signal(sig)
+        assert proc.wait(timeout=60) == code
+    finally:
+        proc.kill()
+        out.close()
+    text = (work / "log.txt").read_text()
+    errors = [line for line in text.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"stopped by {signal.Signals(sig).name} during start-up" in \
+        errors[0], text[-3000:]
+    assert "Traceback" not in text and not _logged_steps(work)
+    assert not list((work / "checkpoints").glob("[0-9]*"))
+    if when == "compile":  # written whole before the data and the compile
+        assert json.loads((work / "config.json").read_text())["train"]["steps"] == STEPS

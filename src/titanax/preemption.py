@@ -19,7 +19,9 @@ job is not requeued).
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import threading
 import time
 
@@ -27,7 +29,10 @@ import numpy as np
 
 from titanax.distributed import coordination_client
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# Ctrl-C (SIGINT) stops the same way: the work done so far is saved (launch.train exits 130).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: what train.sbatch requeues on
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
 _STOP_KEY = "titanax/stopping"  # one training run per jax.distributed job
 _POLL_S = 0.5  # how often is_set() asks the coordination service (from checksum threads)
 
@@ -102,7 +107,16 @@ class PreemptionWatch:
     def _on_signal(self, signum, _frame) -> None:
         if self.received is None:
             self.received = signum
+        elif signum == signal.SIGINT:  # Ctrl-C again: the user will not wait for the save
+            print("error: interrupted again: stopping without saving; the newest committed "
+                  "checkpoint is intact", file=sys.stderr, flush=True)
+            os._exit(EXIT_INTERRUPTED)
         STOPPING.set(publish=True)
+
+    @property
+    def exit_code(self) -> int:
+        """What launch.train exits with after the save: 130 for Ctrl-C, else 75 (requeue)."""
+        return EXIT_INTERRUPTED if self.received == signal.SIGINT else EXIT_PREEMPTED
 
     def stop_requested(self) -> bool:
         """True on every process once any process got a signal. Collective when there are
@@ -123,3 +137,77 @@ class PreemptionWatch:
         if self.received is not None:
             return signal.Signals(self.received).name
         return "a stop signal sent to another process"
+
+
+class StartupSignals:
+    """From a launcher's first line until the training loop dispatches its first step (data,
+    restore, memory check, compile: minutes for a large model): SIGTERM, SIGUSR1 and Ctrl-C
+    end the command at once with one line, exit 75 (130 for Ctrl-C), so that a scheduler
+    requeues the job. Nothing has been trained yet, so there is nothing to save, and what is
+    written before the first step (config.json, data caches) is written whole or not at all.
+
+    Python runs a signal handler only when the main thread returns to the interpreter, which
+    a compile may not do for minutes; the signal's wakeup byte is read by a thread instead,
+    which ends the process the moment it arrives."""
+
+    def __init__(self, signals=STOP_SIGNALS):
+        self.signals = tuple(signals)
+        self.active = False
+        self._previous: dict[int, object] = {}
+        self._old_fd = -1
+        self._pipe: tuple[int, int] | None = None
+
+    def __enter__(self) -> StartupSignals:
+        global _STARTUP
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        self._pipe = (r, w)
+        self._old_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, lambda *_: None)  # the thread acts
+        self.active = True
+        _STARTUP = self
+        threading.Thread(target=self._watch, args=(r,), name="titanax-startup-signals",
+                         daemon=True).start()
+        return self
+
+    def _watch(self, r: int) -> None:
+        while True:
+            try:
+                data = os.read(r, 64)
+            except OSError:
+                return
+            if not data:
+                os.close(r)
+                return
+            for signum in data:
+                if self.active and signum in self.signals:
+                    name = signal.Signals(signum).name
+                    code = EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_PREEMPTED
+                    print(f"error: stopped by {name} during start-up, before the first step: "
+                          "nothing trained yet, nothing to save; run the same command again "
+                          f"to start (exit {code})", file=sys.stderr, flush=True)
+                    os._exit(code)
+
+    def __exit__(self, *exc) -> None:
+        global _STARTUP
+        self.active = False
+        if self._pipe is None:
+            return
+        signal.set_wakeup_fd(self._old_fd)
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        os.close(self._pipe[1])  # the thread reads EOF and ends
+        _STARTUP = None
+
+
+_STARTUP: StartupSignals | None = None
+
+
+def first_step_dispatched() -> None:
+    """The training loop has compiled and dispatched its first step: from here a signal saves
+    what was trained (PreemptionWatch) instead of ending the start-up at once."""
+    if _STARTUP is not None:
+        _STARTUP.active = False

@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import pathlib
 import time
 
@@ -31,7 +32,7 @@ from titanax.ops.linear import precision_refusal
 from titanax.parallel.layer_order import reorder_restored
 from titanax.parallel.mesh import build_mesh, describe_mesh
 from titanax.parallel.rules import batch_input_spec, model_context
-from titanax.preemption import PreemptionWatch
+from titanax.preemption import PreemptionWatch, first_step_dispatched
 from titanax.train import metrics as M
 from titanax.train.bad_steps import BadStepCounter, TrainingDiverged
 from titanax.train.batches import global_batch, process_rows
@@ -48,8 +49,9 @@ from titanax.train.state import (
     jit_train_step,
 )
 from titanax.train.throughput import Throughput
+from titanax.train.workdir_lock import WorkdirLocked, workdir_lock
 
-__all__ = ["RunResult", "Trainer", "TrainingDiverged", "train"]
+__all__ = ["RunResult", "Trainer", "TrainingDiverged", "WorkdirLocked", "train"]
 
 
 @dataclasses.dataclass
@@ -60,7 +62,8 @@ class RunResult:
     tokens_per_s: float  # mean over the logged intervals after the first
     workdir: pathlib.Path
     skipped_steps: int = 0  # updates skipped for a non-finite loss or gradient, whole run
-    preempted: bool = False  # stopped early by SIGTERM/SIGUSR1 after saving a checkpoint
+    preempted: bool = False  # stopped early by SIGTERM/SIGUSR1/Ctrl-C after saving a checkpoint
+    exit_code: int = 0  # launch.train's: 75 after SIGTERM/SIGUSR1 (requeue), 130 after Ctrl-C
 
 
 def train(cfg: Config, workdir: str | pathlib.Path, *, log=print, devices=None,
@@ -70,7 +73,9 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, log=print, devices=None,
     anything is built and resolves train.grad_accum=auto (launch.train passes
     titanax.plan.fit.fit_to_devices)."""
     workdir = pathlib.Path(workdir)
-    with compilation_cache(cfg.train.compilation_cache, workdir):
+    # One run per workdir, for the run's whole life (process 0 holds it for all of them).
+    with (workdir_lock(workdir, enabled=jax.process_index() == 0),
+          compilation_cache(cfg.train.compilation_cache, workdir)):
         return Trainer(cfg, workdir, log, devices, fit).run()
 
 
@@ -84,6 +89,15 @@ def _build_data_in_turn(cfg: Config, workdir: pathlib.Path, rows: slice):
     data = build_data(cfg, workdir, rows=rows) if jax.process_index() == 0 else None
     multihost_utils.sync_global_devices("titanax: data caches written")
     return data or build_data(cfg, workdir, rows=rows)
+
+
+def write_config_json(workdir: pathlib.Path, cfg: Config) -> None:
+    """WORKDIR/config.json, the config the run trains with, written whole or not at all (a
+    kill mid-write leaves the previous one): `launch.train --workdir W` continues from it."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    tmp = workdir / f".config.json.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(cfg.to_dict(), indent=2))
+    os.replace(tmp, workdir / "config.json")
 
 
 class Trainer:
@@ -113,18 +127,23 @@ class Trainer:
             raise ConfigError("train.grad_accum=auto is chosen by a memory check: run "
                               "launch.train, or pass fit=titanax.plan.fit.fit_to_devices")
         self.cfg = cfg
-        if self.is_main:  # the config as it runs (grad_accum=auto as chosen)
-            workdir.mkdir(parents=True, exist_ok=True)
-            (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
         self.batch_sharding = NamedSharding(self.mesh, batch_input_spec())
-        self.data = _build_data_in_turn(cfg, workdir, process_rows(
-            self.batch_sharding, cfg.train.batch_size, cfg.train.seq_len))
         self.tx, self.schedule = make_optimizer(cfg), lr_schedule(cfg)
         self.ckpt = Checkpointer(workdir / "checkpoints", cfg.checkpoint)
+        # The model is checked against the checkpoint it resumes before anything in the
+        # workdir changes: a refused run leaves config.json, the tokenizer and the metrics as
+        # they were (an imported run stays the imported run).
+        run_state, data_state, resumed = self.restore_or_init()
+        if self.is_main:  # the config as it runs (grad_accum=auto as chosen)
+            write_config_json(workdir, cfg)
+        self.data = _build_data_in_turn(cfg, workdir, process_rows(
+            self.batch_sharding, cfg.train.batch_size, cfg.train.seq_len))
         self._announce()
-
+        if resumed:
+            self.log(resumed)
         self.train_iter = self.data.train_iterator()
-        run_state = self.restore_or_init()
+        if data_state is not None:
+            self.train_iter.set_state(data_state)
         if self.is_main:  # step 0 is evaluated again by a run that starts there
             drop_metrics_from(workdir, self.start_step + 1 if self.start_step else 0)
 
@@ -159,11 +178,12 @@ class Trainer:
 
     # --- state --------------------------------------------------------------------------------
 
-    def restore_or_init(self) -> dict:
+    def restore_or_init(self) -> tuple[dict, dict | None, str]:
         """Sets graphdef, state, shardings and start_step: resumed from this workdir's newest
         intact checkpoint, else from checkpoint.restore, else initialised. The abstract state
-        carries this run's mesh, so restoring reshards. Returns the run state to continue
-        (bad-step counts), empty unless resuming this workdir's own run."""
+        carries this run's mesh, so restoring reshards. Returns (the run state to continue
+        (bad-step counts), the data iterator's position, the line saying where it resumed);
+        the first two are empty unless resuming this workdir's own run."""
         cfg = self.cfg
         self.graphdef, abstract, self.shardings = abstract_train_state(cfg, self.mesh, self.tx)
         restored, source = self._find_checkpoint(abstract)
@@ -171,18 +191,16 @@ class Trainer:
             self.start_step = 0
             self.graphdef, self.state, self.shardings = create_train_state(cfg, self.mesh,
                                                                            self.tx)
-            return {}
+            return {}, None, ""
         self.state = reorder_restored(restored.state, self.shardings,
                                       Config.from_dict(restored.config), cfg)
         self.start_step = int(self.state["step"])
-        run_state = {}
+        run_state, data_state = {}, None
         if source is self.ckpt:
             # Another run's data position means nothing here: only our own is restored.
-            if restored.data_state is not None:
-                self.train_iter.set_state(restored.data_state)
-            run_state = restored.run_state
-        self.log(f"resumed from {source.directory}/{restored.step} at step {self.start_step}")
-        return run_state
+            data_state, run_state = restored.data_state, restored.run_state
+        return (run_state, data_state,
+                f"resumed from {source.directory}/{restored.step} at step {self.start_step}")
 
     def _find_checkpoint(self, abstract):
         """(restored or None, the Checkpointer it came from)."""
@@ -250,6 +268,8 @@ class Trainer:
         if done == self.start_step:  # compiled here, once, to report its memory before it runs
             self._compile(batch)
         self.state, metrics = self.step_fn(self.state, batch)  # returns at once
+        if done == self.start_step:  # compiled and running: a signal now saves the work
+            first_step_dispatched()
         done += 1
         self.bad_steps.push(done, metrics)
         self.profile.after_step(done, metrics)
@@ -306,7 +326,7 @@ class Trainer:
             self.log(f"preempted ({watch.describe()}): saved a checkpoint at step {step} in "
                      f"{self.ckpt.directory}; rerun the same command to resume")
             return RunResult(step, self.losses, self.val_losses, 0.0, self.workdir, skipped,
-                             True)
+                             True, watch.exit_code)
         if self.is_main:
             M.plot_loss(self.workdir)
         mean_rate = self.throughput.mean()

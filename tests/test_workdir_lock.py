@@ -1,0 +1,95 @@
+"""One run per workdir (train/workdir_lock.py), with real processes: a second trainer gets one
+line naming the holder and exit 75; a lock whose holder was killed (-9) is free; a workdir that
+is a file or read-only is one error line before anything runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from tests.test_cli_errors import ROOT, SMALL, _assert_one_error, _cli
+from titanax.config import ConfigError
+from titanax.train.workdir_lock import LOCK_NAME, WorkdirLocked, workdir_lock
+
+HOLD = ("import sys, time\n"
+        "from titanax.train.workdir_lock import workdir_lock\n"
+        "with workdir_lock(sys.argv[1]):\n"
+        "    print('held', flush=True)\n"
+        "    time.sleep(600)\n")
+
+
+def _holder(workdir) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(ROOT), str(ROOT / "src")))}
+    p = subprocess.Popen([sys.executable, "-c", HOLD, str(workdir)], env=env,
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "held"
+    return p
+
+
+def _sets(**extra):
+    out = []
+    for k, v in {**SMALL, "train.steps": 1, **extra}.items():
+        out += ["--set", f"{k}={v}"]
+    return out
+
+
+def test_second_trainer_is_refused_naming_the_holder_and_a_killed_holder_frees_it(tmp_path):
+    work = tmp_path / "run"
+    holder = _holder(work)
+    try:
+        with pytest.raises(WorkdirLocked, match=f"host {socket.gethostname()} pid {holder.pid} "
+                                                "since 20"):
+            with workdir_lock(work):
+                pass
+        # The CLI: one line, exit 75 (a requeued job retries), the workdir untouched.
+        before = sorted(p.name for p in work.iterdir())
+        r = _cli("launch.train", "--workdir", work, *_sets())
+        _assert_one_error(r, 75, "is in use by", f"pid {holder.pid}", "one run per workdir")
+        assert sorted(p.name for p in work.iterdir()) == before == [LOCK_NAME]
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    # kill -9 leaves the lock file behind; the kernel dropped the lock with the process.
+    with workdir_lock(work):
+        info = json.loads((work / LOCK_NAME).read_text())
+        assert info["pid"] == os.getpid() and info["host"] == socket.gethostname()
+    r = _cli("launch.train", "--workdir", work, *_sets())
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_a_workdir_that_is_a_file_or_read_only_is_one_line(tmp_path):
+    afile = tmp_path / "notes.txt"
+    afile.write_text("mine")
+    with pytest.raises(ConfigError, match="is a file, not a folder"):
+        with workdir_lock(afile):
+            pass
+    r = _cli("launch.train", "--workdir", afile, *_sets())
+    _assert_one_error(r, 2, "is a file, not a folder")
+    assert afile.read_text() == "mine"
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if os.geteuid() == 0:  # root writes through permissions: a read-only mount instead
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)],
+                                 capture_output=True).returncode == 0
+        if not mounted:
+            pytest.skip("root without mount(8): cannot make a read-only folder")
+    else:
+        ro.chmod(0o555)
+    try:
+        with pytest.raises(ConfigError, match="read-only filesystem|is not writable"):
+            with workdir_lock(ro / "run"):
+                pass
+        r = _cli("launch.train", "--workdir", ro / "run", *_sets())
+        _assert_one_error(r, 2, "give a writable folder")
+    finally:
+        if os.geteuid() == 0:
+            subprocess.run(["umount", str(ro)], check=False)
+        else:
+            ro.chmod(0o755)
