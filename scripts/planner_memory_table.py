@@ -35,7 +35,8 @@ ROWS = [
     ("64x H100, NeMo-like TP4 PP4 FSDP4, circular v5, 32 microbatches, batch 128",
      H100x64 + NEMO + ["--set", "mesh.fsdp=4"]),
     ("the same with `pipeline.schedule=1f1b`",
-     H100x64 + NEMO + ["--set", "mesh.fsdp=4", "--set", "pipeline.schedule=1f1b"]),
+     H100x64 + NEMO + ["--set", "mesh.fsdp=4", "--set", "pipeline.schedule=1f1b",
+                       "--set", "pipeline.virtual_stages=1"]),
     ("64x H100, NeMo's layout with its real CP: TP4 PP4 CP2 (ring) FSDP2, circular v5, "
      "32 microbatches, batch 128",
      H100x64 + NEMO + ["--set", "mesh.fsdp=2", "--set", "mesh.context=2"]),

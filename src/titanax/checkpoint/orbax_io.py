@@ -377,6 +377,22 @@ class Checkpointer:
                 except Exception as e:  # noqa: BLE001
                     damage = f"restoring it failed ({type(e).__name__}: {str(e)[:300]})"
                 damage = _agreed(damage)
+            if damage is None:
+                # Nothing a run trains is non-finite (the step's guard keeps the old weights),
+                # so such values are damage: flipped exponent bits, or a step of a run that
+                # diverged. Never resume them in place of an older finite step.
+                bad_leaf = first_nonfinite(restored.state)
+                damage = _agreed(f"it holds non-finite values (in {bad_leaf})"
+                                 if bad_leaf else None)
+            if damage is None and not self.read_only and \
+                    integrity.load_manifest(self.step_dir(step)) is None:
+                # Committed, but its run died before the manifest: it restored whole and
+                # finite, so it is checksummed now, as it is, and verified like any other
+                # step from here on (rather than trusted unchecked for good).
+                integrity.seal(self.step_dir(step), jax.process_index(), jax.process_count())
+                log(f"checkpoint {self.step_dir(step)} had no manifest (its run stopped between "
+                    "the save's commit and the checksums): it restored whole with finite values "
+                    "and is checksummed now")
             if damage is not None:
                 log(f"checkpoint {self.step_dir(step)} is damaged: {damage}; "
                     f"falling back to the previous one")
@@ -454,6 +470,25 @@ def _agreed(damage: str | None) -> str | None:
             if verdict:
                 return f"{verdict} (found by process {i})"
     return damage
+
+
+def first_nonfinite(state) -> str | None:
+    """The path of the first floating-point leaf of state holding a NaN or an inf, or None.
+    Leaves in pinned host memory (train.offload_*) are checked on the device a leaf at a time."""
+    for path, x in jax.tree_util.tree_leaves_with_path(state):
+        if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.floating):
+            continue
+        sharding = getattr(x, "sharding", None)
+        if getattr(sharding, "memory_kind", None) == "pinned_host":
+            x = jax.device_put(x, sharding.with_memory_kind("device"))
+        if not bool(_all_finite(x)):
+            return jax.tree_util.keystr(path)
+    return None
+
+
+@jax.jit
+def _all_finite(x):
+    return jnp.all(jnp.isfinite(x))
 
 
 def check_same_model(saved_config: dict, model: ModelConfig, *, source) -> None:
