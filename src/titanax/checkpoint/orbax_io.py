@@ -30,9 +30,13 @@ and hold Adam moments for them in 'opt_state'. Restoring such a step into a stat
 from __future__ import annotations
 
 import dataclasses
+import errno
 import itertools
+import logging
+import os
 import pathlib
 import re
+import shutil
 import threading
 import time
 
@@ -182,6 +186,54 @@ class NoGoodCheckpoint(RuntimeError):
     """Every checkpoint of a run is damaged: the run stops rather than start from scratch."""
 
 
+class DiskFull(RuntimeError):
+    """A checkpoint does not fit where it is written (launch.train: one line, exit 1). The
+    step's partial folder is removed; the committed steps are untouched."""
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """Does e (or what caused it) say the filesystem is full? orbax reports tensorstore's
+    ENOSPC as a ValueError 'RESOURCE_EXHAUSTED: ... Failed writing'."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(e)
+        if "No space left on device" in text or "Disk quota exceeded" in text or (
+                "RESOURCE_EXHAUSTED" in text and "writ" in text):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+class _DiskFullRecords(logging.Filter):
+    """Drops orbax's own reports of a full disk: every one of its save threads logs the
+    failure with a traceback (hundreds of lines for one save), and the run says it once, as
+    DiskFull, when it notices."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not ((exc is not None and is_disk_full(exc))
+                    or "RESOURCE_EXHAUSTED" in str(record.msg))
+
+
+logging.getLogger("absl").addFilter(_DiskFullRecords())
+
+
+def tree_bytes(tree) -> int:
+    """Bytes of every array in tree (global sizes: what a checkpoint of it writes)."""
+    return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(tree)
+               if hasattr(x, "dtype") and hasattr(x, "size"))
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} bytes"
+
+
 @dataclasses.dataclass
 class Restored:
     step: int
@@ -216,6 +268,8 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(self.directory, options=options,
                                              item_handlers=handlers)
         self._sealers: list[threading.Thread] = []  # manifest writers not joined yet
+        self._saving: int | None = None  # the step of the last save started
+        self._step_bytes = 0  # what a save of the train state writes
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -240,8 +294,21 @@ class Checkpointer:
             items["data"] = ocp.args.JsonSave(data_state)
         if run_state is not None:
             items["run"] = ocp.args.JsonSave(run_state)
-        self.manager.save(step, args=ocp.args.Composite(**items), force=True,
-                          custom_metadata={_LAYOUT_KEY: PARAM_LAYOUT})
+        self._step_bytes = tree_bytes(state)
+        # A save that cannot fit is refused before it starts (orbax would fail in its
+        # background threads, with a traceback from each); one that fails anyway (another
+        # writer filled the disk) is reported the same way when it is noticed.
+        free = shutil.disk_usage(self.directory).free
+        if free < self._step_bytes:
+            self._disk_full(step, free)
+        try:
+            self.manager.save(step, args=ocp.args.Composite(**items), force=True,
+                              custom_metadata={_LAYOUT_KEY: PARAM_LAYOUT})
+        except Exception as e:
+            if is_disk_full(e):
+                self._disk_full(self._saving, shutil.disk_usage(self.directory).free)
+            raise
+        self._saving = step
         # Checksumming a large checkpoint takes a while: never on the step path, and split
         # over the processes (each its share: integrity.owner).
         sealer = threading.Thread(target=self._seal_when_committed,
@@ -436,8 +503,33 @@ class Checkpointer:
         self._sealers = []
 
     def close(self) -> None:
-        self.wait()
+        try:
+            self.wait()
+        except Exception as e:
+            if is_disk_full(e):
+                self._disk_full(self._saving, shutil.disk_usage(self.directory).free)
+            raise
         self.manager.close()
+
+    def _disk_full(self, step: int | None, free: int) -> None:
+        """Removes the step's partial folder (never a step: orbax commits by renaming it) and
+        raises DiskFull naming the folder, the bytes a checkpoint needs and those free."""
+        if jax.process_index() == 0 and step is not None:
+            for partial in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+                shutil.rmtree(partial, ignore_errors=True)
+        try:
+            self.manager.reload()
+            last = self.manager.latest_step()
+        except Exception:  # noqa: BLE001 - the message matters more than the number
+            last = None
+        newest = (f"the newest complete checkpoint is step {last}" if last is not None else
+                  "no checkpoint was completed")
+        inodes = "" if os.statvfs(self.directory).f_favail else ", but no free inodes"
+        raise DiskFull(
+            f"disk full: the checkpoint of step {step} does not fit in {self.directory} "
+            f"(a checkpoint of this run needs {_size(self._step_bytes)}, "
+            f"{_size(free)} are free there{inodes}); {newest}. Free space (or lower checkpoint.keep) "
+            "and run the same command again to resume from it") from None
 
 
 _AGREEMENTS = itertools.count()  # every process agrees in the same order: same keys
