@@ -221,6 +221,23 @@ def test_shard_validation_errors(tmp_path):
         pipeline.build_data(_cfg(str(tmp_path / "nowhere")), tmp_path / "wd")
 
 
+def test_token_out_of_range_behind_a_stale_max_id_names_the_file(tmp_path):
+    """meta.json says every id is below the vocabulary, but a flipped bit says otherwise: the
+    batch that reads it stops the run, naming the shard and the token."""
+    arrays = [np.arange(60, dtype=np.uint32) % 50, np.arange(60, dtype=np.uint32) % 50]
+    _write_folder(tmp_path / "d", arrays)
+    shards.open_shards(tmp_path / "d", vocab_size=100)  # records max_id 49 for both
+    bad = np.load(tmp_path / "d" / shards.shard_name(1))
+    bad[17] = 4000  # not recorded: the start-up check passes on the stale max_id
+    np.save(tmp_path / "d" / shards.shard_name(1), bad)
+    data = pipeline.build_data(_cfg(str(tmp_path / "d"), vocab=100), tmp_path / "wd")
+    with pytest.raises(DataError, match=rf"{shards.shard_name(1)}: token id 4000 at token 17 is "
+                                        r"outside \[0, model.vocab_size=100\)"):
+        it = data.train_iterator()
+        for _ in range(40):
+            next(it)
+
+
 # --- pipeline: grain state, process slicing, splits -------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -119,6 +119,19 @@ def test_mixture_refuses_disagreeing_folders(folders, tmp_path, tok_path):
     c = _folder(tmp_path, "c", B_TEXTS, other_tok)
     with pytest.raises(DataError, match="different tokenizers"):
         pipeline.build_data(_cfg(f"{folders['a']}:1,{c}:1"), tmp_path)
+    # One folder against the run's own tokenizer (an imported model's data.tokenizer): its
+    # ids would mean other words. The same vocabulary in other bytes passes.
+    named = lambda src, tok: Config(**{**_cfg(src).__dict__, "data": DataConfig(  # noqa: E731
+        source=src, val_fraction=0.1, tokenizer=str(tok))})
+    with pytest.raises(DataError, match=r"data.tokenizer: .*c was tokenized with another "
+                                        r"tokenizer than data.tokenizer=.*tokenizer.json .*"
+                                        r"re-run `python -m launch.prepare_data --tokenizer"):
+        pipeline.build_data(named(str(c), tok_path), tmp_path)
+    with pytest.raises(DataError, match=r"c was tokenized with another tokenizer"):
+        pipeline.build_data(named(f"{folders['a']}:1,{c}:1", tok_path), tmp_path)
+    reformatted = tmp_path / "same.json"
+    reformatted.write_text(json.dumps(json.loads(tok_path.read_text()), indent=4))
+    pipeline.build_data(named(str(folders["a"]), reformatted), tmp_path)
 
 
 def test_bos_folders_pack_each_document_from_bos(folders, tok_path, tmp_path):

@@ -25,8 +25,16 @@ class TokenStream:
     many GB cost nothing until windows are gathered.
     """
 
-    def __init__(self, parts: list[np.ndarray], start: int = 0, stop: int | None = None):
-        self._parts = [p for p in parts if len(p)]
+    def __init__(self, parts: list[np.ndarray], start: int = 0, stop: int | None = None, *,
+                 names: list[str] | None = None, vocab_size: int | None = None):
+        """names: each part's file (shard), for errors; vocab_size: every id read must be
+        below it. A shard's recorded max_id is checked at start-up without reading tokens;
+        this catches what a stale record misses (a flipped bit), naming the file, before the
+        id reaches the model (one wrong id trains silently, more end in NaN)."""
+        keep = [i for i, p in enumerate(parts) if len(p)]
+        self._parts = [parts[i] for i in keep]
+        self._names = [names[i] for i in keep] if names is not None else None
+        self._vocab_size = vocab_size
         self._offsets = np.cumsum([0] + [len(p) for p in self._parts]).tolist()
         total = self._offsets[-1]
         self._start = start
@@ -39,7 +47,8 @@ class TokenStream:
 
     def view(self, start: int, stop: int) -> TokenStream:
         """The sub-stream [start, stop) of this stream, without copying."""
-        return TokenStream(self._parts, self._start + start, self._start + stop)
+        return TokenStream(self._parts, self._start + start, self._start + stop,
+                           names=self._names, vocab_size=self._vocab_size)
 
     def read(self, start: int, n: int) -> np.ndarray:
         """Tokens [start, start + n) of this stream as a fresh array (may span parts)."""
@@ -54,10 +63,24 @@ class TokenStream:
         while lo < hi:
             part_lo = self._offsets[k]
             take = min(hi, self._offsets[k + 1]) - lo
-            pieces.append(self._parts[k][lo - part_lo: lo - part_lo + take])
+            piece = self._parts[k][lo - part_lo: lo - part_lo + take]
+            if self._vocab_size is not None and piece.max() >= self._vocab_size:
+                self._out_of_range(k, lo - part_lo, piece)
+            pieces.append(piece)
             lo += take
             k += 1
         return np.concatenate(pieces) if len(pieces) > 1 else np.array(pieces[0])
+
+    def _out_of_range(self, k: int, at: int, piece: np.ndarray) -> None:
+        from titanax.data.errors import DataError
+
+        i = int(np.argmax(piece >= self._vocab_size))
+        name = self._names[k] if self._names else f"token array {k}"
+        raise DataError(f"{name}: token id {int(piece[i])} at token {at + i:,} is outside "
+                        f"[0, model.vocab_size={self._vocab_size}), though the folder's "
+                        "meta.json recorded a smaller max_id: the file is damaged (or was "
+                        "rewritten by hand); re-run `python -m launch.prepare_data` into a "
+                        "fresh --out folder")
 
     def to_array(self) -> np.ndarray:
         return self.read(0, len(self))

@@ -222,7 +222,8 @@ def _open_folder(cfg: Config, folder: pathlib.Path):
     """(meta, train stream, val stream) of one shard folder. The last val_fraction of its
     token stream is held out (shards are written in input order: the tail of the inputs)."""
     meta, arrays = shards.open_shards(folder, cfg.model.vocab_size)
-    stream = TokenStream(arrays)
+    stream = TokenStream(arrays, names=[str(folder / e["file"]) for e in meta["shards"]],
+                         vocab_size=cfg.model.vocab_size)
     n = len(stream)
     n_val = max(1, int(n * cfg.data.val_fraction))
     return meta, stream.view(0, n - n_val), stream.view(n - n_val, n)
@@ -256,9 +257,35 @@ def _folder_tokenizer(cfg: Config, folder: pathlib.Path) -> Tokenizer | None:
     return load_or_train(cfg.data, cfg.model, folder) if has_tok else None
 
 
+def _check_tokenizer(cfg: Config, metas: dict) -> None:
+    """Refuses shard folders written with another tokenizer than data.tokenizer (the run's,
+    e.g. an imported model's): their token ids would mean other words, silently. Files that
+    differ only in their bytes (reformatted JSON) but hold the same vocabulary pass."""
+    if not cfg.data.tokenizer:
+        return
+    want = shards.file_sha256(cfg.data.tokenizer)
+    vocab = None
+    for folder, meta in metas.items():
+        have = meta.get("tokenizer_sha256")
+        if have is None or have == want:
+            continue
+        copy = pathlib.Path(folder) / "tokenizer.json"
+        if copy.is_file():
+            vocab = vocab or Tokenizer.load(cfg.data.tokenizer).vocab()
+            if Tokenizer.load(copy).vocab() == vocab:
+                continue
+        also = ", and so does its tokenizer.json's vocabulary" if copy.is_file() else ""
+        raise DataError(f"data.tokenizer: {folder} was tokenized with another tokenizer than "
+                        f"data.tokenizer={cfg.data.tokenizer} (the sha256 in its meta.json "
+                        f"differs{also}); re-run `python -m launch.prepare_data --tokenizer "
+                        f"{cfg.data.tokenizer}` into a fresh --out folder, or point "
+                        "data.tokenizer at the tokenizer the folder was written with")
+
+
 def _shard_folder(cfg: Config, folder: pathlib.Path):
     meta, train, val = _open_folder(cfg, folder)
     _check_bos(cfg, {folder: meta})
+    _check_tokenizer(cfg, {folder: meta})
     tok = _folder_tokenizer(cfg, folder)
     n_docs = sum(s.get("n_docs", 0) for s in meta["shards"])
     summary = (f"data: shards {folder} ({len(meta['shards'])} shards, {n_docs} documents), "
@@ -273,6 +300,7 @@ def _mixture(cfg: Config):
     opened = {folder: _open_folder(cfg, folder) for folder, _ in folders}
     metas = {folder: meta for folder, (meta, _, _) in opened.items()}
     _check_bos(cfg, metas)
+    _check_tokenizer(cfg, metas)
     first, meta0 = next(iter(metas.items()))
     for folder, meta in metas.items():
         for key in ("tokenizer_sha256", "eos_id"):

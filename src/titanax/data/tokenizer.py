@@ -42,6 +42,10 @@ class Tokenizer:
             raise ConfigError(f"data.tokenizer: {self.path} has no end-of-document token (looked "
                               f"for {list(_EOS_CANDIDATES)}); add one as a special token")
 
+    def vocab(self) -> dict[str, int]:
+        """token -> id, added tokens included: what two tokenizers must share to agree."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
     def require_bos(self, setting: str = "data.bos=true") -> int:
         """The BOS id, or a clear error when this tokenizer has none."""
         if self.bos_id is None:
