@@ -1,8 +1,10 @@
 """python -m launch.eval --workdir DIR --tasks NAME [NAME ...] [--include-path DIR ...]
                         [--step N] [--batch-size B] [--limit N] [--num-fewshot K] [--log-samples]
+                        [--out DIR]
 Evaluates a run's checkpoint with lm-evaluation-harness (the `eval` extra) through titanax's
 adapter of its LM interface: parameters only, sharded over this machine's devices. Writes
-DIR/eval/step<N>-<time>.json and prints lm-eval's table. Offline tasks shipped with titanax:
+DIR/eval/step<N>-<time>.json (or into --out), again after each task, so what finished is kept,
+and prints lm-eval's table. Offline tasks shipped with titanax:
 titanax_tiny_mc, titanax_tiny_ppl, titanax_tiny_gen; lm-eval's own (hellaswag, arc_easy, mmlu,
 ...) need its dataset hub."""
 
@@ -28,6 +30,9 @@ def main(argv=None) -> None:
     p.add_argument("--log-samples", action="store_true",
                    help="also write every request's inputs and scores to the JSON")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None,
+                   help="folder for the results JSON (default DIR/eval; a read-only run "
+                        "folder needs one)")
     args = p.parse_args(argv)
     tasks = [t for arg in args.tasks for t in arg.split(",") if t]
     if args.batch_size < 1:
@@ -46,7 +51,7 @@ def main(argv=None) -> None:
         results, path = evaluate(args.workdir, tasks, include_paths=args.include_path,
                                  step=args.step, batch_size=args.batch_size, limit=args.limit,
                                  num_fewshot=args.num_fewshot, log_samples=args.log_samples,
-                                 seed=args.seed)
+                                 seed=args.seed, out_dir=args.out)
     except (FileNotFoundError, ValueError) as e:  # ConfigError is a ValueError
         fail(str(e))
     except UnreadableCheckpoint as e:

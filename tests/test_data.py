@@ -379,4 +379,4 @@ def test_sampling_and_export_take_the_tokenizer_the_config_names(tmp_path):
     assert find_tokenizer(folder_cfg, work) == shards_dir / "tokenizer.json"
     assert find_tokenizer(Config(data=DataConfig(source="embedded")), work) == \
         work / "tokenizer.json"
-    assert find_tokenizer(Config(data=DataConfig(source="synthetic")), work) is None
+    assert find_tokenizer(Config(data=DataConfig(source="synthetic")), tmp_path) is None

@@ -121,3 +121,40 @@ def test_bad_arguments_fail_in_one_line_before_restoring(tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert exit_info.value.code == 2 and message in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "run").exists()  # nothing was created
+
+
+def test_results_are_written_task_by_task_and_an_unwritable_folder_fails_first(
+        tmp_path, monkeypatch, capsys):
+    """A read-only results folder fails before any task runs (not after hours, at mkdir), and
+    each task's results are on disk as soon as it finishes: a failure in the second keeps
+    the first."""
+    from lm_eval import evaluator
+
+    from launch.eval import main
+
+    make_run(tmp_path / "run")
+    blocker = tmp_path / "not_a_folder"
+    blocker.write_text("")
+    real, calls = evaluator.simple_evaluate, []
+
+    def counting(*a, **k):
+        calls.append(k["tasks"])
+        if len(calls) == 2:
+            raise RuntimeError("the second task broke")
+        return real(*a, **k)
+
+    monkeypatch.setattr(evaluator, "simple_evaluate", counting)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--workdir", str(tmp_path / "run"), "--tasks", "titanax_tiny_mc",
+              "--out", str(blocker / "eval")])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and f"cannot write the results to {blocker}" in err
+    assert "--out DIR" in err and not calls  # nothing was evaluated
+    with pytest.raises(RuntimeError, match="the second task broke"):
+        main(["--workdir", str(tmp_path / "run"), "--tasks", "titanax_tiny_mc,titanax_tiny_ppl",
+              "--limit", "2", "--batch-size", "2"])
+    (path,) = (tmp_path / "run" / "eval").glob("step0-*.json")
+    kept = json.loads(path.read_text())
+    assert list(kept["results"]) == ["titanax_tiny_mc"]
+    assert kept["titanax"]["tasks_done"] == ["titanax_tiny_mc"]
+    assert kept["titanax"]["tasks"] == ["titanax_tiny_mc", "titanax_tiny_ppl"]

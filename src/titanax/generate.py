@@ -50,16 +50,15 @@ def load_for_inference(workdir, step: int | None = None, devices=None):
 def find_tokenizer(cfg: Config, workdir) -> pathlib.Path | None:
     """The tokenizer the run's config names, as training reads it (data/tokenizer.py
     load_or_train): data.tokenizer; else its shard folder's copy (a mixture's folders all
-    share one); else, for the embedded corpus, the one trained into the workdir. A
+    share one); else the workdir's own (trained there on the embedded corpus). A
     tokenizer.json that happens to lie in the workdir never overrides what the config names
     (an imported run's config names the imported tokenizer)."""
     if cfg.data.tokenizer:
         candidates = [pathlib.Path(cfg.data.tokenizer)]
-    elif cfg.data.source == "embedded":
-        candidates = [pathlib.Path(workdir) / "tokenizer.json"]
     else:
         candidates = [pathlib.Path(folder) / "tokenizer.json"
                       for folder, _ in cfg.data.folders()]
+        candidates.append(pathlib.Path(workdir) / "tokenizer.json")
     return next((p for p in candidates if p.is_file()), None)
 
 

@@ -57,11 +57,35 @@ def load_model(workdir, *, step=None, batch_size=16, devices=None, seed=0):
     return lm, step
 
 
+def _writable(out_dir: pathlib.Path) -> None:
+    """Fails now, not after hours of evaluation, where the results cannot be written."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / f".probe{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"cannot write the results to {out_dir} ({e.strerror}); give "
+                         "--out DIR, a writable folder") from None
+
+
+def _merge(into: dict, results: dict) -> dict:
+    """lm-eval's results of one more task added to those so far (its per-task tables)."""
+    for key, value in results.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            into[key].update(value)
+        else:
+            into[key] = value
+    return into
+
+
 def evaluate(workdir, tasks: list[str], *, include_paths=(), step=None, batch_size=16,
-             limit=None, num_fewshot=None, log_samples=False, devices=None, seed=0):
+             limit=None, num_fewshot=None, log_samples=False, devices=None, seed=0,
+             out_dir=None):
     """(results as lm-eval returns them, path of the JSON written). The JSON holds lm-eval's
     results, configs and versions, the checkpoint step, and (log_samples) every request's
-    scores."""
+    scores. It is written after each task (titanax.tasks_done lists those in it so far), so
+    a failure or a kill midway keeps what was finished. out_dir: default WORKDIR/eval."""
     from lm_eval import evaluator
     from lm_eval.utils import handle_non_serializable
 
@@ -69,15 +93,18 @@ def evaluate(workdir, tasks: list[str], *, include_paths=(), step=None, batch_si
         raise ValueError("name at least one task (--tasks)")
     manager = task_manager(include_paths, tasks)
     lm, step = load_model(workdir, step=step, batch_size=batch_size, devices=devices, seed=seed)
-    results = evaluator.simple_evaluate(
-        model=lm, tasks=list(tasks), task_manager=manager, limit=limit, num_fewshot=num_fewshot,
-        log_samples=log_samples, random_seed=seed, numpy_random_seed=seed,
-        torch_random_seed=seed, fewshot_random_seed=seed)
-    results["titanax"] = {"workdir": str(pathlib.Path(workdir).absolute()), "step": step}
-    out_dir = pathlib.Path(workdir) / "eval"
-    out_dir.mkdir(exist_ok=True)
+    out_dir = pathlib.Path(out_dir) if out_dir is not None else pathlib.Path(workdir) / "eval"
+    _writable(out_dir)
     path = out_dir / f"step{step}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(results, indent=2, default=handle_non_serializable) + "\n")
-    os.replace(tmp, path)  # a crash mid-write never leaves half a results file
+    results: dict = {}
+    for i, task in enumerate(tasks):
+        _merge(results, evaluator.simple_evaluate(
+            model=lm, tasks=[task], task_manager=manager, limit=limit,
+            num_fewshot=num_fewshot, log_samples=log_samples, random_seed=seed,
+            numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed))
+        results["titanax"] = {"workdir": str(pathlib.Path(workdir).absolute()), "step": step,
+                              "tasks_done": tasks[:i + 1], "tasks": list(tasks)}
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(results, indent=2, default=handle_non_serializable) + "\n")
+        os.replace(tmp, path)  # a crash mid-write never leaves half a results file
     return results, path
