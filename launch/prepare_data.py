@@ -17,6 +17,9 @@ resume: re-run the same command. The work itself lives in titanax.data.shards.pr
 from __future__ import annotations
 
 import argparse
+import errno
+import os
+import shutil
 import sys
 
 from titanax.config import ConfigError
@@ -47,6 +50,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        free = shutil.disk_usage(args.out).free if os.path.isdir(args.out) else 0
+        print(f"error: disk full writing {e.filename or args.out} ({free / 1e6:,.1f} MB free "
+              "there); free space and run the same command again: it resumes after the last "
+              "complete shard", file=sys.stderr)
+        return 1
     n_tokens = sum(s["n_tokens"] for s in meta["shards"])
     n_docs = sum(s["n_docs"] for s in meta["shards"])
     # max_id (in meta.json) lets training check model.vocab_size without reading the tokens

@@ -146,6 +146,12 @@ def test_prepare_resumes_after_interruption(tmp_path, tok_path, monkeypatch, kin
         shards.prepare_shards(tok_path, src, out, shard_tokens=150, progress=False)
     monkeypatch.setattr(shards, "save_npy_atomic", real_save)
     assert len(shards.read_meta(out)["shards"]) == 2
+    # Unfinished: training takes it only when told to (its validation tail will move).
+    assert shards.read_meta(out)["complete"] is False
+    with pytest.raises(DataError, match=r"is unfinished: its prepare_data was interrupted .*"
+                                        r"set data.allow_partial=true"):
+        pipeline.build_data(_cfg(str(out), vocab=300), tmp_path / "wd")
+    pipeline.build_data(_cfg(str(out), vocab=300, allow_partial=True), tmp_path / "wd")
 
     # The rerun must not re-tokenize documents already in the two finished shards.
     encoded = []
@@ -162,7 +168,8 @@ def test_prepare_resumes_after_interruption(tmp_path, tok_path, monkeypatch, kin
     assert not list(out.glob(".*tmp*"))
     # A finished folder re-run is a no-op.
     meta2 = shards.prepare_shards(tok_path, src, out, shard_tokens=150, progress=False)
-    assert meta2["shards"] == meta["shards"]
+    assert meta2["shards"] == meta["shards"] and meta2["complete"] is True
+    pipeline.build_data(_cfg(str(out), vocab=300), tmp_path / "wd")
 
 
 def test_prepare_rejects_other_tokenizer_on_resume(tmp_path, tok_path):
@@ -183,6 +190,14 @@ def test_launch_prepare_data_cli(tmp_path, tok_path, capsys):
     assert "60 documents" in capsys.readouterr().out
     assert main(["--tokenizer", str(tok_path), "--input", str(tmp_path / "nope"), "--out",
                  str(tmp_path / "o2")]) == 2
+    # A wrong --text-key fails before any shard; the corrected command then runs in the same
+    # --out (its first run's settings were never used).
+    assert main(["--tokenizer", str(tok_path), "--input", str(jsonl), "--out",
+                 str(tmp_path / "o3"), "--text-key", "body", "--no-progress"]) == 2
+    assert "body" in capsys.readouterr().err
+    assert main(["--tokenizer", str(tok_path), "--input", str(jsonl), "--out",
+                 str(tmp_path / "o3"), "--no-progress"]) == 0
+    assert "60 documents" in capsys.readouterr().out
 
 
 def _write_folder(folder: pathlib.Path, arrays: list, vocab=100) -> None:

@@ -80,3 +80,29 @@ def test_disk_full_injected(tmp_path, monkeypatch):
                                                 r"1.0 kB are free there\); no checkpoint was"):
         loop.train(cfg, tmp_path / "run", log=lambda *_: None, devices=jax.devices()[:1])
     assert not list((tmp_path / "run" / "checkpoints").iterdir())
+
+
+def test_prepare_data_on_a_full_disk_says_so_and_resumes(tmp_path):
+    from titanax.data.tokenizer import train_bpe
+
+    disk = tmp_path / "disk"
+    if not _tmpfs(disk, "size=600k"):
+        pytest.skip("no tmpfs to fill here (needs root and mount(8))")
+    try:
+        texts = [f"def f{i}(x):\n    return x * {i} + {i * 7}\n" * 40 for i in range(400)]
+        src = tmp_path / "in.jsonl"
+        src.write_text("".join(f'{{"text": {t!r}}}\n'.replace("'", '"') for t in texts))
+        tok = tmp_path / "tok.json"
+        train_bpe(texts[:50], 300, tok)
+        args = ["launch.prepare_data", "--tokenizer", tok, "--input", src, "--out",
+                disk / "shards", "--shard-tokens", "20000", "--no-progress"]
+        r = _cli(*args)
+        _assert_one_error(r, 1, "disk full writing", "MB free there",
+                          "it resumes after the last complete shard")
+        assert not list((disk / "shards").glob(".*tmp*"))  # the partial shard is gone
+        subprocess.run(["mount", "-o", "remount,size=20m", str(disk)], check=True)
+        r = _cli(*args)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert "400 documents" in r.stdout
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)

@@ -414,6 +414,10 @@ class DataConfig:
     # Each document starts with the tokenizer's BOS token (as in Llama 3 pretraining); a shard
     # folder records whether it was written with `prepare_data --bos`, and must agree.
     bos: bool = False
+    # A shard folder whose prepare_data was interrupted (meta.json complete: false) trains
+    # only with this set: its validation split is the tail of what is there so far, and
+    # moves once the folder is finished.
+    allow_partial: bool = False
 
     def __post_init__(self):
         if isinstance(self.source, (list, tuple, dict)):

@@ -222,6 +222,12 @@ def _open_folder(cfg: Config, folder: pathlib.Path):
     """(meta, train stream, val stream) of one shard folder. The last val_fraction of its
     token stream is held out (shards are written in input order: the tail of the inputs)."""
     meta, arrays = shards.open_shards(folder, cfg.model.vocab_size)
+    if meta.get("complete") is False and not cfg.data.allow_partial:  # absent: older, whole
+        raise DataError(f"data.source: {folder} is unfinished: its prepare_data was "
+                        f"interrupted ({len(meta.get('done_inputs', []))} inputs done; "
+                        "meta.json complete: false); re-run the same prepare_data command to "
+                        "finish it, or set data.allow_partial=true to train on what it holds "
+                        "(its validation split, the tail, moves once it is finished)")
     stream = TokenStream(arrays, names=[str(folder / e["file"]) for e in meta["shards"]],
                          vocab_size=cfg.model.vocab_size)
     n = len(stream)

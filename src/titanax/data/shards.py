@@ -20,6 +20,7 @@ is written with it; a folder from before max_id is read once and meta.json updat
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -54,10 +55,18 @@ def _tmp_name(path: pathlib.Path) -> pathlib.Path:
 def save_npy_atomic(path: str | pathlib.Path, array: np.ndarray) -> None:
     path = pathlib.Path(path)
     tmp = _tmp_name(path)
-    with open(tmp, "wb") as f:  # a file object stops np.save from appending ".npy"
-        np.save(f, array, allow_pickle=False)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:  # a file object stops np.save from appending ".npy"
+            np.save(f, array, allow_pickle=False)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException as e:  # a full disk: the partial file would hold the space it lacks
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.errno is None and \
+                shutil.disk_usage(path.parent).free < array.nbytes + (1 << 16):
+            # numpy reports a short write ("N requested and M written") without an errno
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from e
+        raise
     os.replace(tmp, path)
 
 
@@ -230,11 +239,24 @@ def prepare_shards(tokenizer_path: str | pathlib.Path, input_path: str | pathlib
     writer.add(batch, tok)
     writer.flush()
     bar.close()
+    if not writer.meta["shards"]:
+        raise DataError(f"--input {input_path}: no document with text "
+                        f"(--text-key {text_key!r}{f', --glob {glob!r}' if glob else ''}); check "
+                        "them and run again (this folder is started afresh)")
+    # Every input is in a listed shard: training takes the folder without data.allow_partial.
+    writer.meta["complete"] = True
+    write_json_atomic(out / META, writer.meta)
     return writer.meta
 
 
+def _holds_work(meta: dict) -> bool:
+    return bool(meta.get("shards") or meta.get("done_inputs") or meta.get("partial_input"))
+
+
 def _start_or_resume(out: pathlib.Path, tok, identity: dict) -> dict:
-    if (out / META).is_file():
+    # A folder whose earlier run failed before it wrote anything (a wrong --text-key or
+    # --glob) is started afresh: its settings were never used, so the corrected command runs.
+    if (out / META).is_file() and _holds_work(read_meta(out)):
         meta = read_meta(out)
         for key, value in identity.items():
             # bos: folders from before it was recorded were written without
@@ -248,7 +270,7 @@ def _start_or_resume(out: pathlib.Path, tok, identity: dict) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     meta = {"format": FORMAT, "version": VERSION, "vocab_size": tok.vocab_size,
             "eos_id": tok.eos_id, "bos_id": tok.bos_id, **identity, "shards": [],
-            "done_inputs": [], "partial_input": None}
+            "done_inputs": [], "partial_input": None, "complete": False}
     write_json_atomic(out / META, meta)
     return meta
 
