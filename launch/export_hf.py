@@ -7,8 +7,13 @@ host memory stays near one shard, not the model."""
 from __future__ import annotations
 
 import argparse
+import signal
 
 from launch.common import fail, stop
+
+
+class _Stopped(BaseException):
+    """A stop signal during the export (BaseException: no handler of the library takes it)."""
 
 
 def main(argv=None) -> None:
@@ -25,6 +30,11 @@ def main(argv=None) -> None:
     from titanax.checkpoint.params_only import UnreadableCheckpoint
     from titanax.hf.exporter import export_hf, parse_size
 
+    def stopped(signum, _frame):  # unwinds through export_hf, which removes its partial folder
+        raise _Stopped(signum)
+
+    previous = {sig: signal.signal(sig, stopped)
+                for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
     try:
         max_bytes = parse_size(args.max_shard_size)
         r = export_hf(args.workdir, args.out, step=args.step, dtype=args.dtype,
@@ -33,6 +43,12 @@ def main(argv=None) -> None:
         fail(str(e))
     except UnreadableCheckpoint as e:  # a damaged run, not a bad flag
         stop(str(e))
+    except _Stopped as e:
+        fail(f"stopped by {signal.Signals(e.args[0]).name}: nothing was written to {args.out} "
+             "(the partial export is removed); run the same command again", 128 + e.args[0])
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     tok = f", tokenizer from {r.tokenizer}" if r.tokenizer else ", no tokenizer found for the run"
     print(f"exported step {r.step}: {r.tensors} tensors, {r.bytes / 1e9:.3f} GB {args.dtype} in "
           f"{r.shards} shard(s) to {r.out}{tok}")

@@ -3,8 +3,13 @@ tests/torch_peer.py): export -> transformers logits, transformers model -> impor
 logits, export -> import identity, training resumes from an import, malformed inputs."""
 
 import json
+import os
 import pathlib
 import shutil
+import signal
+import socket
+import subprocess
+import sys
 import types
 
 import jax
@@ -282,6 +287,35 @@ def test_export_errors_and_sizes(peer, tmp_path, capsys):
         main(["--workdir", str(tmp_path / "nothing"), "--out", str(tmp_path / "y")])
     assert "no checkpoint under" in capsys.readouterr().err
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+    # A killed export (kill -9: a real process, now dead) left its hidden partial folder;
+    # the next export to that --out removes it. Another host's may still be writing: kept.
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f".z.partial-{socket.gethostname()}-{dead.pid}"
+    elsewhere = tmp_path / ".z.partial-otherhost-1"
+    for folder in (stale, elsewhere):
+        folder.mkdir()
+        (folder / "model-00001-of-00002.safetensors").write_bytes(b"\0" * 1000)
+    main(["--workdir", str(peer.run), "--out", str(tmp_path / "z")])
+    assert not stale.exists() and elsewhere.exists() and (tmp_path / "z" / "config.json").is_file()
+    # SIGTERM during an export: one line, exit 143, no partial folder left behind.
+    from titanax.hf import exporter
+
+    real = exporter._write_configs
+    def interrupted(*a, **k):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(*a, **k)
+
+    exporter._write_configs = interrupted
+    try:
+        with pytest.raises(SystemExit) as e:
+            main(["--workdir", str(peer.run), "--out", str(tmp_path / "w")])
+    finally:
+        exporter._write_configs = real
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 143 and err.count("error:") == 1 and \
+        "error: stopped by SIGTERM" in err and "Traceback" not in err, err
+    assert not (tmp_path / "w").exists() and not list(tmp_path.glob(".w.partial-*"))
     assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 2**30
     assert parse_size("1500") == 1500 and parse_size("0.5MB") == 500_000
     with pytest.raises(ValueError, match="expected a number"):

@@ -18,6 +18,7 @@ import os
 import pathlib
 import re
 import shutil
+import socket
 
 import ml_dtypes
 import numpy as np
@@ -155,6 +156,28 @@ def _write_configs(cfg: Config, workdir: pathlib.Path, tmp: pathlib.Path, dtype:
     return tok_path
 
 
+def _remove_dead_partials(out: pathlib.Path) -> None:
+    """Removes the hidden partial folders of exports to `out` that were killed (kill -9, a
+    lost node) on this host: each is the size of the model. Another host's (shared storage)
+    may still be writing, so those stay."""
+    host = socket.gethostname()
+    for partial in out.parent.glob(f".{out.name}.partial-*"):
+        tail = partial.name.rsplit(".partial-", 1)[1]
+        name, _, pid = tail.rpartition("-")
+        if name == host and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(partial, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def export_hf(workdir: str | pathlib.Path, out: str | pathlib.Path, *, step: int | None = None,
               dtype: str = "bfloat16", max_shard_bytes: int = 5 * 10**9,
               progress: bool = True) -> ExportResult:
@@ -176,7 +199,8 @@ def export_hf(workdir: str | pathlib.Path, out: str | pathlib.Path, *, step: int
     table = model_spec(cfg.model).hf.tensor_table(cfg.model)
     shards = _plan_shards(table, out_dtype.itemsize, max_shard_bytes)
 
-    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    _remove_dead_partials(out)
+    tmp = out.with_name(f".{out.name}.partial-{socket.gethostname()}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     bar = None
