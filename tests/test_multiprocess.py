@@ -145,6 +145,9 @@ def test_lost_process_stops_the_other_with_a_clear_error(tmp_path):
     tail = procs[0].log_path.read_text()[-2000:]
     assert code == 1, tail
     assert "error: lost process 1" in tail and "process 0 of 2 stopped too" in tail, tail
+    # the one line, without the traceback and XLA's fatal logs that came before it
+    text = procs[0].log_path.read_text()
+    assert text.count("error:") == 1 and "Traceback" not in text and "\nF1" not in text, tail
     assert took < 120
 
 

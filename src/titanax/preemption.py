@@ -161,17 +161,28 @@ class StartupSignals:
         global _STARTUP
         if threading.current_thread() is not threading.main_thread():
             return self
-        r, w = os.pipe()
-        os.set_blocking(w, False)
-        self._pipe = (r, w)
-        self._old_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        self._old_fd = self._start_watching()
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, lambda *_: None)  # the thread acts
         self.active = True
         _STARTUP = self
+        # A fork (process_guard: the guard forwards signals, its child trains) keeps the
+        # handlers and the wakeup fd but not the thread: the child starts its own.
+        os.register_at_fork(after_in_child=self._after_fork_in_child)
+        return self
+
+    def _start_watching(self) -> int:
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        self._pipe = (r, w)
+        old = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
         threading.Thread(target=self._watch, args=(r,), name="titanax-startup-signals",
                          daemon=True).start()
-        return self
+        return old
+
+    def _after_fork_in_child(self) -> None:
+        if self.active and _STARTUP is self:
+            self._start_watching()
 
     def _watch(self, r: int) -> None:
         while True:

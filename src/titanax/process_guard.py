@@ -47,13 +47,73 @@ def _die_with_parent() -> None:
         pass
 
 
-def _copy_stderr(read_fd: int, tail: bytearray) -> None:
-    out = sys.stderr.buffer
-    while chunk := os.read(read_fd, 65536):
-        out.write(chunk)
-        out.flush()
-        tail.extend(chunk)
-        del tail[:-_TAIL_BYTES]
+# What a process prints as it dies of a lost peer: a Python traceback (a collective that
+# failed), then XLA's E/F log lines and its abort trace. Such lines are held back for a while:
+# if the process dies of a lost peer meanwhile, the guard's one line replaces them; if not,
+# they are printed (late by at most _HOLD_S), as is everything when it dies another way.
+_SUSPECT = re.compile(rb"^(Traceback \(most recent call last\)|[EF]\d{4} \d\d:\d\d:\d\d)")
+_HOLD_S = 30.0
+
+
+class _Copier:
+    """Copies the child's stderr through, keeping a tail and holding back suspect lines."""
+
+    def __init__(self, read_fd: int):
+        self.read_fd = read_fd
+        self.tail = bytearray()
+        self.held: list[bytes] = []
+        self.held_since: float | None = None
+        self.lock = threading.Lock()
+        self.out = sys.stderr.buffer
+        self._line = b""
+
+    def run(self) -> None:
+        import select
+        import time
+
+        while True:
+            ready, _, _ = select.select([self.read_fd], [], [], 1.0)
+            with self.lock:
+                if self.held_since is not None and time.monotonic() - self.held_since > _HOLD_S:
+                    self.flush_held()
+            if not ready:
+                continue
+            chunk = os.read(self.read_fd, 65536)
+            if not chunk:
+                with self.lock:
+                    if self._line:
+                        self._emit(self._line)
+                        self._line = b""
+                return
+            with self.lock:
+                self.tail.extend(chunk)
+                del self.tail[:-_TAIL_BYTES]
+                data = self._line + chunk
+                *lines, self._line = data.split(b"\n")
+                for line in lines:
+                    self._emit(line + b"\n")
+                if self._line and self.held_since is None and b"\r" in self._line:
+                    self.out.write(self._line)  # a progress bar redrawing its line
+                    self._line = b""
+                self.out.flush()
+
+    def _emit(self, line: bytes) -> None:
+        import time
+
+        if self.held_since is None and _SUSPECT.match(line):
+            self.held_since = time.monotonic()
+        if self.held_since is not None:
+            self.held.append(line)
+        else:
+            self.out.write(line)
+
+    def flush_held(self) -> None:
+        self.out.write(b"".join(self.held))
+        self.out.flush()
+        self.held, self.held_since = [], None
+
+    def drop_held(self) -> None:
+        self.held, self.held_since = [], None
 
 
 def guard(process_id: int, num_processes: int) -> None:
@@ -68,22 +128,33 @@ def guard(process_id: int, num_processes: int) -> None:
         sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
         return
     os.close(write_fd)
+    # The guard only forwards: its child says what a signal during start-up means.
+    from titanax.preemption import first_step_dispatched
+
+    first_step_dispatched()
     for sig in _FORWARDED:
         signal.signal(sig, lambda s, _f: os.kill(pid, s))
-    tail = bytearray()
-    copier = threading.Thread(target=_copy_stderr, args=(read_fd, tail), daemon=True)
-    copier.start()
+    copier = _Copier(read_fd)
+    thread = threading.Thread(target=copier.run, daemon=True)
+    thread.start()
     while True:
         try:
             _, status = os.waitpid(pid, 0)
             break
         except InterruptedError:
             continue
-    copier.join(timeout=5)
-    if os.WIFEXITED(status):
-        os._exit(os.WEXITSTATUS(status))
-    sig = os.WTERMSIG(status)
-    lost = describe_lost_process(tail.decode(errors="replace"))
+    thread.join(timeout=5)
+    code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
+    with copier.lock:
+        # (XLA ends a process whose peer was lost from a C++ thread: it dies of SIGABRT)
+        lost = (None if code is not None else
+                describe_lost_process(copier.tail.decode(errors="replace")))
+        if lost is None:
+            copier.flush_held()
+        else:  # what it printed while dying of it says less than the line below
+            copier.drop_held()
+    if code is not None:
+        os._exit(code)
     if lost is not None:
         sys.stderr.write(
             f"error: lost {lost}; process {process_id} of {num_processes} stopped too. Check "
@@ -91,6 +162,7 @@ def guard(process_id: int, num_processes: int) -> None:
             "job resumes from the last checkpoint.\n")
         sys.stderr.flush()
         os._exit(EXIT_LOST_PROCESS)
+    sig = os.WTERMSIG(status)
     sys.stderr.write(f"error: process {process_id} died from signal "
                      f"{signal.Signals(sig).name}\n")
     sys.stderr.flush()
