@@ -74,9 +74,22 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.1f}"
 
 
-def row(label: str, plan: dict) -> str:
+def remodel(flags: list[str]) -> int:
+    """The cost model's bytes per device for a row's flags, from this tree's model (the
+    compiled figure is the plan.json's): for refitting the model without recompiling."""
+    sys.path[:0] = [str(REPO), str(REPO / "src")]
+    from titanax.config import load_config
+    from titanax.plan import Cluster, make_plan
+
+    gpu, nodes = flags[flags.index("--gpu") + 1], int(flags[flags.index("--nodes") + 1])
+    sets = [flags[i + 1] for i, f in enumerate(flags) if f == "--set"]
+    cfg = load_config(REPO / "configs" / "llama3_70b.py", sets)
+    return make_plan(cfg, Cluster(gpu, nodes), compile_step=False)["memory_model_bytes"]["total"]
+
+
+def row(label: str, plan: dict, model: int | None = None) -> str:
     comp = plan.get("compile") or {}
-    model = plan["memory_model_bytes"]["total"]
+    model = plan["memory_model_bytes"]["total"] if model is None else model
     host_model = (plan.get("host_memory_model_bytes") or {}).get("total", 0)
     if not comp.get("ok"):
         return f"| {label} | compile failed: {comp.get('error', '')[:80]} | {_gb(model)} | | |"
@@ -96,6 +109,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="runs/planner-table")
     ap.add_argument("--only", type=int, nargs="*", help="row numbers (1-based) to run")
+    ap.add_argument("--remodel", action="store_true",
+                    help="the cost model column from this tree, the compiled one as stored")
     args = ap.parse_args(argv)
     out = REPO / args.out
     lines = ["| plan | compiled (GB per device) | cost model | model error | verdict |",
@@ -110,7 +125,8 @@ def main(argv=None) -> int:
             print(f"[{n}/{len(ROWS)}] {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
             subprocess.run(cmd, cwd=REPO, stdout=subprocess.DEVNULL, check=False)
         if (folder / "plan.json").exists():
-            lines.append(row(label, json.loads((folder / "plan.json").read_text())))
+            lines.append(row(label, json.loads((folder / "plan.json").read_text()),
+                             remodel(flags) if args.remodel else None))
         else:
             lines.append(f"| {label} | no plan.json (see the command's output) | | | |")
     print("\n".join(lines))

@@ -175,12 +175,16 @@ def _transient_bytes(cfg: Config, deg: dict[str, int], tokens: float,
     micro = _micro(cfg, deg)
     tokens_micro = tokens / micro
     # One layer's backward, at its largest point (the MLP, measured in the compiled buffers,
-    # `launch.plan --buffers`): the gate, up and product activations and their gradient for one
-    # (pipeline) microbatch, and the largest weight matrix gathered in the compute dtype twice
-    # (the next one is prefetched) plus its unreduced gradient before the reduce-scatter. The
-    # gradient itself goes straight into its slot of the gradient buffer.
-    layer_transient = (tokens_micro * 4 * m.ffn_dim * abytes / tp
-                       + 3 * d * m.ffn_dim / tp * abytes)
+    # `launch.plan --buffers`, with the GPU XLA flags of real runs): the gate, up and product
+    # activations, their gradients and the recompute's matmul outputs for one (pipeline)
+    # microbatch (six [tokens, ffn] buffers: the layer loop is double-buffered, so the next
+    # layer's recompute overlaps this one's backward), four [tokens, d] ones (the normed
+    # input, q after RoPE, the attention output, the incoming gradient), and two layers' MLP
+    # weights gathered in the compute dtype (one prefetched) with an unreduced gradient. The
+    # gradient itself goes straight into its slot of the gradient buffer. Refit against
+    # every row of docs/planner.md's compiled-memory table (scripts/planner_memory_table.py).
+    layer_transient = (tokens_micro * (6 * m.ffn_dim + 4 * d) * abytes / tp
+                       + 6 * d * m.ffn_dim / tp * abytes)
     # The loss: one chunk of float32 logits, their exponentials and their gradient in the
     # compute dtype, the output weight gathered over fsdp, its float32 gradient sum (which XLA
     # keeps reduce-scattered over fsdp x context), and the last hidden states with their
