@@ -61,6 +61,7 @@ def workdir_lock(workdir: str | os.PathLike, *, enabled: bool = True):
     if not enabled:
         yield
         return
+    created = not workdir.exists()
     try:
         workdir.mkdir(parents=True, exist_ok=True)
         fd = os.open(workdir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
@@ -87,4 +88,8 @@ def workdir_lock(workdir: str | os.PathLike, *, enabled: bool = True):
         os.fsync(fd)
         yield
     finally:
+        # A run refused before it wrote anything in a folder it created leaves no folder.
+        if created and [p.name for p in workdir.iterdir()] == [LOCK_NAME]:
+            (workdir / LOCK_NAME).unlink()
+            workdir.rmdir()
         os.close(fd)  # releases the lock
