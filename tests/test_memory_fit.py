@@ -103,6 +103,11 @@ def test_candidates_grad_accum_first_then_more_frugal_remat():
     assert got == [{"train.grad_accum": 2}, {"train.grad_accum": 4},
                    *({"model.remat": r, "train.grad_accum": k}
                      for r in ("full", "full_offload") for k in (1, 2, 4))]
+    # With the optimizer in host memory the master weights may follow, summed in place.
+    off = apply_overrides(cfg, {"train.offload_optimizer": True, "model.remat": "full"})
+    got = list(candidates(off, batch_ways=2))
+    assert got[-6:] == [{"train.offload_params": True, "model.remat": r, "train.grad_accum": k}
+                        for r in ("full", "full_offload") for k in (1, 2, 4)]
 
 
 def test_answer_without_a_fit_says_why():

@@ -1,7 +1,9 @@
 """The smallest change that makes a train step fit its devices' memory, among the changes that
 leave the run's result as it is: train.grad_accum (the step's gradient is still the mean over
-the same global batch) and model.remat (the same math, recomputed or moved to host memory).
-Layout, batch and offload changes are launch.plan --search's business: they change the run.
+the same global batch), model.remat (the same math, recomputed or moved to host memory) and,
+for a run that already keeps its optimizer in host memory, train.offload_params (the master
+weights join it there). Layout and batch changes, and host offload for a run that asked for
+none, are launch.plan --search's business.
 
 launch.train calls `fit_to_devices` before its first step (compiling on the real mesh);
 launch.plan runs `search_fit` inside its deviceless compile (compile.py) and prints the answer
@@ -91,6 +93,15 @@ def candidates(cfg: Config, batch_ways: int) -> Iterator[dict]:
     for policy in REMATS[REMATS.index(remat) + 1:]:
         for k in ladder:
             yield {"model.remat": policy, "train.grad_accum": k}
+    # The optimizer already in host memory: the layers' fp32 master weights may follow it (the
+    # same math and result; each microbatch reads them over the host link, which the plan
+    # prices). With several microbatches that needs the sum in place: full or full_offload.
+    t = cfg.train
+    if t.offload_optimizer and not t.offload_params and cfg.mesh.pipeline <= 1:
+        for policy in REMATS[max(REMATS.index(remat), REMATS.index("full")):]:
+            for k in ladder:
+                yield {"train.offload_params": True, "model.remat": policy,
+                       "train.grad_accum": k}
 
 
 def search_fit(cfg: Config, measure: Measure, capacity: int, where: str, batch_ways: int,
