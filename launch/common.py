@@ -84,7 +84,8 @@ def setup_jax(host_devices: int, args: argparse.Namespace | None = None) -> None
     if spec is not None:
         from titanax.process_guard import guard
 
-        guard(spec.process_id, spec.num_processes)  # forks; the child returns and trains
+        # forks; the child returns and trains
+        guard(spec.process_id, spec.num_processes, hold_s=args.heartbeat_timeout + 30)
     import jax
 
     if host_devices:

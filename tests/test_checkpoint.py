@@ -133,6 +133,9 @@ def test_damaged_latest_checkpoint_falls_back_and_mismatch_is_refused(tmp_path):
     # Refused before it wrote anything: config.json still describes the checkpoints
     # (`launch.train --workdir` continues from it), the tokenizer and metrics are as they were.
     assert files() == before and b'"n_layers": 2' in before["config.json"]
+    with pytest.raises(ConfigError, match="nowhere"):  # bad data: refused the same way
+        _run(work, 8, **{"data.source": str(work / "nowhere")})
+    assert files() == before
     msg = str(e.value)
     assert "model.n_layers: 2 -> 3" in msg and "model.ffn_dim: 384 -> 256" in msg
     assert "new --workdir" in msg

@@ -48,18 +48,19 @@ def _die_with_parent() -> None:
 
 
 # What a process prints as it dies of a lost peer: a Python traceback (a collective that
-# failed), then XLA's E/F log lines and its abort trace. Such lines are held back for a while:
-# if the process dies of a lost peer meanwhile, the guard's one line replaces them; if not,
-# they are printed (late by at most _HOLD_S), as is everything when it dies another way.
+# failed at once), then, once the peer's heartbeats have timed out, XLA's E/F log lines and its
+# abort trace. Such lines are held back for a while (longer than the heartbeat timeout): if
+# the process dies of a lost peer meanwhile, the guard's one line replaces them; if not, they
+# are printed (late by at most that long), as is everything when it dies another way.
 _SUSPECT = re.compile(rb"^(Traceback \(most recent call last\)|[EF]\d{4} \d\d:\d\d:\d\d)")
-_HOLD_S = 30.0
 
 
 class _Copier:
     """Copies the child's stderr through, keeping a tail and holding back suspect lines."""
 
-    def __init__(self, read_fd: int):
+    def __init__(self, read_fd: int, hold_s: float):
         self.read_fd = read_fd
+        self.hold_s = hold_s
         self.tail = bytearray()
         self.held: list[bytes] = []
         self.held_since: float | None = None
@@ -74,7 +75,7 @@ class _Copier:
         while True:
             ready, _, _ = select.select([self.read_fd], [], [], 1.0)
             with self.lock:
-                if self.held_since is not None and time.monotonic() - self.held_since > _HOLD_S:
+                if self.held_since is not None and time.monotonic() - self.held_since > self.hold_s:
                     self.flush_held()
             if not ready:
                 continue
@@ -116,8 +117,9 @@ class _Copier:
         self.held, self.held_since = [], None
 
 
-def guard(process_id: int, num_processes: int) -> None:
-    """Returns in the child, which goes on to train; the guard (parent) never returns."""
+def guard(process_id: int, num_processes: int, *, hold_s: float = 90.0) -> None:
+    """Returns in the child, which goes on to train; the guard (parent) never returns.
+    hold_s: how long suspect lines wait for a verdict (above the heartbeat timeout)."""
     read_fd, write_fd = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -134,7 +136,7 @@ def guard(process_id: int, num_processes: int) -> None:
     first_step_dispatched()
     for sig in _FORWARDED:
         signal.signal(sig, lambda s, _f: os.kill(pid, s))
-    copier = _Copier(read_fd)
+    copier = _Copier(read_fd, hold_s)
     thread = threading.Thread(target=copier.run, daemon=True)
     thread.start()
     while True:

@@ -134,10 +134,12 @@ class Trainer:
         # workdir changes: a refused run leaves config.json, the tokenizer and the metrics as
         # they were (an imported run stays the imported run).
         run_state, data_state, resumed = self.restore_or_init()
-        if self.is_main:  # the config as it runs (grad_accum=auto as chosen)
-            write_config_json(workdir, cfg)
+        # The data next (a missing folder, another tokenizer, a vocabulary too small); only
+        # the embedded corpus writes here, its tokenizer and token caches, once they are valid.
         self.data = _build_data_in_turn(cfg, workdir, process_rows(
             self.batch_sharding, cfg.train.batch_size, cfg.train.seq_len))
+        if self.is_main:  # the config as it runs (grad_accum=auto as chosen)
+            write_config_json(workdir, cfg)
         self._announce()
         if resumed:
             self.log(resumed)
