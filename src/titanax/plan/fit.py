@@ -48,7 +48,8 @@ class FitAnswer:
         return self.need["total"] <= self.capacity
 
     def set_flags(self) -> str:
-        return " ".join(f"--set {k}={v}" for k, v in (self.overrides or {}).items())
+        return " ".join(f"--set {k}={str(v).lower() if isinstance(v, bool) else v}"
+                        for k, v in (self.overrides or {}).items())
 
     def head(self) -> str:
         return (f"the train step needs {size(self.need['total'])} per device of "
