@@ -104,9 +104,11 @@ def attach(params, acc, scale: float = 1.0):
     return jax.tree_util.tree_map_with_path(tie, params, acc)
 
 
-def _to_device(x):
-    on_host = getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
-    return jax.device_put(x, jax.memory.Space.Device) if on_host else x
+def to_device(x):
+    """x in device memory: a host-resident array (train.offload_params) is copied over."""
+    if getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host:
+        return jax.device_put(x, jax.memory.Space.Device)
+    return x
 
 
 def scan_layers_into(slot: _Slot, one_layer, layer_state, x, extras, *,
@@ -159,7 +161,7 @@ def scan_layers_into(slot: _Slot, one_layer, layer_state, x, extras, *,
             # train.offload_params: the layer's weights come over from host memory here, so
             # the VJP's weight gradients are device arrays, added into the device sum (the
             # VJP of the layer's own copy would hand them back in host memory).
-            p_l = [_to_device(w) for w in p_l]
+            p_l = [to_device(w) for w in p_l]
             def grads(dx):  # the forward again, then its VJP: custom VJPs inside run here
                 _, pull = jax.vjp(lambda x, p, r: layer(x, p, r, extras), x_l, p_l, r_l)
                 return pull(dx)

@@ -45,13 +45,6 @@ def make_param(rngs: nnx.Rngs, shape, names, std, dtype) -> nnx.Param:
     return nnx.Param(std * jax.random.normal(rngs.params(), shape, dtype), out_sharding=names)
 
 
-def _to_device(x):
-    """x in device memory: a host-resident array (train.offload_params) is copied over."""
-    if getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host:
-        return jax.device_put(x, jax.memory.Space.Device)
-    return x
-
-
 class Decoder(nnx.Module):
     """embed -> layers (block_cls, stacked) -> final_norm -> output (or embed transposed when
     model.tie_embeddings). Subclasses set block_cls and param_axes."""
@@ -174,7 +167,7 @@ class Decoder(nnx.Module):
             # train.offload_params: the layer's slice of the stacked weights lives in host
             # memory; it comes over here, inside the checkpoint, so the backward pass fetches
             # it again instead of keeping a device copy of every layer.
-            state = jax.tree.map(_to_device, state)
+            state = jax.tree.map(accumulate.to_device, state)
             block = nnx.merge(graphdef, state)
             return block(x_BSD, positions_BS, segment_ids_BS, kv, cache_index)
 
