@@ -15,7 +15,9 @@ collected test needs them:
   they wait for, and the kernel hung.
 """
 
+import json
 import os
+import pathlib
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # XLA:CPU without LLVM's optimisations: the suite compiles hundreds of small programs, LLVM
@@ -41,7 +43,28 @@ def pytest_configure(config):
                             "interpreter (needs a wider XLA CPU thread pool)")
 
 
+# Seconds each test file took in a full run on a 2-core machine (tests/durations.json, written
+# by scripts/test_durations.py from pytest's --durations=0 report). The suite runs on two
+# workers, a file at a time each (scripts/dev.sh: --dist loadfile --no-loadscope-reorder), and
+# a worker takes the next file in collection order when it runs dry: the longest files go
+# first, so the run does not end on one worker's long file while the other idles.
+DURATIONS = pathlib.Path(__file__).parent / "tests" / "durations.json"
+
+
+def _longest_files_first(items) -> None:
+    try:
+        seconds = json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        return
+    # A file the table does not know yet (a new one) counts as an average one.
+    default = sum(seconds.values()) / max(len(seconds), 1)
+    file_of = lambda item: item.nodeid.split("::", 1)[0]
+    order = {f: i for i, f in enumerate(dict.fromkeys(file_of(item) for item in items))}
+    items.sort(key=lambda item: (-seconds.get(file_of(item), default), order[file_of(item)]))
+
+
 def pytest_collection_modifyitems(config, items):
+    _longest_files_first(items)
     need_devices = any("devices8" in item.fixturenames for item in items)
     need_pool = any(item.get_closest_marker("mosaic_interpret") for item in items)
     if (need_devices or need_pool) and xla_bridge.backends_are_initialized():

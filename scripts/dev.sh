@@ -123,9 +123,10 @@ case "$cmd" in
          # Lint first (seconds): pyflakes, pycodestyle and import order, as pyproject.toml says.
          .venv/bin/ruff check . || { echo "error: ruff found problems; run .venv/bin/ruff check --fix ." >&2; exit 1; }
          # Two workers (CI has 2 cores; TITANAX_TEST_WORKERS overrides, 0 runs in this
-         # process), each test file on one worker so its module-scoped compiles are shared.
+         # process), each test file on one worker so its module-scoped compiles are shared,
+         # the longest files first (conftest.py reads tests/durations.json).
          workers=${TITANAX_TEST_WORKERS:-2}
          if [ "$workers" = 0 ]; then exec .venv/bin/python -m pytest -q "$@"; fi
-         exec .venv/bin/python -m pytest -q -n "$workers" --dist loadfile "$@" ;;
+         exec .venv/bin/python -m pytest -q -n "$workers" --dist loadfile --no-loadscope-reorder "$@" ;;
   *) echo "usage: bash scripts/dev.sh train|test|setup|cuda-plugin [args...]" >&2; exit 2 ;;
 esac

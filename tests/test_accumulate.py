@@ -16,7 +16,7 @@ from titanax.models import accumulate
 from titanax.parallel.mesh import build_mesh
 from titanax.parallel.rules import model_context
 from titanax.plan.cluster import Cluster
-from titanax.plan.compile import compile_in_subprocess
+from titanax.plan.compile import compile_all_in_subprocess
 from titanax.train import step as train_step
 from titanax.train.describe import describe_accumulation
 from titanax.train.optim import make_optimizer
@@ -120,11 +120,12 @@ def test_compiled_step_holds_one_gradient_sum_whatever_grad_accum():
            "model.ffn_dim": F, "model.vocab_size": V, "model.max_seq_len": 64,
            "model.dtype": "bfloat16", "model.remat": "full", "model.attention_impl": "cudnn",
            "train.batch_size": 64, "train.seq_len": 64, "mesh.data": 1, "mesh.fsdp": 8}
+    runs = {"2": {"train.grad_accum": 2}, "8": {"train.grad_accum": 8},
+            "8 plain": {"train.grad_accum": 8, "train.grad_accum_in_place": False}}
+    results = compile_all_in_subprocess([small_config(**cfg, **extra) for extra in runs.values()],
+                                        Cluster("b200", 1), timeout_s=300)
     temps = {}
-    for name, extra in (("2", {"train.grad_accum": 2}), ("8", {"train.grad_accum": 8}),
-                        ("8 plain", {"train.grad_accum": 8, "train.grad_accum_in_place": False})):
-        r = compile_in_subprocess(small_config(**cfg, **extra), Cluster("b200", 1),
-                                  timeout_s=300)
+    for name, r in zip(runs, results):
         assert r["ok"] and r["target"] == "gpu", r
         temps[name] = r["memory"]["temporaries"]
     layers = L * (4 * d * d + 3 * d * F) * 4 // 8  # float32 matrices, sharded 8 ways

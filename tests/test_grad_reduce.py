@@ -10,7 +10,7 @@ from tests.test_train import ROOT
 from titanax.config import ConfigError, apply_overrides, load_config
 from titanax.ops import linear
 from titanax.plan.cluster import Cluster, plan_config
-from titanax.plan.compile import compile_in_subprocess
+from titanax.plan.compile import compile_all_in_subprocess
 
 
 @pytest.mark.parametrize("spec,w_shape", [("bsd,df->bsf", (64, 48)), ("bsf,df->bsd", (64, 48))])
@@ -47,12 +47,12 @@ def test_fsdp_reduce_scatters_in_the_configured_dtype():
     gradients' reduce-scatters are bf16 by default and float32 with
     model.grad_reduce_dtype=float32 (deviceless compiles, ~17 s each)."""
     cluster = Cluster("h100", 1)
+    modes = ("compute", "float32")
+    cfgs = [plan_config(load_config(ROOT / "configs" / "llama3_8b.py", {
+        "train.batch_size": 8, "model.n_layers": 4, "model.grad_reduce_dtype": mode}), cluster)
+        for mode in modes]
     seen = {}
-    for mode in ("compute", "float32"):
-        cfg = plan_config(load_config(ROOT / "configs" / "llama3_8b.py", {
-            "train.batch_size": 8, "model.n_layers": 4, "model.grad_reduce_dtype": mode}),
-            cluster)
-        result = compile_in_subprocess(cfg, cluster, timeout_s=300)
+    for mode, result in zip(modes, compile_all_in_subprocess(cfgs, cluster, timeout_s=300)):
         assert result["ok"] and result["target"] == "gpu", result
         seen[mode] = result["collectives"]["reduce-scatter"]
     assert seen["compute"].get("bf16", 0) > 0

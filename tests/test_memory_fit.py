@@ -4,6 +4,7 @@ configured limit (train.device_memory_limit) between the step's needs at grad_ac
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import re
@@ -15,7 +16,7 @@ import pytest
 
 from titanax.config import Config, ConfigError, apply_overrides, load_config
 from titanax.parallel.mesh import build_mesh
-from titanax.plan.fit import FitAnswer, candidates, fit_to_devices
+from titanax.plan.fit import FitAnswer, candidates, fit_to_devices, search_fit
 from titanax.train import memory_fit
 from titanax.train.compilation_cache import compilation_cache
 from titanax.train.loop import train
@@ -110,6 +111,69 @@ def test_candidates_grad_accum_first_then_more_frugal_remat():
                         for r in ("full", "full_offload") for k in (1, 2, 4)]
 
 
+def _fake_memory(cfg: Config) -> int:
+    """A step's bytes as a function of the settings the search changes: activations shrink
+    with grad_accum, more frugal remat and the master weights in host memory save more."""
+    saved = {"dots": 0, "full": 10, "full_offload": 30}[cfg.model.remat]
+    return 100 + 640 // cfg.train.grad_accum - saved - (60 if cfg.train.offload_params else 0)
+
+
+@pytest.mark.parametrize("capacity, want, compiled", [
+    # (remat, offload_params, grad_accum) of the answer; what was compiled, in order
+    (90, ("full_offload", False, 32), [("dots", False, 32), ("full", False, 32),
+                                       ("full_offload", False, 32), ("full_offload", False, 4),
+                                       ("full_offload", False, 16)]),
+    (45, ("full_offload", True, 32), [("dots", False, 32), ("full", False, 32),
+                                      ("full_offload", False, 32), ("full", True, 32),
+                                      ("full_offload", True, 32), ("full_offload", True, 4),
+                                      ("full_offload", True, 16)]),
+    (5, None, [("dots", False, 32), ("full", False, 32), ("full_offload", False, 32),
+               ("full", True, 32), ("full_offload", True, 32)]),
+])
+def test_search_compiles_each_groups_largest_count_then_bisects(capacity, want, compiled):
+    """Memory falls as grad_accum grows, so a group (one remat policy, one offload setting)
+    whose most microbatches do not fit is skipped after one compile, and the smallest count
+    that fits is found by bisection: 5-7 compiles of the 29 candidates here."""
+    cfg = load_config(ROOT / "configs/tiny.py", {**SMALL, "train.batch_size": 64,
+                                                 "model.remat": "dots",
+                                                 "train.offload_optimizer": True})
+    assert len(list(candidates(cfg, batch_ways=2))) == 29  # 32 sequences per device
+    seen = []
+
+    def measure(c):
+        seen.append((c.model.remat, c.train.offload_params, c.train.grad_accum))
+        return {"memory": {"total": _fake_memory(c)}}
+
+    need = {"arguments": 1, "outputs": 0, "aliased": 0, "total": 1000}
+    answer = search_fit(cfg, measure, capacity, "a test", 2, need=need)
+    assert seen == compiled
+    if want is None:
+        assert answer.overrides is None and "no train.grad_accum or model.remat" in answer.line()
+    else:
+        remat, offload, k = want
+        assert answer.overrides == {**({"train.offload_params": True} if offload else {}),
+                                    "model.remat": remat, "train.grad_accum": k}
+        assert answer.fit_bytes == _fake_memory(apply_overrides(cfg, answer.overrides))
+
+
+def test_auto_takes_a_change_beyond_grad_accum_and_says_so(devices8, monkeypatch):
+    """grad_accum=auto runs what the search found even when it needs the master weights in
+    host memory and another remat policy (8x H100, 70B, the optimizer offloaded), and its
+    line names every setting it changed."""
+    cfg = load_config(ROOT / "configs/tiny.py", {
+        **SMALL, "train.batch_size": 64, "model.remat": "full", "train.offload_optimizer": True,
+        "train.grad_accum": "auto", "train.device_memory_limit": "45MB"})
+    monkeypatch.setattr(memory_fit, "compile_train_step", lambda c, mesh: c)
+    monkeypatch.setattr(memory_fit, "compiled_memory", lambda c: {
+        "arguments": 1, "outputs": 0, "aliased": 0, "total": _fake_memory(c) * 10**6})
+    lines = []
+    got, compiled = fit_to_devices(cfg, build_mesh(cfg.mesh, devices8[:2]), lines.append)
+    assert (got.model.remat, got.train.offload_params, got.train.grad_accum) == (
+        "full_offload", True, 32) and compiled == got
+    assert lines[-1] == ("train.grad_accum=auto -> 32, with train.offload_params=true "
+                         "model.remat=full_offload (30.0 MB of 45.0 MB)"), lines
+
+
 def test_answer_without_a_fit_says_why():
     need = {"arguments": 90 * 10**9, "outputs": 0, "aliased": 0, "total": 120 * 10**9}
     line = FitAnswer(need, 76 * 10**9, "95% of 80.0 GB").line()
@@ -130,3 +194,37 @@ def test_auto_and_the_limit_read_from_set_gin_and_saved_configs(tmp_path):
                          ("train.device_memory_limit=80 parsecs", "is not a size")):
         with pytest.raises(ConfigError, match=message):
             load_config(None, [bad])
+
+
+def test_launch_plan_with_auto_plans_the_change_it_takes(monkeypatch, tmp_path, capsys):
+    """launch.plan with train.grad_accum=auto plans what launch.train would run: the answer of
+    the compile's fit search, remat and offload included, and prints the one line naming it
+    (not the refusal launch.train would give without auto)."""
+    from launch import plan as launch_plan
+    from titanax.plan import compile as plan_compile
+
+    change = {"train.offload_params": True, "model.remat": "full", "train.grad_accum": 16}
+    memory = lambda total: dict(arguments=1e9, temporaries=total - 1e9, outputs=0, aliased=0,
+                                total=total)
+
+    def fake_compile(cfg, cluster, fit=None, **kw):
+        assert cfg.train.grad_accum == 1 and fit["capacity"] == 76 * 10**9
+        result = {"ok": True, "target": "gpu", "device_kind": "NVIDIA H100",
+                  "memory": memory(529.9e9), "lower_s": 1.0, "compile_s": 1.0}
+        fit_result = {**result, "memory": memory(70.6e9)}
+        return {**result, "fit": {"fits": False, "overrides": change, "bytes": 70.6e9,
+                                  "line": "the train step needs 529.9 GB", "tried": [],
+                                  "set_flags": "", "result": fit_result}}
+
+    monkeypatch.setattr(plan_compile, "compile_in_subprocess", fake_compile)
+    launch_plan.main(["--config", str(ROOT / "configs/llama3_70b.py"), "--gpu", "h100",
+                      "--nodes", "1", "--set", "train.offload_optimizer=true", "--set",
+                      "train.grad_accum=auto", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert ("=> train.grad_accum=auto -> 16, with train.offload_params=true model.remat=full "
+            "(70.6 GB, where grad_accum 1 needs 529.9 GB)") in out
+    assert "the train step needs" not in out and "FITS with 5.4 GB to spare" in out
+    assert "host offload costs" in out
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["settings"]["grad_accum"] == 16 and plan["settings"]["offload_params"]
+    assert plan["settings"]["remat"] == "full" and plan["host_offload_cost_s"] > 0

@@ -15,7 +15,7 @@ from titanax.config import ConfigError, apply_overrides, load_config
 from titanax.parallel.mesh import build_mesh
 from titanax.parallel.rules import model_context
 from titanax.plan.cluster import Cluster
-from titanax.plan.compile import compile_in_subprocess
+from titanax.plan.compile import compile_all_in_subprocess
 from titanax.train import offload
 from titanax.train.optim import lr_schedule, make_optimizer
 from titanax.train.state import abstract_train_state, create_train_state, jit_train_step
@@ -250,8 +250,9 @@ def test_deviceless_h100_compile_moves_state_and_activations_to_host():
     plain = {**cfg, "model.remat": "full", "train.offload_optimizer": False,
              "train.offload_params": False}
     mem = {}
-    for name, overrides in (("plain", plain), ("offload", cfg)):
-        result = compile_in_subprocess(tiny(**overrides), Cluster("h100", 1), timeout_s=240)
+    results = compile_all_in_subprocess([tiny(**plain), tiny(**cfg)], Cluster("h100", 1),
+                                        timeout_s=240)
+    for name, result in zip(("plain", "offload"), results):
         assert result["ok"] and result["target"] == "gpu", result
         mem[name] = result["memory"]
     m = mem["offload"]

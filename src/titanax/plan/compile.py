@@ -11,8 +11,9 @@ Targets, best first:
 - 'cpu': simulated CPU devices (jax_num_cpu_devices) when the plugin is not installed; the
   sharding and the program are the same, the memory figures are XLA:CPU's (attention falls
   back to XLA's, which materialises S x S scores), so the planner then trusts its model.
-Runs in a subprocess (`compile_in_subprocess`) so the caller never loads CUDA or changes its
-own device count: `python -m titanax.plan.compile SPEC.json` prints one RESULT line.
+Runs in a subprocess (`compile_in_subprocess`, or `compile_all_in_subprocess` for several
+configs) so the caller never loads CUDA or changes its own device count: `python -m
+titanax.plan.compile SPEC.json` prints one RESULT line per config.
 """
 
 from __future__ import annotations
@@ -141,14 +142,46 @@ def compile_in_subprocess(cfg: Config, cluster: Cluster, *, timeout_s: float = 6
     return result
 
 
+def compile_all_in_subprocess(cfgs: list[Config], cluster: Cluster, *,
+                              timeout_s: float = 600) -> list[dict]:
+    """compile_train_step of each config, in one fresh process (its start, CUDA's plugin and
+    the imports are paid once): compile_in_subprocess's result per config, in order. A
+    config that does not compile gets {'ok': False, 'error'} and the others still run."""
+    env, target = _worker_env(cluster)
+    spec = {"configs": [c.to_dict() for c in cfgs], "gpu": cluster.gpu, "nodes": cluster.nodes,
+            "gpus_per_node": cluster.gpus_per_node, "target": target}
+    try:
+        proc = subprocess.run([sys.executable, "-m", "titanax.plan.compile", json.dumps(spec)],
+                              env=env, capture_output=True, text=True,
+                              timeout=timeout_s * len(cfgs), cwd=aot.REPO)
+    except subprocess.TimeoutExpired:
+        return [{"ok": False, "target": target, "error": "compiles did not finish within "
+                 f"{timeout_s * len(cfgs):.0f} s"}] * len(cfgs)
+    results = [json.loads(l[len(_RESULT):]) for l in proc.stdout.splitlines()
+               if l.startswith(_RESULT)]
+    if len(results) != len(cfgs):
+        error = _error_summary(proc.stderr) or f"exit {proc.returncode}"
+        return [{"ok": False, "target": target, "error": error}] * len(cfgs)
+    return [r if "error" in r else {**r, "ok": True} for r in results]
+
+
 def main(argv: list[str]) -> None:
     spec = json.loads(argv[0])
     if spec["target"] == "cpu":
         import jax
         jax.config.update("jax_num_cpu_devices",
                           spec["nodes"] * spec["gpus_per_node"])
-    cfg = Config.from_dict(spec["config"])
     cluster = Cluster(spec["gpu"], spec["nodes"], spec["gpus_per_node"])
+    if "configs" in spec:  # compile_all_in_subprocess: one RESULT line per config
+        for c in spec["configs"]:
+            try:
+                result = compile_train_step(Config.from_dict(c), cluster, spec["target"])
+            except Exception as e:  # noqa: BLE001 - reported, the next config still runs
+                result = {"ok": False, "target": spec["target"],
+                          "error": f"{type(e).__name__}: {str(e)[:1500]}"}
+            print(_RESULT + json.dumps(result), flush=True)
+        return
+    cfg = Config.from_dict(spec["config"])
     audit = spec.get("audit", False)
     result = compile_train_step(cfg, cluster, spec["target"], spec.get("buffers", 0), audit)
     if spec.get("fit"):

@@ -7,9 +7,14 @@ none, are launch.plan --search's business.
 
 launch.train calls `fit_to_devices` before its first step (compiling on the real mesh);
 launch.plan runs `search_fit` inside its deviceless compile (compile.py) and prints the answer
-as the line to copy. Both measure candidates by compiling them, smallest change first:
-grad_accum up the divisors of the per-device batch, then each remat policy that saves more
-than the configured one (search.REMATS order), with grad_accum from the configured up.
+as the line to copy. train.grad_accum=auto takes the answer itself, whatever it changes (it
+logs what). Both measure candidates by compiling them, smallest change first: grad_accum up
+the divisors of the per-device batch, then each remat policy that saves more than the
+configured one (search.REMATS order), with grad_accum from the configured up, then the master
+weights in host memory. Within one such group the memory falls as grad_accum grows (smaller
+microbatches, one gradient sum), so the group's largest count is compiled first: when even
+that does not fit the group is skipped, else a bisection finds its smallest count that fits
+(70B on 8 H100s with the optimizer offloaded: 6 compiles where the whole ladder took 16).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator
 
-from titanax.config import Config, ConfigError, apply_overrides
+from titanax.config import Config, ConfigError, apply_overrides, grad_accum_in_place_unsupported
 from titanax.plan.search import REMATS
 from titanax.train import memory_fit
 
@@ -48,8 +53,7 @@ class FitAnswer:
         return self.need["total"] <= self.capacity
 
     def set_flags(self) -> str:
-        return " ".join(f"--set {k}={str(v).lower() if isinstance(v, bool) else v}"
-                        for k, v in (self.overrides or {}).items())
+        return " ".join(f"--set {k}={_value(v)}" for k, v in (self.overrides or {}).items())
 
     def head(self) -> str:
         return (f"the train step needs {size(self.need['total'])} per device of "
@@ -73,6 +77,21 @@ class FitAnswer:
                 "sequences), or more GPUs")
 
 
+def _value(v) -> str:
+    """A setting's value as --set takes it (booleans lowercase)."""
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def auto_choice(overrides: dict, memory: str) -> str:
+    """The line train.grad_accum=auto logs for the change it takes, e.g.
+    'train.grad_accum=auto -> 16, with model.remat=full train.offload_params=true (70.6 GB of
+    76.0 GB)': the other settings it changed are named, so the log says what runs."""
+    others = " ".join(f"{k}={_value(v)}" for k, v in overrides.items()
+                      if k != "train.grad_accum")
+    return (f"train.grad_accum=auto -> {overrides['train.grad_accum']}"
+            f"{', with ' + others if others else ''} ({memory})")
+
+
 def state_bytes(memory: dict[str, int]) -> int:
     """What every candidate still needs: the arguments (state, batch) and new outputs."""
     return memory["arguments"] + memory["outputs"] - memory["aliased"]
@@ -82,27 +101,33 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def candidates(cfg: Config, batch_ways: int) -> Iterator[dict]:
-    """Overrides, smallest change first. batch_ways: mesh data x fsdp (resolved)."""
+def candidate_groups(cfg: Config, batch_ways: int) -> Iterator[tuple[dict, list[int]]]:
+    """(overrides, grad_accum ladder), smallest change first: each group's candidates are its
+    overrides with train.grad_accum set to each count of its ladder, ascending. batch_ways:
+    mesh data x fsdp (resolved)."""
     micro = cfg.pipeline.microbatches if cfg.mesh.pipeline > 1 else 1
     per_device = cfg.train.batch_size // (batch_ways * micro)
     start = cfg.train.known_grad_accum
     ladder = [k for k in _divisors(max(per_device, 1)) if k >= start]
-    for k in ladder[1:]:
-        yield {"train.grad_accum": k}
+    if ladder[1:]:
+        yield {}, ladder[1:]
     remat = "dots" if cfg.model.remat == "dots_no_batch" else cfg.model.remat
     for policy in REMATS[REMATS.index(remat) + 1:]:
-        for k in ladder:
-            yield {"model.remat": policy, "train.grad_accum": k}
+        yield {"model.remat": policy}, ladder
     # The optimizer already in host memory: the layers' fp32 master weights may follow it (the
     # same math and result; each microbatch reads them over the host link, which the plan
     # prices). With several microbatches that needs the sum in place: full or full_offload.
     t = cfg.train
     if t.offload_optimizer and not t.offload_params and cfg.mesh.pipeline <= 1:
         for policy in REMATS[max(REMATS.index(remat), REMATS.index("full")):]:
-            for k in ladder:
-                yield {"train.offload_params": True, "model.remat": policy,
-                       "train.grad_accum": k}
+            yield {"train.offload_params": True, "model.remat": policy}, ladder
+
+
+def candidates(cfg: Config, batch_ways: int) -> Iterator[dict]:
+    """Every candidate of candidate_groups, in order."""
+    for overrides, ladder in candidate_groups(cfg, batch_ways):
+        for k in ladder:
+            yield {**overrides, "train.grad_accum": k}
 
 
 def search_fit(cfg: Config, measure: Measure, capacity: int, where: str, batch_ways: int,
@@ -116,25 +141,69 @@ def search_fit(cfg: Config, measure: Measure, capacity: int, where: str, batch_w
     if answer.fits or state_bytes(need) >= capacity:
         return answer
     say(f"memory check: {answer.head()}; compiling the smallest changes that could fit")
-    for overrides in candidates(cfg, batch_ways):
-        try:
-            c_cfg = apply_overrides(cfg, overrides)
-        except ConfigError:
+    results: dict[tuple, dict | None] = {}  # a tried candidate -> its result (None: failed)
+
+    def fits(overrides: dict) -> bool | None:
+        """Compile overrides (once): True / False, or None when the config refuses it or it
+        does not compile (recorded in answer.tried)."""
+        key = tuple(overrides.items())
+        if key not in results:
+            results[key] = _try(cfg, overrides, measure, answer, say)
+        r = results[key]
+        return None if r is None else r["memory"]["total"] <= capacity
+
+    for overrides, ladder in candidate_groups(cfg, batch_ways):
+        group = [{**overrides, "train.grad_accum": k} for k in ladder]
+        # The most microbatches first: the group's least memory. (Only the plain sum may need
+        # less at 1 than at 2, having no running sum there: then 1 is tried on its own.)
+        plain_one = (group[0]["train.grad_accum"] == 1 and len(group) > 1
+                     and _sums_plainly(cfg, group[1]))
+        if plain_one and fits(group[0]):
+            found = group[0]
+        elif not fits(group[-1]):
             continue
-        label = " ".join(f"{k}={v}" for k, v in overrides.items())
-        try:
-            result = measure(c_cfg)
-        except Exception as e:  # noqa: BLE001 - a candidate that does not compile is skipped
-            answer.tried.append({"overrides": overrides, "error": str(e).splitlines()[0][:300]})
-            say(f"  {label}: does not compile ({type(e).__name__})")
-            continue
-        total = result["memory"]["total"]
-        answer.tried.append({"overrides": overrides, "bytes": total})
-        say(f"  {label}: {size(total)}")
-        if total <= capacity:
-            answer.overrides, answer.fit_bytes, answer.fit_result = overrides, total, result
-            break
+        else:
+            lo, hi = 1 if plain_one else 0, len(group) - 1
+            while lo < hi:  # the smallest index that fits; group[hi] fits
+                mid = (lo + hi) // 2
+                if fits(group[mid]):
+                    hi = mid
+                else:
+                    lo = mid + 1
+            found = group[hi]
+        result = results[tuple(found.items())]
+        answer.overrides, answer.fit_bytes = found, result["memory"]["total"]
+        answer.fit_result = result
+        break
     return answer
+
+
+def _sums_plainly(cfg: Config, overrides: dict) -> bool:
+    """Does cfg with overrides (grad_accum > 1) sum its microbatches the plain way?"""
+    try:
+        return grad_accum_in_place_unsupported(apply_overrides(cfg, overrides)) is not None
+    except ConfigError:
+        return True
+
+
+def _try(cfg: Config, overrides: dict, measure: Measure, answer: FitAnswer, say):
+    """measure(cfg with overrides), recorded in answer.tried; None when the config refuses the
+    change or the step does not compile."""
+    try:
+        c_cfg = apply_overrides(cfg, overrides)
+    except ConfigError:
+        return None
+    label = " ".join(f"{k}={_value(v)}" for k, v in overrides.items())
+    try:
+        result = measure(c_cfg)
+    except Exception as e:  # noqa: BLE001 - a candidate that does not compile is skipped
+        answer.tried.append({"overrides": overrides, "error": str(e).splitlines()[0][:300]})
+        say(f"  {label}: does not compile ({type(e).__name__})")
+        return None
+    total = result["memory"]["total"]
+    answer.tried.append({"overrides": overrides, "bytes": total})
+    say(f"  {label}: {size(total)}")
+    return result
 
 
 def fit_to_devices(cfg: Config, mesh, log=print):
@@ -163,9 +232,7 @@ def fit_to_devices(cfg: Config, mesh, log=print):
             log(f"train.grad_accum=auto -> 1 ({size(answer.need['total'])} of "
                 f"{size(answer.capacity)})")
         return start, first["compiled"]
-    if auto and answer.overrides and set(answer.overrides) == {"train.grad_accum"}:
-        n = answer.overrides["train.grad_accum"]
-        log(f"train.grad_accum=auto -> {n} ({size(answer.fit_bytes)} of "
-            f"{size(answer.capacity)})")
+    if auto and answer.overrides:
+        log(auto_choice(answer.overrides, f"{size(answer.fit_bytes)} of {size(answer.capacity)}"))
         return apply_overrides(cfg, answer.overrides), answer.fit_result["compiled"]
     raise memory_fit.DoesNotFit(answer.line())

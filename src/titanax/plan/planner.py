@@ -14,6 +14,7 @@ from titanax.plan import search as plan_search
 from titanax.plan.cluster import Cluster, Layout, PlanError, layout_for, plan_config
 from titanax.plan.cost_model import EFFICIENCIES, Estimate, estimate
 from titanax.plan.documents import documents_summary
+from titanax.plan.fit import auto_choice
 from titanax.train.metrics import FLOP_FORMULA
 
 
@@ -72,21 +73,24 @@ def evaluate(cfg: Config, cluster: Cluster, *, compile_step: bool, buffers: int 
 
 def evaluate_auto(cfg: Config, cluster: Cluster, *, compile_step: bool, buffers: int = 0,
                   audit: bool = False):
-    """evaluate() for train.grad_accum=auto: planned at 1, then at the smallest count whose
-    compiled step fits (what launch.train would choose on those GPUs), when one does."""
+    """evaluate() for train.grad_accum=auto: planned at 1, then at the smallest change whose
+    compiled step fits (plan.fit: what launch.train would choose on those GPUs; a remat
+    policy or the master weights in host memory too, when grad_accum alone is not enough),
+    when one does."""
     cfg = apply_overrides(cfg, {"train.grad_accum": 1})
     plan = evaluate(cfg, cluster, compile_step=compile_step, buffers=buffers, audit=audit)
     fit = (plan.get("compile") or {}).get("fit") or {}
     if fit.get("fits"):
         plan["grad_accum_auto"] = "train.grad_accum=auto -> 1"
-    elif fit.get("overrides") and set(fit["overrides"]) == {"train.grad_accum"}:
-        n = fit["overrides"]["train.grad_accum"]
+    elif fit.get("overrides"):  # whatever the answer changes (remat, offload_params too)
         chosen = apply_overrides(cfg, fit["overrides"])
         layout = layout_for(chosen, cluster)
         result = {**fit["result"], "ok": True}
         plan = {**_plan_dict(chosen, cluster, layout, estimate(chosen, cluster, layout), result),
                 "fit": plan["fit"],
-                "grad_accum_auto": f"train.grad_accum=auto -> {n} ({fit['bytes'] / 1e9:.1f} GB)"}
+                "grad_accum_auto": auto_choice(
+                    fit["overrides"], f"{fit['bytes'] / 1e9:.1f} GB, where grad_accum 1 "
+                    f"needs {plan['per_device_bytes'] / 1e9:.1f} GB")}
     return plan
 
 

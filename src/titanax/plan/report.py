@@ -48,10 +48,10 @@ def _memory_lines(plan: dict) -> list[str]:
     lines.append(f"  => {_gb(per)} per device ({plan['per_device_bytes_source']}) of {_gb(hbm)} "
                  f"HBM ({_gb(usable)} usable): {verdict}")
     fit = plan.get("fit")
-    if fit and not fit["fits"]:  # what launch.train would say, with the --set to copy
-        lines.append(f"  => {fit['line']}")
-    if plan.get("grad_accum_auto"):
+    if plan.get("grad_accum_auto"):  # the change auto took (the plan is of it)
         lines.append(f"  => {plan['grad_accum_auto']}")
+    elif fit and not fit["fits"]:  # what launch.train would say, with the --set to copy
+        lines.append(f"  => {fit['line']}")
     return lines
 
 
