@@ -238,6 +238,52 @@ def test_model_change_names_fields_but_allows_execution_knobs():
             cfg, {**delayed, "model.fp8_amax_history": 1024}).model, source="x")
 
 
+# Another valid value of every ModelConfig field. A new field must be added here, and so be
+# classified: an execution field (config._execution) resumes with the other value, an
+# architecture field is refused by name.
+OTHER_VALUES = {
+    "arch": "qwen3", "vocab_size": 1024, "d_model": 96, "n_layers": 3, "n_heads": 8,
+    "n_kv_heads": 4, "head_dim": 32, "ffn_dim": 192, "rope_theta": 10000.0,
+    "rope_scaling": "none", "rope_factor": 4.0, "rope_low_freq_factor": 2.0,
+    "rope_high_freq_factor": 8.0, "rope_original_max_seq_len": 4096, "max_seq_len": 4096,
+    "norm_eps": 1e-6, "tie_embeddings": True, "param_dtype": "bfloat16",
+    # execution
+    "init_std": 0.01, "attention_impl": "cudnn", "context_strategy": "all_gather",
+    "tp_overlap": True, "matmul_precision": "highest", "fp8_amax_history": 16,
+    "mxfp8_scale_rounding": "floor", "dtype": "bfloat16", "remat": "full",
+    "grad_reduce_dtype": "float32"}
+
+
+@pytest.mark.parametrize("name", sorted(OTHER_VALUES))
+def test_each_model_field_is_architecture_or_may_change_on_resume(name):
+    import dataclasses
+
+    from titanax.config import ModelConfig
+
+    assert set(OTHER_VALUES) == {f.name for f in dataclasses.fields(ModelConfig)}
+    cfg = small_config()
+    assert getattr(cfg.model, name) != OTHER_VALUES[name]
+    changed = dataclasses.replace(cfg.model, **{name: OTHER_VALUES[name]})
+    if name in ModelConfig.execution_fields():
+        check_same_model(cfg.to_dict(), changed, source="x")
+    else:
+        with pytest.raises(ConfigError, match=rf"model\.{name}: "):
+            check_same_model(cfg.to_dict(), changed, source="x")
+
+
+def test_resume_with_every_execution_field_changed(tmp_path):
+    """A run resumes its checkpoint with all of them changed at once (as a resume onto a GPU
+    with the planner's suggestions would), and trains on from its step."""
+    from titanax.config import ModelConfig
+
+    first, _ = _run(tmp_path, 1, **{"checkpoint.every_steps": 1})
+    changed = {f"model.{n}": OTHER_VALUES[n] for n in ModelConfig.execution_fields()}
+    changed["model.attention_impl"] = "auto"  # (cudnn needs a GPU; auto is xla on a CPU)
+    resumed, log = _run(tmp_path, 2, **changed, **{"checkpoint.every_steps": 1})
+    assert "resumed" in log.lower() and resumed.final_step == 2
+    assert sorted(resumed.losses) == [2] and np.isfinite(resumed.losses[2]), log
+
+
 def _batch(cfg, *, poisoned: bool):
     rng = np.random.default_rng(0)
     B, S, V = cfg.train.batch_size, cfg.train.seq_len, cfg.model.vocab_size

@@ -110,6 +110,14 @@ def parse_bytes(value: int | str) -> int:
     return n
 
 
+def _execution(default):
+    """A ModelConfig field that says how the weights are computed, not what they are: a run may
+    resume a checkpoint with another value (checkpoint/orbax_io.check_same_model compares the
+    others). Where a value puts something in the train state (fp8_delayed's amax histories),
+    the checkpoint check knows."""
+    return field(default=default, metadata={"execution": True})
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     # The architecture (a key of models/registry.py ARCHS), checked against the registry
@@ -136,34 +144,39 @@ class ModelConfig:
     # The output layer is the input embedding transposed (Llama 3.2 1B/3B): no
     # separate 'output' parameter; HF export writes tie_word_embeddings and no lm_head.
     tie_embeddings: bool = False
-    init_std: float = 0.02
-    attention_impl: str = "xla"
+    init_std: float = _execution(0.02)  # a new run's weights only
+    attention_impl: str = _execution("xla")
     # With mesh.context > 1, how attention reaches the other devices' keys: 'ring' (K/V
     # blocks passed around with ppermute, each transfer hidden under the attention of the
     # block before) or 'all_gather' (K/V gathered once per layer: one collective instead of
     # context - 1 dependent ones; better for short local sequences and GQA's small K/V).
-    context_strategy: str = "ring"
+    context_strategy: str = _execution("ring")
     # Tensor-parallel overlap (TorchTitan's async TP, MaxText's collective matmul): with
     # mesh.tensor > 1, each sequence-parallel all-gather / reduce-scatter runs as tensor-ring
     # steps beside the column / row matmul's GEMMs (parallel/collective_matmul.py).
-    tp_overlap: bool = False
-    matmul_precision: str = "default"
+    tp_overlap: bool = _execution(False)
+    matmul_precision: str = _execution("default")
     # Steps of amax history per tensor for fp8_delayed: Transformer Engine's DelayedScaling
     # default (amax_history_len=1024). Memory: 3 x 1024 float32 per FP8 call site per layer,
     # 7 sites: 84 KiB a layer, 6.7 MiB for Llama-3-70B's 80 layers (replicated, checkpointed).
-    fp8_amax_history: int = 1024
+    fp8_amax_history: int = _execution(1024)
     # mxfp8 scale exponents: 'up' (NVIDIA's / TE's MXFP8 recipe: ceil(log2(amax / 448)), the
     # block max is never clipped) or 'floor' (OCP MX v1.0: floor(log2 amax) - 8, may saturate
     # the block max by up to 12.5%).
-    mxfp8_scale_rounding: str = "up"
-    dtype: str = "bfloat16"  # compute
+    mxfp8_scale_rounding: str = _execution("up")
+    dtype: str = _execution("bfloat16")  # compute
     param_dtype: str = "float32"  # master weights
-    remat: str = "none"
+    remat: str = _execution("none")
     # The dtype the weight gradients are summed and reduce-scattered in: 'compute' (the
     # backward's weight-gradient dots run in model.dtype, and XLA reduce-scatters them in it:
     # half the bytes) or 'float32' (summed and reduced in float32, TorchTitan's default; twice
     # the reduce-scatter traffic). FP8 recipes keep their own gradient dtypes.
-    grad_reduce_dtype: str = "compute"
+    grad_reduce_dtype: str = _execution("compute")
+
+    @classmethod
+    def execution_fields(cls) -> tuple[str, ...]:
+        """The fields a resumed run may change (_execution); the rest are the architecture."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("execution"))
 
     @property
     def resolved_head_dim(self) -> int:

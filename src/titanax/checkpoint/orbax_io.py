@@ -54,11 +54,6 @@ from titanax.checkpoint import integrity
 from titanax.config import CheckpointConfig, Config, ConfigError, ModelConfig
 from titanax.preemption import STOPPING
 
-# Fields that change how the same weights are computed, not what they are: a checkpoint may be
-# resumed with other values (say a GPU attention kernel after a CPU run).
-EXECUTION_ONLY_MODEL_FIELDS = ("attention_impl", "matmul_precision", "dtype", "remat",
-                               "mxfp8_scale_rounding", "grad_reduce_dtype")
-
 PARAM_LAYOUT = 2  # the parameter layout this code writes (see the module docstring)
 _LAYOUT_KEY = "titanax_param_layout"  # in each step's custom metadata
 # Stacked parameters whose layout changed in layout 2: name under 'layers' -> the permutation
@@ -585,8 +580,11 @@ def _all_finite(x):
 
 def check_same_model(saved_config: dict, model: ModelConfig, *, source) -> None:
     """ConfigError naming every architecture field that differs between a checkpoint's config
-    and the current one (execution-only fields may differ)."""
+    and the current one. The execution fields (ModelConfig.execution_fields: say a GPU
+    attention kernel after a CPU run, or the tensor-parallel overlap the planner suggests) may
+    differ, except where they change what the state holds."""
     saved = Config.from_dict(saved_config).model
+    execution = ModelConfig.execution_fields()
 
     def differs(name: str) -> bool:
         old, new = getattr(saved, name), getattr(model, name)
@@ -595,7 +593,7 @@ def check_same_model(saved_config: dict, model: ModelConfig, *, source) -> None:
         if name == "fp8_amax_history":  # their length, in the state only under fp8_delayed
             return old != new and saved.matmul_precision == model.matmul_precision \
                 == "fp8_delayed"
-        return old != new and name not in EXECUTION_ONLY_MODEL_FIELDS
+        return old != new and name not in execution
 
     diffs = [f"model.{f.name}: {getattr(saved, f.name)!r} -> {getattr(model, f.name)!r}"
              for f in dataclasses.fields(ModelConfig) if differs(f.name)]
