@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from pallas_kernels import aot
-from tests.test_train import small_config
+from tests.helpers.small import small_config
 from titanax.config import apply_overrides
 from titanax.models import accumulate
 from titanax.parallel.mesh import build_mesh

@@ -169,3 +169,16 @@ def test_config_validates_backend_names_without_jax():
              "assert 'mosaic_sm90' in c.ATTENTION_IMPLS and 'mxfp8' in c.MATMUL_PRECISIONS")
     r = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_no_test_module_imports_another():
+    """What tests share lives in tests/helpers/: a test module is run, never imported (its
+    fixtures, marks and module-level set-up would come along with the names)."""
+    offenders = []
+    for path in sorted([*ROOT.glob("tests/**/*.py"), *ROOT.glob("pallas_kernels/**/*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names
+                          if n.rpartition(".")[2].startswith("test_")]
+    assert not offenders, "\n".join(offenders)

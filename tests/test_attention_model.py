@@ -8,8 +8,8 @@ import pathlib
 
 import numpy as np
 import pytest
-from test_train import single_device_step
 
+from tests.helpers.small import single_device_step
 from titanax.config import ConfigError, apply_overrides, load_config
 from titanax.parallel.rules import model_context
 

@@ -4,7 +4,6 @@ model-config mismatch, checkpoint.restore, permanent steps, non-finite step skip
 
 import os
 import pathlib
-import shutil
 import signal
 
 import jax
@@ -12,11 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.test_train import small_config
+from tests.helpers.small import run_small, small_config, tree_equal
 from titanax.checkpoint import integrity
 from titanax.checkpoint.orbax_io import Checkpointer, check_same_model
 from titanax.config import CheckpointConfig, ConfigError, apply_overrides
-from titanax.data.pipeline import build_data
 from titanax.parallel.layer_order import reorder_restored
 from titanax.parallel.mesh import build_mesh
 from titanax.parallel.rules import model_context
@@ -29,40 +27,14 @@ from titanax.train.step import make_train_step
 
 pytestmark = pytest.mark.usefixtures("devices8")  # meshes over 8 simulated devices
 
-QUIET = {"train.progress_bar": False, "train.log_every": 1, "train.eval_every": 0,
-         "optim.warmup_steps": 2}
 
 
-def seed_data(dst: pathlib.Path) -> pathlib.Path:
-    """Copies a once-built tokenizer and token cache into a fresh workdir: each workdir would
-    otherwise train its own (identical) BPE, the slowest part of a short run."""
-    global _DATA_CACHE
-    if _DATA_CACHE is None:
-        import tempfile
-
-        _DATA_CACHE = pathlib.Path(tempfile.mkdtemp(prefix="titanax_data_"))
-        build_data(small_config(), _DATA_CACHE)
-    dst.mkdir(parents=True, exist_ok=True)
-    for p in _DATA_CACHE.iterdir():
-        shutil.copy(p, dst / p.name)
-    return dst
 
 
-_DATA_CACHE = None
 
 
-def _run(tmp, steps, **extra):
-    cfg = small_config(**{**QUIET, "train.steps": steps, **extra})
-    if not tmp.exists():
-        seed_data(tmp)
-    lines = []
-    result = loop.train(cfg, tmp, log=lines.append, devices=jax.devices()[:1])
-    return result, "\n".join(str(x) for x in lines)
 
 
-def _tree_equal(a, b) -> bool:
-    return all(np.array_equal(np.asarray(x), np.asarray(y))
-               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
 
 
 def _largest_file(folder: pathlib.Path) -> pathlib.Path:
@@ -87,8 +59,8 @@ def test_restore_onto_another_mesh_reshards(tmp_path):
         got = Checkpointer(tmp_path, new_cfg.checkpoint).restore_latest_good(
             abstract, model=new_cfg.model)
     assert got.step == 7 and int(got.state["step"]) == 0
-    assert _tree_equal(got.state["params"], state["params"])
-    assert _tree_equal(got.state["opt_state"], state["opt_state"])
+    assert tree_equal(got.state["params"], state["params"])
+    assert tree_equal(got.state["opt_state"], state["opt_state"])
     for leaf, want in zip(jax.tree.leaves(got.state), jax.tree.leaves(shardings), strict=True):
         assert leaf.sharding.mesh.shape == mesh222.shape and leaf.sharding.spec == want.spec
 
@@ -104,19 +76,19 @@ def test_circular_pipeline_layer_order_follows_the_new_layout():
                                       make_optimizer(circ))
     _, want, shardings = create_train_state(flat, build_mesh(flat.mesh, jax.devices()),
                                             make_optimizer(flat))
-    assert not _tree_equal(stored["params"]["layers"], want["params"]["layers"])  # permuted
+    assert not tree_equal(stored["params"]["layers"], want["params"]["layers"])  # permuted
     got = reorder_restored(stored, shardings, circ, flat)
-    assert _tree_equal(got, want)  # same seed, same logical weights: now in the same order
+    assert tree_equal(got, want)  # same seed, same logical weights: now in the same order
 
 
 def test_damaged_latest_checkpoint_falls_back_and_mismatch_is_refused(tmp_path):
     work = tmp_path / "run"
-    first, _ = _run(work, 4, **{"checkpoint.every_steps": 2, "checkpoint.keep": 2})
+    first, _ = run_small(work, 4, **{"checkpoint.every_steps": 2, "checkpoint.keep": 2})
     ckpts = work / "checkpoints"
     victim = _largest_file(ckpts / "4")
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])  # truncated
 
-    result, log = _run(work, 6, **{"checkpoint.every_steps": 2, "checkpoint.keep": 2})
+    result, log = run_small(work, 6, **{"checkpoint.every_steps": 2, "checkpoint.keep": 2})
     assert "is damaged" in log and f"{victim.relative_to(ckpts / '4')} has" in log
     assert "resumed from" in log and "at step 2" in log
     assert (ckpts / "4.corrupt").is_dir()  # moved aside for inspection, not deleted
@@ -129,19 +101,19 @@ def test_damaged_latest_checkpoint_falls_back_and_mismatch_is_refused(tmp_path):
                      if p.is_file() and p.name != ".titanax.lock"}  # the lock names its holder
     before = files()
     with pytest.raises(ConfigError) as e:
-        _run(work, 8, **{"model.n_layers": 3, "model.ffn_dim": 256})
+        run_small(work, 8, **{"model.n_layers": 3, "model.ffn_dim": 256})
     # Refused before it wrote anything: config.json still describes the checkpoints
     # (`launch.train --workdir` continues from it), the tokenizer and metrics are as they were.
     assert files() == before and b'"n_layers": 2' in before["config.json"]
     with pytest.raises(ConfigError, match="nowhere"):  # bad data: refused the same way
-        _run(work, 8, **{"data.source": str(work / "nowhere")})
+        run_small(work, 8, **{"data.source": str(work / "nowhere")})
     assert files() == before
     msg = str(e.value)
     assert "model.n_layers: 2 -> 3" in msg and "model.ffn_dim: 384 -> 256" in msg
     assert "new --workdir" in msg
 
     # checkpoint.restore: another run's step folder starts a new run from there.
-    other, log = _run(tmp_path / "other", 7, **{"checkpoint.restore": str(ckpts / "6")})
+    other, log = run_small(tmp_path / "other", 7, **{"checkpoint.restore": str(ckpts / "6")})
     assert f"resumed from {ckpts}/6 at step 6" in log and list(other.losses) == [7]
 
 
@@ -165,7 +137,7 @@ def test_unreadable_checkpoint_without_manifest_falls_back_and_never_all_deleted
 
     logs = []
     got = Checkpointer(tmp_path, cfg).restore_latest_good(abstract, log=logs.append)
-    assert got.step == 1 and got.data_state == {"pos": 1} and _tree_equal(got.state, trees[1])
+    assert got.step == 1 and got.data_state == {"pos": 1} and tree_equal(got.state, trees[1])
     assert "restoring it failed" in logs[0] and "is missing" in logs[1]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2.corrupt", "3.corrupt"]
 
@@ -195,7 +167,7 @@ def test_checkpoint_without_manifest_is_checked_before_it_is_trusted(tmp_path):
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), trees[1])
     logs = []
     got = Checkpointer(tmp_path, cfg).restore_latest_good(abstract, log=logs.append)
-    assert got.step == 2 and _tree_equal(got.state, trees[2])
+    assert got.step == 2 and tree_equal(got.state, trees[2])
     assert "holds non-finite values (in ['params']['w'])" in logs[0]
     assert "had no manifest" in logs[1] and "checksummed now" in logs[1]
     assert (tmp_path / "3.corrupt").is_dir() and (tmp_path / "2" / integrity.MANIFEST).is_file()
@@ -276,10 +248,10 @@ def test_resume_with_every_execution_field_changed(tmp_path):
     with the planner's suggestions would), and trains on from its step."""
     from titanax.config import ModelConfig
 
-    first, _ = _run(tmp_path, 1, **{"checkpoint.every_steps": 1})
+    first, _ = run_small(tmp_path, 1, **{"checkpoint.every_steps": 1})
     changed = {f"model.{n}": OTHER_VALUES[n] for n in ModelConfig.execution_fields()}
     changed["model.attention_impl"] = "auto"  # (cudnn needs a GPU; auto is xla on a CPU)
-    resumed, log = _run(tmp_path, 2, **changed, **{"checkpoint.every_steps": 1})
+    resumed, log = run_small(tmp_path, 2, **changed, **{"checkpoint.every_steps": 1})
     assert "resumed" in log.lower() and resumed.final_step == 2
     assert sorted(resumed.losses) == [2] and np.isfinite(resumed.losses[2]), log
 
@@ -306,8 +278,8 @@ def test_non_finite_step_keeps_params_and_optimizer_state():
         state, m = step(state, _batch(cfg, poisoned=True))
     assert not np.isfinite(float(m["loss"])) and int(m["skipped"]) == 1
     assert int(state["step"]) == 2  # the batch was consumed
-    assert _tree_equal(state["params"], before["params"])
-    assert _tree_equal(state["opt_state"], before["opt_state"])
+    assert tree_equal(state["params"], before["params"])
+    assert tree_equal(state["opt_state"], before["opt_state"])
 
 
 def _poison_data(monkeypatch, bad_steps):
@@ -344,7 +316,7 @@ def _poison_data(monkeypatch, bad_steps):
 
 def test_nan_batch_is_skipped_and_counted_then_too_many_stop(tmp_path, monkeypatch):
     _poison_data(monkeypatch, {3})
-    result, _ = _run(tmp_path / "one", 5, **{"checkpoint.every_steps": 0})
+    result, _ = run_small(tmp_path / "one", 5, **{"checkpoint.every_steps": 0})
     rows = {r["step"]: r for r in read_metrics(tmp_path / "one") if "loss" in r}
     assert np.isnan(rows[3]["loss"]) and np.isfinite(rows[4]["loss"])
     assert [rows[s]["skipped_steps"] for s in range(1, 6)] == [0, 0, 1, 1, 1]
@@ -352,7 +324,7 @@ def test_nan_batch_is_skipped_and_counted_then_too_many_stop(tmp_path, monkeypat
 
     _poison_data(monkeypatch, set(range(2, 100)))
     with pytest.raises(loop.TrainingDiverged, match=r"2 consecutive steps .*train.max_bad_steps=2"):
-        _run(tmp_path / "many", 8, **{"checkpoint.every_steps": 0, "train.max_bad_steps": 2})
+        run_small(tmp_path / "many", 8, **{"checkpoint.every_steps": 0, "train.max_bad_steps": 2})
 
 
 def test_signals_set_the_stop_flag_and_handlers_are_restored():

@@ -19,9 +19,8 @@ import zlib
 
 import pytest
 
-from tests.test_checkpoint import seed_data
-from tests.test_multiprocess import SETS, _free_port, _logged_steps, _wait
-from tests.test_train import ROOT
+from tests.helpers.processes import SETS, free_port, logged_steps, wait_all
+from tests.helpers.small import ROOT, seed_data
 from titanax.checkpoint import integrity
 
 pytestmark = pytest.mark.usefixtures("devices8")  # meshes over 8 simulated devices
@@ -139,7 +138,7 @@ def _worker(mode: str, folder: str, port: int, index: int) -> None:
 
 
 def _run_pair(mode: str, folder: pathlib.Path) -> list[str]:
-    port = _free_port()
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, "-m", "tests.test_checkpoint_integrity", mode,
                                str(folder), str(port), str(i)], cwd=ROOT, env=_env(),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -200,7 +199,7 @@ main(sys.argv[1:])
 
 def test_sigusr1_exits_75_on_both_without_waiting_for_checksums(tmp_path):
     work = seed_data(tmp_path)
-    port = _free_port()
+    port = free_port()
     procs = []
     for i in range(2):
         log = open(work / f"p{i}.log", "w")
@@ -213,13 +212,13 @@ def test_sigusr1_exits_75_on_both_without_waiting_for_checksums(tmp_path):
         procs[-1].log_path = work / f"p{i}.log"
     deadline = time.time() + 240
     # Step 2 is saved and being checksummed (slowly) by both; the save at step 4 waits for it.
-    while _logged_steps(work) < 3:
+    while logged_steps(work) < 3:
         assert all(p.poll() is None for p in procs), procs[0].log_path.read_text()[-3000:]
         assert time.time() < deadline, "the pair never trained"
         time.sleep(0.05)
     t0 = time.time()
     procs[1].send_signal(signal.SIGUSR1)  # one process gets the notice, as in a node's eviction
-    codes = _wait(procs, timeout=120)
+    codes = wait_all(procs, timeout=120)
     took = time.time() - t0
     log0 = procs[0].log_path.read_text()
     assert codes == [75, 75], log0[-3000:]

@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 
-from tests.test_cli_errors import ROOT, SMALL, _cli
+from tests.helpers.cli import CLI_SMALL, ROOT, cli
 from titanax.checkpoint import integrity
 
 # The run's own process kills itself with SIGKILL the moment the manifest thread starts on
@@ -30,7 +30,7 @@ main()
 
 def test_step_committed_without_its_manifest_is_checked_then_checksummed(tmp_path):
     work = tmp_path / "run"
-    sets = [x for k, v in {**SMALL, "train.steps": 3, "checkpoint.every_steps": 1,
+    sets = [x for k, v in {**CLI_SMALL, "train.steps": 3, "checkpoint.every_steps": 1,
                            "checkpoint.async_save": False}.items()
             for x in ("--set", f"{k}={v}")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(ROOT), str(ROOT / "src"))),
@@ -40,7 +40,7 @@ def test_step_committed_without_its_manifest_is_checked_then_checksummed(tmp_pat
     assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
     step2 = work / "checkpoints" / "2"
     assert step2.is_dir() and integrity.load_manifest(step2) is None  # committed, unsealed
-    r = _cli("launch.train", "--workdir", work, *sets)
+    r = cli("launch.train", "--workdir", work, *sets)
     assert r.returncode == 0, r.stderr[-2000:]
     out = r.stdout + r.stderr
     assert f"checkpoint {step2} had no manifest" in out and "resumed from" in out

@@ -13,7 +13,7 @@ from pallas_kernels import aot
 from pallas_kernels.flash_attention import attention_reference
 from pallas_kernels.flash_attention.api import flash_block_bwd, flash_block_fwd
 from pallas_kernels.flash_attention.reference import block_reference_bwd, block_reference_fwd
-from tests.test_parallel import assert_matches, loss_and_grads, tiny_config
+from tests.helpers.layouts import assert_matches, loss_and_grads, tiny_config
 from titanax import ops
 from titanax.config import ConfigError, MeshConfig
 from titanax.parallel.context import balanced, natural
@@ -217,8 +217,7 @@ def test_mosaic_kernels_compile_as_ring_blocks_on_local_shards(gpu, impl, strate
 def test_checkpoint_restores_across_context_layouts(tmp_path):
     """Saved with fsdp 8, restored with context 4 x fsdp 2 (parameters then split over fsdp x
     context) and back: the same values, each leaf in the new layout's sharding."""
-    from tests.test_checkpoint import _tree_equal
-    from tests.test_train import small_config
+    from tests.helpers.small import small_config, tree_equal
     from titanax.checkpoint.orbax_io import Checkpointer
     from titanax.parallel.rules import model_context
     from titanax.train.optim import make_optimizer
@@ -237,8 +236,8 @@ def test_checkpoint_restores_across_context_layouts(tmp_path):
         with model_context(mesh):
             got = Checkpointer(tmp_path / str(step), new.checkpoint).restore_latest_good(
                 abstract, model=new.model)
-        assert _tree_equal(got.state["params"], state["params"])
-        assert _tree_equal(got.state["opt_state"], state["opt_state"])
+        assert tree_equal(got.state["params"], state["params"])
+        assert tree_equal(got.state["opt_state"], state["opt_state"])
         specs = [leaf.sharding.spec for leaf in jax.tree.leaves(got.state)]
         assert specs == [want.spec for want in jax.tree.leaves(shardings)]
         # the parameters really are split over 'context' in the new layouts

@@ -13,11 +13,11 @@ import subprocess
 import jax
 import pytest
 
-from tests.test_cli_errors import ROOT, SMALL, _assert_one_error, _cli
+from tests.helpers.cli import CLI_SMALL, ROOT, assert_one_error, cli
 from titanax.checkpoint import orbax_io
 from titanax.config import apply_overrides, load_config
 
-SETS = {**SMALL, "train.steps": 4, "checkpoint.every_steps": 1, "train.compilation_cache": ""}
+SETS = {**CLI_SMALL, "train.steps": 4, "checkpoint.every_steps": 1, "train.compilation_cache": ""}
 
 
 def _sets():
@@ -46,11 +46,11 @@ def test_disk_full_is_one_line_and_the_run_resumes_once_there_is_room(tmp_path, 
             with open(filler, "wb") as f:
                 f.truncate(0)
                 os.posix_fallocate(f.fileno(), 0, free - 2_700_000)
-        r = _cli("launch.train", "--workdir", work, *_sets())
+        r = cli("launch.train", "--workdir", work, *_sets())
         want = ("disk full: the checkpoint of step 2 does not fit in", str(work / "checkpoints"),
                 "needs 1.7 MB", "the newest complete checkpoint is step 1")
         if limit == "bytes":  # refused before orbax started: nothing else said
-            _assert_one_error(r, 1, *want)
+            assert_one_error(r, 1, *want)
         else:  # orbax failed mid-save: its threads' asyncio callbacks print on their own
             errors = [x for x in r.stderr.splitlines() if x.startswith("error:")]
             assert r.returncode == 1 and len(errors) == 1, r.stderr[-3000:]
@@ -61,7 +61,7 @@ def test_disk_full_is_one_line_and_the_run_resumes_once_there_is_room(tmp_path, 
             return
         # room again: the same command resumes from step 1 and finishes
         filler.unlink()
-        r = _cli("launch.train", "--workdir", work, *_sets())
+        r = cli("launch.train", "--workdir", work, *_sets())
         assert r.returncode == 0, r.stderr[-3000:]
         assert "resumed from" in r.stdout + r.stderr and "at step 1" in r.stdout + r.stderr
     finally:
@@ -100,12 +100,12 @@ def test_prepare_data_on_a_full_disk_says_so_and_resumes(tmp_path):
         train_bpe(texts[:50], 300, tok)
         args = ["launch.prepare_data", "--tokenizer", tok, "--input", src, "--out",
                 disk / "shards", "--shard-tokens", "20000", "--no-progress"]
-        r = _cli(*args)
-        _assert_one_error(r, 1, "disk full writing", "MB free there",
+        r = cli(*args)
+        assert_one_error(r, 1, "disk full writing", "MB free there",
                           "it resumes after the last complete shard")
         assert not list((disk / "shards").glob(".*tmp*"))  # the partial shard is gone
         subprocess.run(["mount", "-o", "remount,size=20m", str(disk)], check=True)
-        r = _cli(*args)
+        r = cli(*args)
         assert r.returncode == 0, r.stderr[-2000:]
         assert "400 documents" in r.stdout
     finally:

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels import aot
-from tests.test_train import ROOT
+from tests.helpers.small import ROOT
 from titanax.config import ConfigError, apply_overrides, load_config
 from titanax.ops import linear
 from titanax.plan.cluster import Cluster, plan_config

@@ -17,89 +17,36 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from flax import nnx
 from torch_peer import run_jobs
 
-from titanax.checkpoint.orbax_io import Checkpointer
+from tests.helpers.hf_runs import (
+    HF_CONFIG,
+    TEXT,
+    hf_small_config,
+    load_run,
+    make_run,
+    titanax_logits,
+)
 from titanax.checkpoint.reader import CheckpointReader
-from titanax.config import CheckpointConfig, apply_overrides, load_config
+from titanax.config import apply_overrides
 from titanax.hf.exporter import export_hf, parse_size
 from titanax.hf.importer import HFImportError, import_hf
 from titanax.hf.safetensors_io import read_header, read_tensor
 from titanax.parallel.mesh import single_device_mesh
 from titanax.parallel.rules import model_context
-from titanax.train.optim import make_optimizer
-from titanax.train.state import create_train_state
 
 pytestmark = pytest.mark.usefixtures("devices8")  # meshes over 8 simulated devices
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-# GQA (4 query heads, 2 kv heads) and llama3 rope scaling whose original length (32) is inside
-# the test sequences, so every frequency band (kept, blended, stretched) is exercised.
-# init_std 0.2 makes logits O(1), so a 1e-4 agreement means something.
-SMALL = {"model.vocab_size": 384, "model.d_model": 64, "model.n_layers": 2, "model.n_heads": 4,
-         "model.n_kv_heads": 2, "model.ffn_dim": 160, "model.max_seq_len": 64,
-         "model.rope_theta": 10000.0, "model.rope_scaling": "llama3", "model.rope_factor": 8.0,
-         "model.rope_original_max_seq_len": 32, "model.norm_eps": 1e-5, "model.init_std": 0.2,
-         "model.dtype": "float32", "model.param_dtype": "float32",
-         "model.matmul_precision": "highest", "train.seq_len": 32, "train.batch_size": 4,
-         "train.eval_batches": 1, "train.progress_bar": False, "data.source": "synthetic",
-         "mesh.data": 1, "checkpoint.async_save": False}
-HF_CONFIG = {"vocab_size": 384, "hidden_size": 64, "intermediate_size": 160,
-             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-             "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 64,
-             "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                              "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
-             "initializer_range": 0.2, "tie_word_embeddings": False,
-             "bos_token_id": 0, "eos_token_id": 1}
-TEXT = "def main():\n    return sorted(range(10))\n"
 
 
-def small_config(**extra):
-    return apply_overrides(load_config(ROOT / "configs" / "tiny.py"), {**SMALL, **extra})
 
 
-def _params_by_path(params) -> dict[tuple[str, ...], np.ndarray]:
-    out = {}
-    for keypath, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        keys = tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in keypath)
-        out[tuple(k for k in keys if k != "value")] = np.asarray(leaf)
-    return out
 
 
-def _make_run(workdir: pathlib.Path, cfg):
-    """A titanax run folder with one checkpoint (norm scales randomised so their mapping is
-    tested) and a small BPE tokenizer; returns the parameters as numpy by path."""
-    from titanax.data.tokenizer import train_bpe
-
-    mesh = single_device_mesh()
-    graphdef, state, _ = create_train_state(cfg, mesh, make_optimizer(cfg))
-    rng = np.random.default_rng(1)
-
-    def randomise(keypath, x):
-        names = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in keypath)
-        return x + 0.2 * rng.standard_normal(x.shape).astype(x.dtype) if "norm" in names else x
-
-    state["params"] = jax.tree_util.tree_map_with_path(randomise, state["params"])
-    ckpt = Checkpointer(workdir / "checkpoints", CheckpointConfig(async_save=False))
-    ckpt.save(0, state, data_state=None, config=cfg.to_dict())
-    ckpt.close()
-    docs = [TEXT * 3, "import os\nprint(os.getcwd())\n" * 5, "class A:\n    pass\n" * 4]
-    train_bpe(docs, 300, workdir / "tokenizer.json")
-    return _params_by_path(state["params"])
 
 
-def titanax_logits(cfg, graphdef, params, tokens) -> np.ndarray:
-    with model_context(single_device_mesh()):
-        logits, _ = nnx.merge(graphdef, params)(jnp.asarray(tokens))
-    return np.asarray(logits)
 
 
-def load_run(workdir):
-    from titanax.generate import load_for_inference
-
-    cfg, graphdef, params, _ = load_for_inference(workdir)
-    return cfg, graphdef, params
 
 
 @pytest.fixture(scope="module")
@@ -107,9 +54,9 @@ def peer(tmp_path_factory):
     """One transformers subprocess for the module: loads our export, and makes, saves and
     scores a random transformers Llama."""
     tmp = tmp_path_factory.mktemp("hf")
-    cfg = small_config()
+    cfg = hf_small_config()
     run = tmp / "run"
-    original = _make_run(run, cfg)
+    original = make_run(run, cfg)
     # A small shard limit, so the export is several shards joined by the index.
     exported = export_hf(run, tmp / "export", dtype="float32", max_shard_bytes=60_000,
                          progress=False)
@@ -340,8 +287,8 @@ def test_tied_embeddings_become_the_output_layer(peer, tmp_path):
 def test_tied_llama_exports_without_lm_head_and_imports_back(tmp_path):
     """model.tie_embeddings (Llama 3.2 1B/3B): no 'output' parameter, config.json says
     tie_word_embeddings and no lm_head is written; the folder imports back unchanged."""
-    cfg = small_config(**{"model.tie_embeddings": True})
-    original = _make_run(tmp_path / "run", cfg)
+    cfg = hf_small_config(**{"model.tie_embeddings": True})
+    original = make_run(tmp_path / "run", cfg)
     assert ("output",) not in original
     export_hf(tmp_path / "run", tmp_path / "export", dtype="float32", progress=False)
     config = json.loads((tmp_path / "export" / "config.json").read_text())

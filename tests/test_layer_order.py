@@ -6,8 +6,8 @@ import jax
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
-from test_train import ROOT, SMALL
 
+from tests.helpers.small import ROOT, SMALL
 from titanax.checkpoint.orbax_io import Checkpointer
 from titanax.config import apply_overrides, load_config
 from titanax.generate import load_for_inference

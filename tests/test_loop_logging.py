@@ -15,8 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.test_checkpoint import seed_data
-from tests.test_train import small_config
+from tests.helpers.small import seed_data, small_config
 from titanax import xla_flags
 from titanax.data import shards
 from titanax.train import loop

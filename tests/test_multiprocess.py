@@ -3,102 +3,45 @@ started through launch.train with explicit --coordinator flags, against 1 proces
 FSDP spans both processes, each loads only its half of every batch, only process 0 logs, all
 write the checkpoint; a preempted pair resumes; a lost process stops the other quickly."""
 
-import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
 
-from tests.test_checkpoint import seed_data
-from tests.test_train import ROOT, SMALL
+from tests.helpers.processes import (
+    STEPS,
+    logged_losses,
+    logged_steps,
+    start_pair,
+    start_train,
+    wait_all,
+)
+from tests.helpers.small import seed_data
 from titanax import distributed
 from titanax.process_guard import describe_lost_process
-
-STEPS = 6
-SETS = [f"--set={k}={v}" for k, v in {
-    **SMALL, "mesh.fsdp": -1, "train.steps": STEPS, "train.log_every": 1,
-    "train.eval_every": 0, "train.progress_bar": False, "optim.warmup_steps": 2,
-    "checkpoint.every_steps": 0, "checkpoint.async_save": False}.items()]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(workdir, name, *args, extra=()):
-    out = open(workdir / f"{name}.log", "w")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    for k in [k for k in env if k.startswith(("SLURM_", "TITANAX_", "JAX_COORDINATOR"))]:
-        del env[k]  # a test run inside a SLURM job must not take the job's settings
-    proc = subprocess.Popen([sys.executable, "-m", "launch.train", "--workdir", str(workdir),
-                             *args, *SETS, *extra], cwd=ROOT, env=env, stdout=out,
-                            stderr=subprocess.STDOUT)
-    proc.log_path = workdir / f"{name}.log"
-    return proc
-
-
-def _start_pair(workdir, name, extra=()):
-    port = _free_port()
-    return [_start(workdir, f"{name}.p{i}", "--host-devices", "4",
-                   "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
-                   "--process-id", str(i), "--heartbeat-timeout", "30", extra=extra)
-            for i in range(2)]
-
-
-def _wait(procs, timeout=420):
-    deadline = time.time() + timeout
-    codes = []
-    for p in procs:
-        try:
-            codes.append(p.wait(timeout=max(1, deadline - time.time())))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError(f"hung; log tail:\n{p.log_path.read_text()[-3000:]}")
-    return codes
-
-
-def _losses(workdir) -> dict[int, float]:
-    rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r["step"] for r in rows if "loss" in r]
-    assert len(steps) == len(set(steps)), f"steps logged twice: {steps}"
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
-
-
-def _logged_steps(workdir) -> int:
-    try:
-        return max(_losses(workdir), default=0)
-    except (FileNotFoundError, ValueError, AssertionError):
-        return 0
 
 
 @pytest.fixture(scope="module")
 def one_process_losses(tmp_path_factory):
     work = seed_data(tmp_path_factory.mktemp("one"))
-    proc = _start(work, "run", "--host-devices", "8")
-    assert _wait([proc]) == [0], proc.log_path.read_text()[-3000:]
-    losses = _losses(work)
+    proc = start_train(work, "run", "--host-devices", "8")
+    assert wait_all([proc]) == [0], proc.log_path.read_text()[-3000:]
+    losses = logged_losses(work)
     assert sorted(losses) == list(range(1, STEPS + 1))
     return losses
 
 
 def test_two_processes_log_the_losses_of_one(tmp_path, one_process_losses):
     work = seed_data(tmp_path)
-    procs = _start_pair(work, "run")
-    codes = _wait(procs)
+    procs = start_pair(work, "run")
+    codes = wait_all(procs)
     logs = [p.log_path.read_text() for p in procs]
     assert codes == [0, 0], logs[0][-2000:] + logs[1][-2000:]
     assert "2 processes (jax.distributed), 4 local device(s) each" in logs[0]
     assert "fsdp=8" in logs[0] and "over 8 cpu device(s)" in logs[0]
     assert "titanax:" not in logs[1].replace("titanax: starting", "")  # only process 0 logs
     assert "step 0: val_loss" in logs[0] and "val_loss" not in logs[1]
-    got = _losses(work)
+    got = logged_losses(work)
     assert sorted(got) == sorted(one_process_losses)
     for step, want in one_process_losses.items():
         assert got[step] == pytest.approx(want, rel=2e-5), step
@@ -108,39 +51,39 @@ def test_two_processes_log_the_losses_of_one(tmp_path, one_process_losses):
 
 def test_preempted_pair_saves_together_and_resumes(tmp_path, one_process_losses):
     work = seed_data(tmp_path)
-    procs = _start_pair(work, "first", extra=["--set=train.steps=400"])
+    procs = start_pair(work, "first", extra=["--set=train.steps=400"])
     deadline = time.time() + 300
-    while _logged_steps(work) < 2:
+    while logged_steps(work) < 2:
         assert all(p.poll() is None for p in procs), procs[0].log_path.read_text()[-3000:]
         assert time.time() < deadline, "the pair never trained"
         time.sleep(0.05)
     procs[1].send_signal(signal.SIGTERM)  # one process gets the notice; both must stop
-    codes = _wait(procs)
+    codes = wait_all(procs)
     log0 = procs[0].log_path.read_text()
     assert codes == [75, 75], log0[-3000:]
     assert "preempted (a stop signal sent to another process): saved a checkpoint" in log0
     stopped = int(log0.split("saved a checkpoint at step ")[1].split()[0])
     assert (work / "checkpoints" / str(stopped) / "titanax_manifest.json").is_file()
 
-    procs = _start_pair(work, "second", extra=[f"--set=train.steps={stopped + 2}"])
-    codes = _wait(procs)
+    procs = start_pair(work, "second", extra=[f"--set=train.steps={stopped + 2}"])
+    codes = wait_all(procs)
     log0 = procs[0].log_path.read_text()
     assert codes == [0, 0], log0[-3000:]
     assert f"at step {stopped}" in log0
-    assert sorted(_losses(work)) == list(range(1, stopped + 3))
+    assert sorted(logged_losses(work)) == list(range(1, stopped + 3))
 
 
 def test_lost_process_stops_the_other_with_a_clear_error(tmp_path):
     work = seed_data(tmp_path)
-    procs = _start_pair(work, "run", extra=["--set=train.steps=100000"])
+    procs = start_pair(work, "run", extra=["--set=train.steps=100000"])
     deadline = time.time() + 300
-    while _logged_steps(work) < 2:
+    while logged_steps(work) < 2:
         assert all(p.poll() is None for p in procs), procs[0].log_path.read_text()[-3000:]
         assert time.time() < deadline, "the pair never trained"
         time.sleep(0.05)
     procs[1].kill()
     t0 = time.time()
-    code = _wait(procs[:1], timeout=120)[0]
+    code = wait_all(procs[:1], timeout=120)[0]
     took = time.time() - t0
     tail = procs[0].log_path.read_text()[-2000:]
     assert code == 1, tail

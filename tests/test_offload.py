@@ -10,7 +10,7 @@ import optax
 import pytest
 
 from pallas_kernels import aot
-from tests.test_train import ROOT
+from tests.helpers.small import ROOT
 from titanax.config import ConfigError, apply_overrides, load_config
 from titanax.parallel.mesh import build_mesh
 from titanax.parallel.rules import model_context

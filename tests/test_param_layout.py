@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests.test_checkpoint import _run, _tree_equal
-from tests.test_train import small_config
+from tests.helpers.small import run_small, small_config, tree_equal
 from titanax import ops
 from titanax.checkpoint.orbax_io import LEGACY_TRANSPOSES, Checkpointer, legacy_params
 from titanax.checkpoint.reader import CheckpointReader
@@ -145,8 +144,8 @@ def test_old_layout_checkpoint_restores_resharded(tmp_path, monkeypatch, ffn_dim
             restored, _, _ = source.restore(5, abstract)  # checkpoint.restore's path
         source.close()
         for tree in (got.state, restored):
-            assert _tree_equal(tree["params"], state["params"])
-            assert _tree_equal(tree["opt_state"], state["opt_state"])  # Adam moments too
+            assert tree_equal(tree["params"], state["params"])
+            assert tree_equal(tree["opt_state"], state["opt_state"])  # Adam moments too
             for leaf, want in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings), strict=True):
                 assert leaf.sharding.spec == want.spec and leaf.sharding.mesh.shape == mesh.shape
 
@@ -165,7 +164,7 @@ def test_old_layout_run_resumes_exports_and_generates(tmp_path, monkeypatch):
     the change saved it, data position and counters included): resuming either gives the same
     step 3, export the same HF files, generation the same weights."""
     new, old = tmp_path / "new", tmp_path / "old"
-    _run(new, 2)
+    run_small(new, 2)
     shutil.copytree(new, old)
     cfg = small_config()
     mesh = build_mesh(cfg.mesh, jax.devices()[:1])
@@ -191,11 +190,11 @@ def test_old_layout_run_resumes_exports_and_generates(tmp_path, monkeypatch):
     # launch.generate
     _, _, p_new, _ = load_for_inference(new)
     _, _, p_old, _ = load_for_inference(old)
-    assert _tree_equal(p_new, p_old)
+    assert tree_equal(p_new, p_old)
 
     # train resume (the optimizer moments matter from step 3 on)
-    a, _ = _run(new, 3)
-    b, log = _run(old, 3)
+    a, _ = run_small(new, 3)
+    b, log = run_small(old, 3)
     assert "at step 2" in log and list(b.losses) == [3]
     assert a.losses[3] == b.losses[3]
     ck_a = Checkpointer(new / "checkpoints", cfg.checkpoint, read_only=True)
@@ -206,4 +205,4 @@ def test_old_layout_run_resumes_exports_and_generates(tmp_path, monkeypatch):
         sb, _, _ = ck_b.restore(3, abstract)
     ck_a.close()
     ck_b.close()
-    assert _tree_equal(sa, sb)
+    assert tree_equal(sa, sb)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from torch_peer import run_jobs
 
-from tests.test_hf import _make_run, load_run, small_config, titanax_logits
-from tests.test_parallel import LAYOUTS, loss_and_grads, tiny_config
+from tests.helpers.hf_runs import hf_small_config, load_run, make_run, titanax_logits
+from tests.helpers.layouts import LAYOUTS, loss_and_grads, tiny_config
 from titanax.hf.exporter import export_hf
 from titanax.hf.folder import HFImportError, hf_arch
 from titanax.hf.importer import import_hf, plan_import
@@ -36,7 +36,7 @@ def _hf_config(tied: bool) -> dict:
 
 
 def qwen3_config(tied: bool):
-    return small_config(**QWEN3, **{"model.tie_embeddings": tied})
+    return hf_small_config(**QWEN3, **{"model.tie_embeddings": tied})
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,7 @@ def peer(tmp_path_factory):
     np.save(tmp / "tokens.npy", tokens)
     jobs = []
     for name, tied in TIES.items():
-        _make_run(tmp / f"run_{name}", qwen3_config(tied))
+        make_run(tmp / f"run_{name}", qwen3_config(tied))
         export_hf(tmp / f"run_{name}", tmp / f"export_{name}", dtype="float32", progress=False)
         jobs += [{"op": "logits", "dir": str(tmp / f"export_{name}"),
                   "tokens": str(tmp / "tokens.npy"), "out": str(tmp / f"export_{name}.npy")},
@@ -79,7 +79,7 @@ def test_import_gives_transformers_logits(peer, name, tmp_path):
     hf_dir = peer.tmp / f"hf_{name}"
     assert hf_arch(hf_dir) == "qwen3"
     with pytest.raises(HFImportError, match=r"--set model.arch=qwen3"):
-        plan_import(hf_dir, small_config())  # a Llama config does not take a Qwen3 folder
+        plan_import(hf_dir, hf_small_config())  # a Llama config does not take a Qwen3 folder
     import_hf(hf_dir, qwen3_config(TIES[name]), tmp_path / "imported",
               devices=jax.devices()[:1], progress=False, log=lambda *_: None)
     cfg, graphdef, params = load_run(tmp_path / "imported")

@@ -12,8 +12,7 @@ import time
 
 import pytest
 
-from tests.test_checkpoint import seed_data
-from tests.test_train import ROOT, SMALL
+from tests.helpers.small import ROOT, SMALL, seed_data
 
 pytestmark = pytest.mark.usefixtures("devices8")  # meshes over 8 simulated devices
 

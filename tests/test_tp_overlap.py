@@ -164,7 +164,7 @@ OVERLAP_LAYOUTS = {
 @pytest.fixture(scope="module")
 def one_device_by_kv_heads():
     """{model.n_kv_heads: (loss, grads)} of the tiny model on one device, computed once each."""
-    from tests.test_parallel import loss_and_grads, tiny_config
+    from tests.helpers.layouts import loss_and_grads, tiny_config
 
     cache = {}
 
@@ -179,7 +179,7 @@ def one_device_by_kv_heads():
 @pytest.mark.usefixtures("devices8")
 @pytest.mark.parametrize("name", list(OVERLAP_LAYOUTS))
 def test_train_step_with_tp_overlap_matches_one_device(name, one_device_by_kv_heads):
-    from tests.test_parallel import loss_and_grads, tiny_config
+    from tests.helpers.layouts import loss_and_grads, tiny_config
 
     cfg = tiny_config(**OVERLAP_LAYOUTS[name], **{"model.tp_overlap": True})
     loss, grads, jaxpr = loss_and_grads(cfg, jax.devices())
@@ -197,7 +197,7 @@ def test_context_shards_each_run_their_own_tensor_ring():
     """Context 2 x tensor 2: the collective matmul's shard_maps are manual over 'context' too,
     its permutes pair devices of one context shard only, and without the flag there are none
     but attention's (the all_gather strategy, so every ppermute left is a ring step)."""
-    from tests.test_parallel import tiny_config
+    from tests.helpers.layouts import tiny_config
 
     over = {"mesh.data": 1, "mesh.fsdp": 2, "mesh.context": 2, "mesh.tensor": 2,
             "model.context_strategy": "all_gather"}
@@ -214,7 +214,7 @@ def _permute_axes(jaxpr: str) -> set[str]:
 
 
 def _step_jaxpr(cfg) -> str:
-    from tests.test_parallel import make_batch
+    from tests.helpers.layouts import make_batch
     from titanax.parallel.mesh import build_mesh
     from titanax.parallel.rules import activation_spec, model_context
     from titanax.train.optim import make_optimizer
@@ -232,7 +232,7 @@ def _step_jaxpr(cfg) -> str:
 def test_not_under_the_1f1b_schedule():
     """1f1b runs a stage's layers under lax.cond: a ring's permutes would run on some stages
     only (on XLA:CPU the loss came out wrong); `unsupported` gives config.py's reason."""
-    from tests.test_parallel import tiny_config
+    from tests.helpers.layouts import tiny_config
 
     layout = {"mesh.data": 2, "mesh.tensor": 2, "mesh.pipeline": 2}
     assert unsupported(tiny_config(**layout, **{"pipeline.schedule": "gpipe"})) is None
@@ -246,7 +246,7 @@ def test_not_under_the_1f1b_schedule():
     ({"model.matmul_precision": "fp8_tensorwise"}, ["FP8", "matmul_precision=default"]),
 ])
 def test_config_refuses_what_the_collective_matmul_cannot_do(over, words):
-    from tests.test_parallel import tiny_config
+    from tests.helpers.layouts import tiny_config
 
     layout = {"mesh.data": 2, "mesh.tensor": 2, **over}
     tiny_config(**layout)  # fine without the overlap

@@ -1,6 +1,5 @@
 import json
 import os
-import pathlib
 import subprocess
 import sys
 
@@ -8,25 +7,18 @@ import jax
 import numpy as np
 import pytest
 
-from titanax.config import Config, apply_overrides, load_config
+from tests.helpers.small import ROOT, SMALL, single_device_step, small_config
+from titanax.config import apply_overrides
 from titanax.parallel.mesh import build_mesh
 from titanax.parallel.rules import model_context
 from titanax.train.optim import decay_mask, lr_schedule, make_optimizer
-from titanax.train.state import create_train_state, jit_train_step
+from titanax.train.state import create_train_state
 
 pytestmark = pytest.mark.usefixtures("devices8")  # meshes over 8 simulated devices
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-# A model and corpus small enough for seconds-long runs on 2 cores.
-SMALL = {"model.d_model": 128, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2,
-         "model.ffn_dim": 384, "model.vocab_size": 512, "train.batch_size": 8,
-         "train.seq_len": 64, "train.eval_batches": 2, "data.embedded_max_bytes": 400_000,
-         "mesh.data": 1}
 
 
-def small_config(**extra) -> Config:
-    return apply_overrides(load_config(ROOT / "configs" / "tiny.py"), {**SMALL, **extra})
+
 
 
 def test_short_training_run_loss_falls(tmp_path):
@@ -47,14 +39,6 @@ def test_short_training_run_loss_falls(tmp_path):
     assert (tmp_path / "loss.png").stat().st_size > 0
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
     assert (tmp_path / "checkpoints" / "80").is_dir()
-
-
-def single_device_step(cfg):
-    """(mesh, initial state, the train step jitted as the loop jits it) on one device."""
-    mesh = build_mesh(cfg.mesh, devices=jax.devices()[:1])
-    tx = make_optimizer(cfg)
-    graphdef, state, shardings = create_train_state(cfg, mesh, tx)
-    return mesh, state, jit_train_step(cfg, mesh, graphdef, shardings, tx, lr_schedule(cfg))
 
 
 def _random_batch(cfg):

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests.test_cli_errors import ROOT, SMALL, _assert_one_error, _cli
+from tests.helpers.cli import CLI_SMALL, ROOT, assert_one_error, cli
 from titanax.config import ConfigError
 from titanax.train.workdir_lock import LOCK_NAME, WorkdirLocked, workdir_lock
 
@@ -34,7 +34,7 @@ def _holder(workdir) -> subprocess.Popen:
 
 def _sets(**extra):
     out = []
-    for k, v in {**SMALL, "train.steps": 1, **extra}.items():
+    for k, v in {**CLI_SMALL, "train.steps": 1, **extra}.items():
         out += ["--set", f"{k}={v}"]
     return out
 
@@ -49,8 +49,8 @@ def test_second_trainer_is_refused_naming_the_holder_and_a_killed_holder_frees_i
                 pass
         # The CLI: one line, exit 75 (a requeued job retries), the workdir untouched.
         before = sorted(p.name for p in work.iterdir())
-        r = _cli("launch.train", "--workdir", work, *_sets())
-        _assert_one_error(r, 75, "is in use by", f"pid {holder.pid}", "one run per workdir")
+        r = cli("launch.train", "--workdir", work, *_sets())
+        assert_one_error(r, 75, "is in use by", f"pid {holder.pid}", "one run per workdir")
         assert sorted(p.name for p in work.iterdir()) == before == [LOCK_NAME]
     finally:
         holder.send_signal(signal.SIGKILL)
@@ -67,8 +67,8 @@ def test_a_workdir_that_is_a_file_or_read_only_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match="is a file, not a folder"):
         with workdir_lock(afile):
             pass
-    r = _cli("launch.train", "--workdir", afile, *_sets())
-    _assert_one_error(r, 2, "is a file, not a folder")
+    r = cli("launch.train", "--workdir", afile, *_sets())
+    assert_one_error(r, 2, "is a file, not a folder")
     assert afile.read_text() == "mine"
 
     ro = tmp_path / "ro"
@@ -84,8 +84,8 @@ def test_a_workdir_that_is_a_file_or_read_only_is_one_line(tmp_path):
         with pytest.raises(ConfigError, match="read-only filesystem|is not writable"):
             with workdir_lock(ro / "run"):
                 pass
-        r = _cli("launch.train", "--workdir", ro / "run", *_sets())
-        _assert_one_error(r, 2, "give a writable folder")
+        r = cli("launch.train", "--workdir", ro / "run", *_sets())
+        assert_one_error(r, 2, "give a writable folder")
     finally:
         if os.geteuid() == 0:
             subprocess.run(["umount", str(ro)], check=False)
