@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 import subprocess
 import sys
 import tomllib
@@ -182,3 +183,27 @@ def test_no_test_module_imports_another():
             offenders += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names
                           if n.rpartition(".")[2].startswith("test_")]
     assert not offenders, "\n".join(offenders)
+
+
+def test_architecture_doc_cites_only_paths_that_exist():
+    """Every `path` docs/architecture.md names (a file or folder, as written or under src/,
+    src/titanax/ or tests/, or a unique file name) exists in the tree; `module.Name` names a
+    module that exists."""
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.split()
+    known = set(files) | {"/".join(f.split("/")[:i]) for f in files
+                          for i in range(1, f.count("/") + 1)}
+
+    def exists(cited: str) -> bool:
+        cited = cited.rstrip("/")
+        if re.fullmatch(r"[\w/]+\.[A-Z]\w*", cited):  # models/hf_interop.HFInterop
+            cited = cited.rpartition(".")[0] + ".py"
+        return any(p + cited in known for p in ("", "src/", "src/titanax/", "tests/")) or \
+            any(k.endswith("/" + cited) for k in known)
+
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    cited = {c for c in re.findall(r"`([^`\s]+)`", text)
+             if ("/" in c or re.search(r"\.(py|md|sh|json|toml)$", c))
+             and not re.search(r"[<*]", c)}
+    assert cited and not sorted(c for c in cited if not exists(c)), sorted(
+        c for c in cited if not exists(c))

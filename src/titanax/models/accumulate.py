@@ -48,7 +48,9 @@ def unsupported(cfg: Config) -> str | None:
 @dataclasses.dataclass
 class _Slot:
     acc: nnx.State  # the running sum, laid out like the parameters
-    scale: float = 1.0  # each gradient enters the sum times this (1 / grad_accum: the mean)
+    # Each gradient enters the sum times this (the train step's loss is already divided by
+    # the whole step's token count, so it passes 1).
+    scale: float = 1.0
     consumed: bool = False
 
 
@@ -60,8 +62,8 @@ _SLOT: contextvars.ContextVar[_Slot | None] = contextvars.ContextVar("titanax_gr
 def accumulating(acc, scale: float = 1.0):
     """Model code traced inside this block adds its layers' gradients, times `scale`, into
     `acc` (the running sum, the parameters' structure): Decoder._run_layers takes it from
-    `pending()`. Scaling as they enter (1 / grad_accum) leaves the sum the mean: dividing it
-    afterwards would write a second copy of it."""
+    `pending()`. (The train step passes 1: its loss is already divided by the whole step's
+    token count, so the sum is the mean; dividing it afterwards would write a second copy.)"""
     slot = _Slot(acc, scale)
     token = _SLOT.set(slot)
     try:

@@ -1,6 +1,7 @@
 """What the model calls: attention and linear, dispatched to XLA or our kernels by config."""
 
 from titanax.ops.attention import attention, attention_mask
+from titanax.ops.cross_entropy import IGNORE_INDEX, loss_tokens
 from titanax.ops.linear import (
                                  Fp8Meta,
                                  count_nonfinite_amax,
@@ -11,4 +12,4 @@ from titanax.ops.linear import (
 )
 
 __all__ = ["attention", "attention_mask", "linear", "Fp8Meta", "make_fp8_meta", "fp8_meta_dict",
-           "max_histories", "count_nonfinite_amax"]
+           "max_histories", "count_nonfinite_amax", "IGNORE_INDEX", "loss_tokens"]

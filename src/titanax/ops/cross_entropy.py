@@ -30,6 +30,15 @@ import jax.numpy as jnp
 from titanax.parallel.rules import batch_shards, shard_activation
 
 _PRECISION = {"default": None, "highest": jax.lax.Precision.HIGHEST}
+# A target that bears no loss (a prompt token of a fine-tuning example, padding): it adds
+# nothing to the sum and gets no gradient, and the step's mean does not count it
+# (train/step.py). -100 as in PyTorch's cross_entropy and transformers' labels.
+IGNORE_INDEX = -100
+
+
+def loss_tokens(targets):
+    """How many of `targets` bear loss (are not IGNORE_INDEX), float32."""
+    return jnp.sum(targets != IGNORE_INDEX, dtype=jnp.float32)
 
 
 def chunk_positions(seq_len: int, rows: int, chunk_tokens: int) -> int:
@@ -43,10 +52,13 @@ def chunk_positions(seq_len: int, rows: int, chunk_tokens: int) -> int:
 
 
 def dense_cross_entropy_sum(h_BSD, w_DV, targets_BS, *, precision: str = "default"):
-    """The reference: full [B, S, V] float32 logits, logsumexp minus the target logit."""
+    """The reference: full [B, S, V] float32 logits, logsumexp minus the target logit, over
+    the targets that bear loss (not IGNORE_INDEX)."""
     logits_BSV = jnp.dot(h_BSD, w_DV, precision=_PRECISION[precision]).astype(jnp.float32)
-    target_BS = jnp.take_along_axis(logits_BSV, targets_BS[..., None], axis=-1)[..., 0]
-    return jnp.sum(jax.nn.logsumexp(logits_BSV, axis=-1) - target_BS)
+    keep_BS = targets_BS != IGNORE_INDEX
+    target_BS = jnp.take_along_axis(logits_BSV, jnp.where(keep_BS, targets_BS, 0)[..., None],
+                                    axis=-1)[..., 0]
+    return jnp.sum(jnp.where(keep_BS, jax.nn.logsumexp(logits_BSV, axis=-1) - target_BS, 0.0))
 
 
 def seq_split(seq_len: int) -> int:
@@ -89,10 +101,12 @@ def _nll_and_dlogits(logits_BcV, targets_Bc, with_grad: bool):
     # A target outside the vocabulary is broken data: NaN, so the step's non-finite guard
     # skips and counts it (as the dense gather did), rather than a silently wrong loss.
     target_Bc = jnp.where((targets_Bc >= 0) & (targets_Bc < V), target_Bc, jnp.nan)
-    nll = jnp.sum(lse_Bc - target_Bc)
+    keep_Bc = targets_Bc != IGNORE_INDEX  # no loss, no gradient
+    nll = jnp.sum(jnp.where(keep_Bc, lse_Bc - target_Bc, 0.0))
     if not with_grad:
         return nll, None
-    dlogits_BcV = jnp.exp(logits_BcV - lse_Bc[..., None]) - is_target_BcV
+    dlogits_BcV = jnp.where(keep_Bc[..., None],
+                            jnp.exp(logits_BcV - lse_Bc[..., None]) - is_target_BcV, 0.0)
     return nll, dlogits_BcV
 
 
@@ -163,7 +177,8 @@ _ce_sum.defvjp(_ce_sum_fwd, _ce_sum_bwd)
 
 def linear_cross_entropy_sum(h_BSD, w_DV, targets_BS, *, chunk: int,
                              precision: str = "default", rows: str = "batch"):
-    """sum over all tokens of -log softmax(h w)[target], float32, chunked over the sequence.
+    """sum over all tokens of -log softmax(h w)[target], float32, chunked over the sequence;
+    a target of IGNORE_INDEX adds nothing and gets no gradient.
 
     h_BSD in the compute dtype; w_DV in it or in float32 (cast here; its gradient comes back in
     w_DV's own dtype, summed over the chunks in float32 either way); chunk: sequence positions per

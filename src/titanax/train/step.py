@@ -28,20 +28,30 @@ def nll_sum(graphdef, params, batch, *, document_masking: bool, loss_chunk: int,
                           pipeline=pipeline, loss_chunk=loss_chunk)
 
 
+def step_loss_tokens(targets):
+    """The mean's denominator: the targets that bear loss (ops.IGNORE_INDEX marks the others,
+    e.g. a fine-tuning example's prompt), at least 1 (a batch with none has loss 0)."""
+    return jnp.maximum(ops.loss_tokens(targets), 1.0)
+
+
 def make_loss_fn(cfg: Config, graphdef):
-    """mean_loss(params, batch, fp8=None): the scalar the train step differentiates, with
-    respect to params and fp8 (whose "gradient" is its updated value). model.tp_overlap: the
+    """mean_loss(params, batch, fp8=None, tokens=None): the scalar the train step
+    differentiates, with respect to params and fp8 (whose "gradient" is its updated value):
+    the summed loss over `tokens`, the loss-bearing targets of the whole step (all of its
+    microbatches, all devices; None: this batch's own), so the step's loss is the mean over
+    them whatever train.grad_accum and the layout (transformers' loss with labels=-100 on
+    the same examples). model.tp_overlap: the
     model is traced with its tensor-parallel matmuls as collective matmuls (config.py has
     refused the layouts they cannot run; others fall back by themselves). The config decides,
     also against an enclosing use_collective_matmul() block."""
     masking, chunk = cfg.data.masks_documents, cfg.train.loss_chunk
     pipeline = PipelineSchedule.from_config(cfg.pipeline)
 
-    def mean_loss(params, batch, fp8=None):
+    def mean_loss(params, batch, fp8=None, tokens=None):
         with use_collective_matmul(cfg.model.tp_overlap):  # the context var is read at trace
             total = nll_sum(graphdef, params, batch, document_masking=masking,
                             loss_chunk=chunk, pipeline=pipeline, fp8=fp8)
-        return total / batch["targets"].size
+        return total / (step_loss_tokens(batch["targets"]) if tokens is None else tokens)
 
     return mean_loss
 
@@ -73,12 +83,16 @@ def _grads(cfg: Config, loss_fn, params, fp8, batch):
     # its own rows in each, so the batch sharding stays on the row axis (a leading
     # [accum] split would put it on the scanned axis and reshard every microbatch).
     micro = jax.tree.map(lambda x: x.reshape(-1, accum, *x.shape[1:]).swapaxes(0, 1), batch)
+    # Each microbatch's loss is its sum over the whole step's loss-bearing tokens, so the
+    # microbatches' losses and gradients add up to the step's mean (with masked targets the
+    # microbatches' counts differ: a mean of their means would weight them wrongly).
+    tokens = step_loss_tokens(batch["targets"])
     # (mesh.pipeline=-1 is known only here, from the mesh: a pipeline sums the plain way.)
     if accumulate.unsupported(cfg) is None and pipeline_stages() == 1:
         # In place (models/accumulate.py): the running sum goes in, sum + gradients come out.
         def loss_into(acc, mb, fp8):
-            with accumulate.accumulating(acc, 1.0 / accum) as slot:
-                loss = loss_fn(accumulate.attach(params, acc, 1.0 / accum), mb, fp8)
+            with accumulate.accumulating(acc) as slot:
+                loss = loss_fn(accumulate.attach(params, acc), mb, fp8, tokens)
             if not slot.consumed:
                 raise RuntimeError("gradient accumulation in place: the model never ran its "
                                    "layers through accumulate.scan_layers_into")
@@ -86,8 +100,8 @@ def _grads(cfg: Config, loss_fn, params, fp8, batch):
         step_fn = jax.value_and_grad(loss_into, argnums=(0, 2))
     else:
         def step_fn(acc, mb, fp8):
-            loss, (grads, new_fp8) = grad_fn(params, mb, fp8)
-            return loss, (jax.tree.map(lambda a, g: a + g / accum, acc, grads), new_fp8)
+            loss, (grads, new_fp8) = grad_fn(params, mb, fp8, tokens)
+            return loss, (jax.tree.map(lambda a, g: a + g, acc, grads), new_fp8)
 
     def add(carry, mb):
         total_loss, total, histories = carry
@@ -98,11 +112,11 @@ def _grads(cfg: Config, loss_fn, params, fp8, batch):
 
     zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params),
              jax.tree.map(jnp.zeros_like, fp8))
-    # Each microbatch's gradients enter the sum divided by accum, so the sum is the mean:
-    # dividing afterwards would write a second copy of it next to the loop's carry
-    # (`--buffers`: 2 x 35 GB for 70B on 8 GPUs).
+    # Each microbatch's gradients enter the sum already divided by the step's token count, so
+    # the sum is the mean: dividing afterwards would write a second copy of it next to the
+    # loop's carry (`--buffers`: 2 x 35 GB for 70B on 8 GPUs).
     (loss, grads, new_fp8), _ = jax.lax.scan(add, zeros, micro)
-    return loss / accum, grads, new_fp8
+    return loss, grads, new_fp8
 
 
 def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation, schedule):
@@ -158,6 +172,6 @@ def make_eval_step(cfg: Config, graphdef):
         forward pass)."""
         total = nll_sum(graphdef, params, batch, document_masking=masking, loss_chunk=chunk,
                         pipeline=pipeline, fp8=fp8)
-        return total, jnp.asarray(batch["targets"].size, jnp.float32)
+        return total, ops.loss_tokens(batch["targets"])
 
     return eval_step
