@@ -1,6 +1,8 @@
 """python -m launch.generate --workdir DIR --prompt TEXT [--max-new-tokens N] [--temperature T]
-Samples from the run's latest checkpoint with a KV cache (T=0: greedy). Restores the parameters
-only (no optimizer state), sharded over this machine's devices; writes nothing."""
+[--top-k K] [--top-p P]
+Samples from the run's latest checkpoint with a KV cache (T=0: greedy; top-k and top-p as
+transformers' generate applies them). Restores the parameters only (no optimizer state),
+sharded over this machine's devices; writes nothing."""
 
 from __future__ import annotations
 
@@ -16,11 +18,22 @@ def main(argv=None) -> None:
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0, help="sample among the K most likely (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sample among the most likely tokens holding P of the probability "
+                        "(1: all)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.max_new_tokens <= 0:
         fail("--max-new-tokens must be > 0")
+    # Before the checkpoint is read (minutes at 70B).
+    if args.temperature < 0:
+        fail(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
+    if args.top_k < 0:
+        fail(f"--top-k must be >= 0 (0: every token), got {args.top_k}")
+    if not 0.0 < args.top_p <= 1.0:
+        fail(f"--top-p must be in (0, 1] (1: every token), got {args.top_p}")
 
     import jax
 
@@ -50,7 +63,8 @@ def main(argv=None) -> None:
         new, printed = [], 0
         sys.stdout.write(args.prompt)
         for t in generate(cfg, graphdef, params, ids, max_new_tokens=args.max_new_tokens,
-                          temperature=args.temperature, seed=args.seed, eos_id=stop_ids):
+                          temperature=args.temperature, seed=args.seed, eos_id=stop_ids,
+                          top_k=args.top_k, top_p=args.top_p):
             new.append(t)
             # Decode the whole continuation each time: byte-level BPE tokens are not always
             # whole characters. A trailing U+FFFD may be a character still incomplete: it is

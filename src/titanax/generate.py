@@ -69,20 +69,47 @@ def _forward(graphdef, params, tokens_BS, cache, cache_index):
     return logits_BSV[:, -1].astype(jnp.float32), cache
 
 
-def _sample(logits_BV, key, temperature: float):
+def sampling_logits(logits_BV, temperature: float, top_k: int = 0, top_p: float = 1.0):
+    """The logits sampling draws from, as transformers' warpers make them (in its order:
+    temperature, top-k, top-p): divided by the temperature; outside the top_k largest
+    (0: all) -inf; outside the smallest set of most likely tokens whose probability reaches
+    top_p (1: all; the most likely token always stays) -inf."""
+    logits_BV = logits_BV / temperature
+    if top_k > 0 and top_k < logits_BV.shape[-1]:
+        kth = jax.lax.top_k(logits_BV, top_k)[0][..., -1:]
+        logits_BV = jnp.where(logits_BV < kth, -jnp.inf, logits_BV)
+    if top_p < 1.0:
+        order_BV = jnp.argsort(-logits_BV, axis=-1)
+        probs_BV = jax.nn.softmax(jnp.take_along_axis(logits_BV, order_BV, axis=-1), axis=-1)
+        # a token stays while the tokens more likely than it hold less than top_p
+        before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
+        drop_BV = jnp.zeros_like(before_BV, bool).at[
+            jnp.arange(logits_BV.shape[0])[:, None], order_BV].set(before_BV >= top_p)
+        logits_BV = jnp.where(drop_BV, -jnp.inf, logits_BV)
+    return logits_BV
+
+
+def _sample(logits_BV, key, temperature: float, top_k: int = 0, top_p: float = 1.0):
     if temperature == 0.0:
         return jnp.argmax(logits_BV, axis=-1)
-    return jax.random.categorical(key, logits_BV / temperature, axis=-1)
+    return jax.random.categorical(key, sampling_logits(logits_BV, temperature, top_k, top_p),
+                                  axis=-1)
 
 
 def generate(cfg: Config, graphdef, params, prompt_ids: list[int], *, max_new_tokens: int,
-             temperature: float = 0.0, seed: int = 0, eos_id=None):
+             temperature: float = 0.0, seed: int = 0, eos_id=None, top_k: int = 0,
+             top_p: float = 1.0):
     """Yields new token ids one at a time (stops at eos or max_new_tokens). eos_id: one id or
-    several (an Instruct model ends a turn with <|eot_id|> as well as <|end_of_text|>)."""
+    several (an Instruct model ends a turn with <|eot_id|> as well as <|end_of_text|>).
+    temperature 0: greedy; else sampled from sampling_logits (top_k, top_p)."""
     if not prompt_ids:
         raise ValueError("the prompt encodes to no tokens; give a non-empty prompt")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0: every token), got {top_k}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1] (1: every token), got {top_p}")
     total = len(prompt_ids) + max_new_tokens
     if total > cfg.model.max_seq_len:
         raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens "
@@ -95,7 +122,7 @@ def generate(cfg: Config, graphdef, params, prompt_ids: list[int], *, max_new_to
     stop = set() if eos_id is None else {eos_id} if isinstance(eos_id, int) else set(eos_id)
     for _ in range(max_new_tokens):
         key, sub = jax.random.split(key)
-        token = int(_sample(logits, sub, temperature)[0])
+        token = int(_sample(logits, sub, temperature, top_k, top_p)[0])
         if token in stop:
             return
         yield token
