@@ -23,6 +23,9 @@ def main(argv=None) -> None:
                    help="sample among the most likely tokens holding P of the probability "
                         "(1: all)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="the compute dtype to sample in (default: the run's model.dtype; an "
+                        "imported model's is the one its config.json names)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.max_new_tokens <= 0:
@@ -44,7 +47,8 @@ def main(argv=None) -> None:
 
     try:
         cfg, graphdef, params, step = load_for_inference(args.workdir, args.step,
-                                                         devices=jax.local_devices())
+                                                         devices=jax.local_devices(),
+                                                         dtype=args.dtype)
     except (FileNotFoundError, ConfigError) as e:
         fail(str(e))
     except UnreadableCheckpoint as e:

@@ -23,10 +23,11 @@ from titanax.models.registry import model_spec
 from titanax.parallel.layer_order import to_logical_in_place
 
 
-def load_for_inference(workdir, step: int | None = None, devices=None):
+def load_for_inference(workdir, step: int | None = None, devices=None, dtype: str | None = None):
     """(config, graphdef, params, step) from a run folder's latest (or given) checkpoint: the
     parameters only (checkpoint/params_only.py), sharded over `devices` by the training rules
-    (default: the first device; launch.generate passes all local ones). Raises
+    (default: the first device; launch.generate passes all local ones); computing in `dtype`
+    (default: the run's model.dtype). Raises
     FileNotFoundError when the run has no such checkpoint, UnreadableCheckpoint when it does not
     read back; creates nothing."""
     ckpt, step = open_checkpoints(pathlib.Path(workdir) / "checkpoints", step)
@@ -38,6 +39,8 @@ def load_for_inference(workdir, step: int | None = None, devices=None):
         cfg = dataclasses.replace(run_cfg, mesh=MeshConfig(), pipeline=PipelineConfig(),
                                   train=dataclasses.replace(run_cfg.train, offload_optimizer=False,
                                                             offload_params=False))
+        if dtype is not None:
+            cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=dtype))
         mesh = sampling_mesh(cfg, jax.devices()[:1] if devices is None else devices)
         graphdef, abstract = abstract_params(cfg, mesh)
         params = restore_params(ckpt, step, abstract)

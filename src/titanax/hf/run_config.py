@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pathlib
 
-from titanax.config import Config, ConfigError, apply_overrides, load_config, parse_override
+from titanax.config import DTYPES, Config, ConfigError, apply_overrides, load_config, parse_override
 from titanax.hf.folder import HFImportError, hf_arch, read_config
 
 
@@ -23,6 +23,12 @@ def _derived_model(hf_dir: pathlib.Path, arch: str) -> dict[str, object]:
     # The longest sequence the model supports; only a bound on train.seq_len and sampling.
     if isinstance(hf_cfg.get("max_position_embeddings"), int):
         derived["model.max_seq_len"] = hf_cfg["max_position_embeddings"]
+    # The dtype the weights were published in is the one they compute in, as transformers
+    # loads them: a float32 checkpoint sampled in bfloat16 leaves its greedy text within
+    # tokens. (transformers 5 writes 'dtype', 4.x 'torch_dtype'.)
+    hf_dtype = hf_cfg.get("dtype") or hf_cfg.get("torch_dtype")
+    if hf_dtype in DTYPES:
+        derived["model.dtype"] = hf_dtype
     return derived
 
 
