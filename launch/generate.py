@@ -1,8 +1,9 @@
 """python -m launch.generate --workdir DIR --prompt TEXT [--max-new-tokens N] [--temperature T]
-[--top-k K] [--top-p P]
+[--top-k K] [--top-p P] [--chat [--system TEXT]]
 Samples from the run's latest checkpoint with a KV cache (T=0: greedy; top-k and top-p as
-transformers' generate applies them). Restores the parameters only (no optimizer state),
-sharded over this machine's devices; writes nothing."""
+transformers' generate applies them). --chat sends the prompt as a user message through the
+run's chat template (an imported Instruct model's) and prints the reply. Restores the
+parameters only (no optimizer state), sharded over this machine's devices; writes nothing."""
 
 from __future__ import annotations
 
@@ -23,6 +24,10 @@ def main(argv=None) -> None:
                    help="sample among the most likely tokens holding P of the probability "
                         "(1: all)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    p.add_argument("--chat", action="store_true",
+                   help="render --prompt as a user message with the run's chat template and "
+                        "the assistant's turn opened; stops at the end of the turn")
+    p.add_argument("--system", default=None, help="a system message before it (with --chat)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="the compute dtype to sample in (default: the run's model.dtype; an "
                         "imported model's is the one its config.json names)")
@@ -37,6 +42,8 @@ def main(argv=None) -> None:
         fail(f"--top-k must be >= 0 (0: every token), got {args.top_k}")
     if not 0.0 < args.top_p <= 1.0:
         fail(f"--top-p must be in (0, 1] (1: every token), got {args.top_p}")
+    if args.system is not None and not args.chat:
+        fail("--system needs --chat (a system message is part of a chat)")
 
     import jax
 
@@ -60,12 +67,16 @@ def main(argv=None) -> None:
     from titanax.hf.source import eos_ids
 
     tok = Tokenizer.load(tok_path)
-    # A run trained with BOS at each document start is prompted the same way.
-    ids = ([tok.bos_id] if cfg.data.bos and tok.bos_id is not None else []) + tok.encode(args.prompt)
+    if args.chat:
+        ids = _chat_ids(tok, tok_path, args.prompt, args.system)
+    else:
+        # A run trained with BOS at each document start is prompted the same way.
+        ids = ([tok.bos_id] if cfg.data.bos and tok.bos_id is not None else []) + \
+            tok.encode(args.prompt)
     stop_ids = eos_ids(args.workdir, tok.eos_id)  # an imported Instruct model's whole eos list
     try:
         new, printed = [], 0
-        sys.stdout.write(args.prompt)
+        sys.stdout.write("" if args.chat else args.prompt)
         for t in generate(cfg, graphdef, params, ids, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, seed=args.seed, eos_id=stop_ids,
                           top_k=args.top_k, top_p=args.top_p):
@@ -83,6 +94,24 @@ def main(argv=None) -> None:
     except ValueError as e:
         fail(str(e))
     print(f"[{len(new)} tokens from step {step} of {args.workdir}]", file=sys.stderr)
+
+
+def _chat_ids(tok, tok_path, prompt: str, system: str | None) -> list[int]:
+    """The prompt as a user turn (after the system message) through the chat template beside
+    the run's tokenizer, the assistant's turn opened; the template writes the special tokens."""
+    from titanax.data.chat import ChatError, ChatTemplate
+
+    template = ChatTemplate.from_folder(tok_path.parent)
+    if template is None:
+        fail(f"--chat: the run's tokenizer folder {tok_path.parent} has no chat template "
+             "(chat_template.jinja or tokenizer_config.json's chat_template); import an "
+             "Instruct model's folder, or sample without --chat")
+    messages = ([{"role": "system", "content": system}] if system is not None else []) + [
+        {"role": "user", "content": prompt}]
+    try:
+        return tok.encode(template.render(messages, add_generation_prompt=True))
+    except ChatError as e:
+        fail(str(e))
 
 
 if __name__ == "__main__":

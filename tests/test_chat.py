@@ -1,0 +1,103 @@
+"""Chat templates (titanax/data/chat.py): read from where transformers saves them, rendered in
+its Jinja environment, the assistant spans an SFT loss bears on, and launch.generate --chat."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.helpers.cli import assert_one_error, cli
+from tests.helpers.small import run_small
+from titanax.data.chat import ChatError, ChatTemplate, assistant_spans
+
+# Llama 3's chat format (its template without the tool-calling branches).
+LLAMA3 = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}"
+          "<|end_header_id|>\n\n{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+          "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+          "{% endif %}")
+SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+            "<|eot_id|>")
+CHAT = [{"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "reverse 1 2 3"},
+        {"role": "assistant", "content": "3 2 1"},
+        {"role": "user", "content": "reverse a b"},
+        {"role": "assistant", "content": "b a"}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    """A small byte-level BPE with Llama 3's special tokens, and its folder's template."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from titanax.data.tokenizer import Tokenizer, train_bpe
+
+    folder = tmp_path_factory.mktemp("tok")
+    train_bpe(["reverse 1 2 3 a b\nBe brief.\n" * 20], 300, folder / "tokenizer.json")
+    hf = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+    hf.add_special_tokens([AddedToken(t, special=True) for t in SPECIALS])
+    hf.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|begin_of_text|>",
+        "eos_token": {"content": "<|eot_id|>", "special": True}, "chat_template": LLAMA3}))
+    return folder, Tokenizer.load(folder / "tokenizer.json")
+
+
+def test_template_is_read_where_transformers_saves_it(tmp_path, tokenizer):
+    folder, _ = tokenizer
+    t = ChatTemplate.from_folder(folder)
+    assert t.source == LLAMA3 and dict(t.special)["eos_token"] == "<|eot_id|>"
+    assert t.render(CHAT[:2], add_generation_prompt=True) == (
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nreverse 1 2 3<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n")
+    # transformers 5's chat_template.jinja wins over the config's key; a list takes 'default'
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
+        {"name": "tool_use", "template": "tools"}, {"name": "default", "template": "D"}]}))
+    assert ChatTemplate.from_folder(tmp_path).source == "D"
+    (tmp_path / "chat_template.jinja").write_text("{% generation %}J{% endgeneration %}")
+    assert ChatTemplate.from_folder(tmp_path).render(CHAT) == "J"
+    assert ChatTemplate.from_folder(tmp_path.parent) is None  # no template at all
+
+
+def test_bad_conversations_and_templates_are_named():
+    t = ChatTemplate("{{ raise_exception('no system role') }}", "x/chat_template.jinja")
+    with pytest.raises(ChatError, match="x/chat_template.jinja cannot render.*no system role"):
+        t.render(CHAT)
+    for bad, what in (([], "non-empty list"), ([{"role": "bot", "content": "x"}], "message 0"),
+                      ([{"role": "user", "content": ["x"]}], "message 0")):
+        with pytest.raises(ChatError, match=what):
+            ChatTemplate(LLAMA3, "t").render(bad)
+
+
+def test_loss_covers_each_assistant_reply_and_its_end_of_turn(tokenizer):
+    folder, tok = tokenizer
+    ids, mask = assistant_spans(ChatTemplate.from_folder(folder), CHAT, tok.encode)
+    assert ids == tok.encode(ChatTemplate.from_folder(folder).render(CHAT))
+    spans, run = [], []
+    for t, m in zip(ids, mask):
+        if m:
+            run.append(t)
+        elif run:
+            spans.append(run)
+            run = []
+    spans += [run] if run else []
+    # exactly the replies and their <|eot_id|>: no header, no prompt, nothing else
+    assert [tok.decode(s) for s in spans] == ["3 2 1<|eot_id|>", "b a<|eot_id|>"]
+    with pytest.raises(ChatError, match="no assistant message"):
+        assistant_spans(ChatTemplate.from_folder(folder), CHAT[:2], tok.encode)
+
+
+def test_generate_chat_renders_the_prompt_as_a_user_turn(tmp_path, tokenizer):
+    folder, _ = tokenizer
+    run = tmp_path / "run"
+    run_small(run, 1, **{"checkpoint.every_steps": 1})
+    r = cli("launch.generate", "--workdir", run, "--prompt", "hi", "--chat")
+    assert_one_error(r, 2, "has no chat template")
+    (run / "tokenizer_config.json").write_text((folder / "tokenizer_config.json").read_text())
+    r = cli("launch.generate", "--workdir", run, "--prompt", "hi", "--chat", "--system", "Be brief.",
+            "--max-new-tokens", "4")
+    assert r.returncode == 0 and "[4 tokens from step 1" in r.stderr, r.stderr[-2000:]
+    assert_one_error(cli("launch.generate", "--workdir", run, "--prompt", "hi", "--system", "x"),
+                     2, "--system needs --chat")
