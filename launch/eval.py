@@ -1,6 +1,7 @@
 """python -m launch.eval --workdir DIR --tasks NAME [NAME ...] [--include-path DIR ...]
                         [--step N] [--batch-size B] [--limit N] [--num-fewshot K] [--log-samples]
-                        [--out DIR]
+                        [--out DIR] [--apply-chat-template [--fewshot-as-multiturn]]
+                        [--system-instruction TEXT]
 Evaluates a run's checkpoint with lm-evaluation-harness (the `eval` extra) through titanax's
 adapter of its LM interface: parameters only, sharded over this machine's devices. Writes
 DIR/eval/step<N>-<time>.json (or into --out), again after each task, so what finished is kept,
@@ -30,6 +31,12 @@ def main(argv=None) -> None:
     p.add_argument("--log-samples", action="store_true",
                    help="also write every request's inputs and scores to the JSON")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--apply-chat-template", action="store_true",
+                   help="render each prompt through the run's chat template (lm-eval's "
+                        "apply_chat_template; an Instruct model's way)")
+    p.add_argument("--fewshot-as-multiturn", action="store_true",
+                   help="few-shot examples as chat turns (with --apply-chat-template)")
+    p.add_argument("--system-instruction", default=None, help="a system message for every prompt")
     p.add_argument("--out", default=None,
                    help="folder for the results JSON (default DIR/eval; a read-only run "
                         "folder needs one)")
@@ -51,7 +58,10 @@ def main(argv=None) -> None:
         results, path = evaluate(args.workdir, tasks, include_paths=args.include_path,
                                  step=args.step, batch_size=args.batch_size, limit=args.limit,
                                  num_fewshot=args.num_fewshot, log_samples=args.log_samples,
-                                 seed=args.seed, out_dir=args.out)
+                                 seed=args.seed, out_dir=args.out,
+                                 apply_chat_template=args.apply_chat_template,
+                                 fewshot_as_multiturn=args.fewshot_as_multiturn,
+                                 system_instruction=args.system_instruction)
     except (FileNotFoundError, ValueError) as e:  # ConfigError is a ValueError
         fail(str(e))
     except UnreadableCheckpoint as e:

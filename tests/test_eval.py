@@ -114,7 +114,9 @@ def test_bad_arguments_fail_in_one_line_before_restoring(tmp_path, capsys):
               "no such folder"),
              (["--tasks", "no_such_task"], "unknown task(s) ['no_such_task']"),
              (["--tasks", "titanax_tiny_mc"], "no checkpoint under"),
-             (["--tasks", "titanax_tiny_mc", "--batch-size", "0"], "--batch-size must be >= 1")]
+             (["--tasks", "titanax_tiny_mc", "--batch-size", "0"], "--batch-size must be >= 1"),
+             (["--tasks", "titanax_tiny_mc", "--fewshot-as-multiturn"],
+              "--fewshot-as-multiturn needs --apply-chat-template")]
     for flags, message in cases:
         with pytest.raises(SystemExit) as exit_info:
             main(["--workdir", str(tmp_path / "run"), *flags])
@@ -158,3 +160,26 @@ def test_results_are_written_task_by_task_and_an_unwritable_folder_fails_first(
     assert list(kept["results"]) == ["titanax_tiny_mc"]
     assert kept["titanax"]["tasks_done"] == ["titanax_tiny_mc"]
     assert kept["titanax"]["tasks"] == ["titanax_tiny_mc", "titanax_tiny_ppl"]
+
+
+def test_apply_chat_template_renders_prompts_through_the_runs_template(tmp_path, capsys):
+    """--apply-chat-template (lm-eval's option) sends each prompt through the chat template
+    beside the run's tokenizer, with --system-instruction as the system turn; a run without
+    a template says so in one line."""
+    from launch.eval import main
+
+    make_run(tmp_path / "run")
+    argv = ["--workdir", str(tmp_path / "run"), "--tasks", "titanax_tiny_mc", "--limit", "2",
+            "--log-samples", "--apply-chat-template", "--out", str(tmp_path / "out")]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and "has no chat template" in err, err
+    (tmp_path / "run" / "tokenizer_config.json").write_text(json.dumps({"chat_template": (
+        "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant] {% endif %}")}))
+    main([*argv, "--system-instruction", "Answer."])
+    (out,) = (tmp_path / "out").glob("step0-*.json")
+    samples = json.loads(out.read_text())["samples"]["titanax_tiny_mc"]
+    context = samples[0]["arguments"][0][0]  # (context, continuation) of the first choice
+    assert context.startswith("[system] Answer.\n[user] ") and "[assistant] " in context, context

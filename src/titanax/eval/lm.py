@@ -28,8 +28,12 @@ class TitanaxLM(TemplateLM):
     devices); `tokenizer` a `tokenizers.Tokenizer`; bos_id may be None."""
 
     def __init__(self, cfg, graphdef, params, tokenizer, *, eos_id: int, bos_id: int | None,
-                 batch_size: int = 16, max_gen_toks: int = 256, seed: int = 0):
+                 batch_size: int = 16, max_gen_toks: int = 256, seed: int = 0,
+                 chat=None, tokenizer_name: str = "titanax"):
+        """chat: the run's data.chat.ChatTemplate (for lm-eval's --apply_chat_template), or
+        None; tokenizer_name: what lm-eval fingerprints its request caches by."""
         super().__init__()
+        self._chat, self._tokenizer_name = chat, tokenizer_name
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.cfg, self.graphdef, self.params = cfg, graphdef, params
@@ -56,6 +60,21 @@ class TitanaxLM(TemplateLM):
 
     def tok_decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    # --- chat templates (lm-eval's apply_chat_template), as HFLM renders them ---------------
+    @property
+    def tokenizer_name(self) -> str:
+        return self._tokenizer_name
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        return self._chat.source if chat_template and self._chat is not None else ""
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]],
+                            add_generation_prompt: bool = True) -> str:
+        if self._chat is None:
+            raise ValueError("the run's tokenizer folder has no chat template: evaluate "
+                             "without --apply-chat-template")
+        return self._chat.render(chat_history, add_generation_prompt=add_generation_prompt)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
         """(sum of log p(continuation), all greedy) per (key, context ids, continuation ids),

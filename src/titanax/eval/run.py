@@ -34,8 +34,9 @@ def task_manager(include_paths=(), tasks=()):
     return manager
 
 
-def load_model(workdir, *, step=None, batch_size=16, devices=None, seed=0):
-    """(TitanaxLM, step) for the run in `workdir`."""
+def load_model(workdir, *, step=None, batch_size=16, devices=None, seed=0, chat=False):
+    """(TitanaxLM, step) for the run in `workdir`. chat: the run's chat template is needed
+    (ValueError naming the folder when its tokenizer has none)."""
     import jax
     from tokenizers import Tokenizer as HFTokenizer
 
@@ -49,11 +50,19 @@ def load_model(workdir, *, step=None, batch_size=16, devices=None, seed=0):
     if tok_path is None:
         raise FileNotFoundError(f"no tokenizer.json for the run in {workdir} (synthetic data has "
                                 "none); evaluation needs text")
+    from titanax.data.chat import ChatTemplate
+
+    template = ChatTemplate.from_folder(tok_path.parent)
+    if chat and template is None:
+        raise ValueError(f"--apply-chat-template: the run's tokenizer folder {tok_path.parent} "
+                         "has no chat template (chat_template.jinja or tokenizer_config.json's "
+                         "chat_template)")
     ids = Tokenizer.load(tok_path)  # the run's eos/bos, found as training found them
     # A plain tokenizers.Tokenizer, as transformers loads it: special tokens written in the text
     # are recognised, and the post-processor adds BOS where the tokenizer says so.
     lm = TitanaxLM(cfg, graphdef, params, HFTokenizer.from_file(str(tok_path)),
-                   eos_id=ids.eos_id, bos_id=ids.bos_id, batch_size=batch_size, seed=seed)
+                   eos_id=ids.eos_id, bos_id=ids.bos_id, batch_size=batch_size, seed=seed,
+                   chat=template, tokenizer_name=str(tok_path.parent).replace("/", "__"))
     return lm, step
 
 
@@ -81,18 +90,24 @@ def _merge(into: dict, results: dict) -> dict:
 
 def evaluate(workdir, tasks: list[str], *, include_paths=(), step=None, batch_size=16,
              limit=None, num_fewshot=None, log_samples=False, devices=None, seed=0,
-             out_dir=None):
+             out_dir=None, apply_chat_template=False, fewshot_as_multiturn=False,
+             system_instruction=None):
     """(results as lm-eval returns them, path of the JSON written). The JSON holds lm-eval's
     results, configs and versions, the checkpoint step, and (log_samples) every request's
     scores. It is written after each task (titanax.tasks_done lists those in it so far), so
-    a failure or a kill midway keeps what was finished. out_dir: default WORKDIR/eval."""
+    a failure or a kill midway keeps what was finished. out_dir: default WORKDIR/eval.
+    apply_chat_template, fewshot_as_multiturn, system_instruction: lm-eval's own options
+    (prompts rendered through the run's chat template, as for an Instruct model)."""
     from lm_eval import evaluator
     from lm_eval.utils import handle_non_serializable
 
     if not tasks:
         raise ValueError("name at least one task (--tasks)")
     manager = task_manager(include_paths, tasks)
-    lm, step = load_model(workdir, step=step, batch_size=batch_size, devices=devices, seed=seed)
+    if fewshot_as_multiturn and not apply_chat_template:
+        raise ValueError("--fewshot-as-multiturn needs --apply-chat-template")
+    lm, step = load_model(workdir, step=step, batch_size=batch_size, devices=devices, seed=seed,
+                          chat=apply_chat_template)
     out_dir = pathlib.Path(out_dir) if out_dir is not None else pathlib.Path(workdir) / "eval"
     _writable(out_dir)
     path = out_dir / f"step{step}-{time.strftime('%Y%m%d-%H%M%S')}.json"
@@ -101,6 +116,8 @@ def evaluate(workdir, tasks: list[str], *, include_paths=(), step=None, batch_si
         _merge(results, evaluator.simple_evaluate(
             model=lm, tasks=[task], task_manager=manager, limit=limit,
             num_fewshot=num_fewshot, log_samples=log_samples, random_seed=seed,
+            apply_chat_template=apply_chat_template, fewshot_as_multiturn=fewshot_as_multiturn,
+            system_instruction=system_instruction,
             numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed))
         results["titanax"] = {"workdir": str(pathlib.Path(workdir).absolute()), "step": step,
                               "tasks_done": tasks[:i + 1], "tasks": list(tasks)}
