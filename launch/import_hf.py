@@ -3,9 +3,11 @@ Reads a local Hugging Face folder (safetensors only; the model_type of any regis
 architecture), checks every tensor, and writes WORKDIR/checkpoints/0 and WORKDIR/config.json,
 which `python -m launch.train --workdir DIR` fine-tunes (published weights).
 
-Without --config every model.* field comes from the folder's config.json and the rest are
-titanax's defaults; with --config, that file's train/optim/mesh/data sections apply and its
-model.* must agree with config.json. The folder's tokenizer becomes the run's (data.tokenizer),
+Without --config every model.* field comes from the folder's config.json (the compute dtype
+too) and the rest is a fine-tuning recipe (titanax/hf/run_config.py FINETUNE: lr 2e-5, cosine
+after 3% warmup, FSDP over all devices, full remat, train.seq_len min(8192, the model's
+context), and no data.source: launch.train asks for one); with --config, that file's
+train/optim/mesh/data sections apply and its model.* must agree with config.json. The folder's tokenizer becomes the run's (data.tokenizer),
 a Llama 3 tokenizer turns data.bos on, and the folder's generation_config.json, chat template
 and config.json keys titanax does not use are kept for launch.export_hf. --set wins over all."""
 

@@ -39,3 +39,25 @@ def test_generate_samples_in_the_dtype_asked_for(tmp_path):
         assert step == 1 and len(list(generate(cfg, graphdef, params, [5, 6, 7],
                                                max_new_tokens=3))) == 3
     assert got == {None: "float32", "bfloat16": "bfloat16"}  # the run's, then the one asked
+
+
+def test_import_without_a_config_is_a_fine_tuning_recipe_that_asks_for_data(tmp_path):
+    """lr 2e-5, cosine to zero after 3% warmup, FSDP over all devices, full remat, sequences
+    up to the model's context (at most 8192), and no data: launch.train refuses in one line,
+    writing nothing, and names the --set."""
+    from tests.helpers.cli import assert_one_error, cli
+    from titanax.config import SOURCE_UNSET
+    from titanax.train.optim import lr_schedule
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **HF_CONFIG}))
+    cfg = import_config(tmp_path, None, ["train.steps=200"])
+    assert (cfg.optim.lr, cfg.optim.schedule, cfg.optim.min_lr_ratio) == (2e-5, "cosine", 0.0)
+    assert (cfg.mesh.data, cfg.mesh.fsdp, cfg.model.remat) == (1, -1, "full")
+    assert cfg.train.seq_len == 64 and cfg.data.source == SOURCE_UNSET  # the model's 64
+    lr = lr_schedule(cfg)
+    assert float(lr(5)) < 2e-5 and float(lr(6)) == pytest.approx(2e-5)  # 3% of 200: 6
+    assert float(lr(200)) == pytest.approx(0.0, abs=1e-12)
+    r = cli("launch.train", "--workdir", tmp_path / "run", "--set", f"data.source={SOURCE_UNSET}",
+            "--set", "model.d_model=64")
+    assert_one_error(r, 2, "data.source is not set", "--set data.source=DIR")
+    assert not (tmp_path / "run").exists()

@@ -88,6 +88,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "full_offload")
 ROPE_SCALINGS = ("none", "llama3")
 GRAD_REDUCE_DTYPES = ("compute", "float32")
+SOURCE_UNSET = "unset"  # data.source of a run that has none yet (an import)
 GRAD_ACCUM_AUTO = "auto"  # train.grad_accum: the smallest count that fits (launch.train)
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -392,6 +393,10 @@ class TrainConfig:
 class OptimConfig:
     lr: float = 3e-3
     warmup_steps: int = 30
+    # > 0: the warmup is this share of the decay steps (train.steps unless optim.decay_steps),
+    # in place of warmup_steps, so it follows a train.steps given later (MaxText's
+    # warmup_steps_fraction; the fine-tuning recipe of launch.import_hf takes 3%).
+    warmup_fraction: float = 0.0
     schedule: str = "cosine"
     decay_steps: int = 0  # 0: train.steps
     min_lr_ratio: float = 0.1
@@ -410,6 +415,8 @@ class OptimConfig:
                 _fail(f"optim.{name}", f"must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             _fail("optim.min_lr_ratio", f"must lie in [0, 1], got {self.min_lr_ratio}")
+        if not 0.0 <= self.warmup_fraction < 1.0:
+            _fail("optim.warmup_fraction", f"must lie in [0, 1), got {self.warmup_fraction}")
         for name in ("b1", "b2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 _fail(f"optim.{name}", f"must lie in [0, 1), got {getattr(self, name)}")
@@ -421,6 +428,8 @@ class DataConfig:
     # benchmarks), a folder of token shards written by `python -m launch.prepare_data`, or a
     # weighted mixture of such folders: 'a:0.7,b:0.3' (a Python config may give
     # [("a", 0.7), ("b", 0.3)]; it is stored as the string, so checkpoints and --set agree).
+    # 'unset' (SOURCE_UNSET): none given yet (launch.import_hf writes it: an imported model
+    # has no data of its own); launch.train refuses to start until one is.
     source: str = "embedded"
     tokenizer: str = ""  # tokenizer.json; '' with embedded: trained on first use, cached
     val_fraction: float = 0.02  # held-out share of documents (embedded) or tokens (shards)
@@ -483,7 +492,7 @@ def _weight(text: str) -> float | None:
 
 def parse_source(source: str) -> list[tuple[str, float]]:
     """data.source -> [(folder, weight), ...]; see DataConfig.folders."""
-    if source in ("embedded", "synthetic"):
+    if source in ("embedded", "synthetic", SOURCE_UNSET):
         return []
     items = [item.strip() for item in source.split(",")]
     split = [item.rpartition(":") for item in items]

@@ -212,6 +212,15 @@ def _train_state(sources, cfg: Config, devices, progress: bool) -> dict:
     return state
 
 
+def finetune_hint(cfg: Config, workdir: pathlib.Path) -> str:
+    """The command that fine-tunes the imported run: with the data.source it still needs."""
+    from titanax.config import SOURCE_UNSET
+
+    data = (" --set data.source=DATA (a folder written by python -m launch.prepare_data with "
+            "this tokenizer)" if cfg.data.source == SOURCE_UNSET else "")
+    return f"fine-tune with python -m launch.train --workdir {workdir}{data}"
+
+
 def import_hf(hf_dir: str | pathlib.Path, cfg: Config, workdir: str | pathlib.Path, *,
               devices=None, progress: bool = True, log=print) -> ImportResult:
     """Writes WORKDIR/checkpoints/0: the HF weights, a freshly initialised optimizer state and
@@ -247,6 +256,5 @@ def import_hf(hf_dir: str | pathlib.Path, cfg: Config, workdir: str | pathlib.Pa
         keep_source(hf_dir, workdir)
         (workdir / "config.json").write_text(json.dumps(saved_cfg.to_dict(), indent=2))
     log(f"imported {len(sources)} tensors from {hf_dir} into {ckpt_dir}/0"
-        + (f"; tokenizer in {tok_dir}" if tok_dir else "")
-        + f"; fine-tune with python -m launch.train --workdir {workdir}")
+        + (f"; tokenizer in {tok_dir}" if tok_dir else "") + "; " + finetune_hint(saved_cfg, workdir))
     return ImportResult(workdir, 0, len(sources), tok_dir)

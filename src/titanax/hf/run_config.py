@@ -7,7 +7,15 @@ from __future__ import annotations
 
 import pathlib
 
-from titanax.config import DTYPES, Config, ConfigError, apply_overrides, load_config, parse_override
+from titanax.config import (
+    DTYPES,
+    SOURCE_UNSET,
+    Config,
+    ConfigError,
+    apply_overrides,
+    load_config,
+    parse_override,
+)
 from titanax.hf.folder import HFImportError, hf_arch, read_config
 
 
@@ -45,10 +53,22 @@ def _is_llama3_tokenizer(hf_dir: pathlib.Path) -> bool:
     return HFTokenizer.from_file(str(hf_dir / "tokenizer.json")).token_to_id(BOS) is not None
 
 
+# Without --config, an import trains with a fine-tuning recipe (what TRL's SFT, Tunix and
+# Megatron-Bridge's gpt_sft start from), not titanax's from-scratch defaults: a small peak
+# learning rate with cosine decay to zero after 3% warmup, no weight decay, FSDP over every
+# device, full remat, and no data until one is given (launch.train refuses to start: never
+# the embedded corpus by default). The compute dtype is the one config.json names.
+FINETUNE = {"optim.lr": 2e-5, "optim.schedule": "cosine", "optim.warmup_fraction": 0.03,
+            "optim.min_lr_ratio": 0.0, "optim.weight_decay": 0.0, "mesh.data": 1,
+            "mesh.fsdp": -1, "model.remat": "full", "data.source": SOURCE_UNSET}
+FINETUNE_SEQ_LEN = 8192
+
+
 def import_config(hf_dir, config_path=None, overrides=()) -> Config:
-    """The run's config: `config_path` (or titanax's defaults with every model.* field from
-    config.json), model.arch from config.json's model_type, data.bos on for a Llama 3
-    tokenizer, then `overrides` (--set strings). Raises HFImportError or ConfigError."""
+    """The run's config: `config_path`, or the fine-tuning recipe (FINETUNE) with every
+    model.* field from config.json and train.seq_len min(8192, max_position_embeddings);
+    model.arch from config.json's model_type, data.bos on for a Llama 3 tokenizer, then
+    `overrides` (--set strings). Raises HFImportError or ConfigError."""
     hf_dir = pathlib.Path(hf_dir)
     user = dict(parse_override(o) for o in overrides)
     arch = hf_arch(hf_dir)  # None without a config.json
@@ -57,11 +77,11 @@ def import_config(hf_dir, config_path=None, overrides=()) -> Config:
                             "--config FILE with the model's dimensions")
     picked = {"model.arch": arch} if arch else {}
     if config_path is None:
-        picked = _derived_model(hf_dir, arch)
-        # titanax's default train.seq_len may exceed a small model's context.
+        picked = {**FINETUNE, **_derived_model(hf_dir, arch)}
+        # Sequences as long as the model takes, up to 8192 (Llama 3's pretraining length).
         longest = user.get("model.max_seq_len", picked.get("model.max_seq_len", 1 << 30))
         try:
-            picked["train.seq_len"] = min(Config().train.seq_len, int(longest))
+            picked["train.seq_len"] = min(FINETUNE_SEQ_LEN, int(longest))
         except ValueError:
             pass  # a malformed --set model.max_seq_len: apply_overrides names it
     if _is_llama3_tokenizer(hf_dir):

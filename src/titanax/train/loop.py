@@ -25,7 +25,7 @@ import jax
 from jax.sharding import NamedSharding
 
 from titanax.checkpoint.orbax_io import Checkpointer, resolve_restore_source
-from titanax.config import Config, ConfigError, format_config
+from titanax.config import SOURCE_UNSET, Config, ConfigError, format_config
 from titanax.data.pipeline import build_data
 from titanax.models.registry import model_spec
 from titanax.ops.linear import precision_refusal
@@ -73,6 +73,11 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, log=print, devices=None,
     anything is built and resolves train.grad_accum=auto (launch.train passes
     titanax.plan.fit.fit_to_devices)."""
     workdir = pathlib.Path(workdir)
+    if cfg.data.source == SOURCE_UNSET:  # an import: never the embedded corpus by default
+        raise ConfigError(
+            f"data.source is not set (the run in {workdir} was imported without training "
+            "data): give --set data.source=DIR, a folder written by python -m "
+            "launch.prepare_data (or a mixture, DIR1:0.7,DIR2:0.3)")
     # One run per workdir, for the run's whole life (process 0 holds it for all of them).
     with (workdir_lock(workdir, enabled=jax.process_index() == 0),
           compilation_cache(cfg.train.compilation_cache, workdir)):

@@ -12,7 +12,8 @@ from titanax.config import Config
 def lr_schedule(cfg: Config) -> optax.Schedule:
     o = cfg.optim
     decay_steps = o.decay_steps or cfg.train.steps
-    warmup = min(o.warmup_steps, decay_steps)
+    warmup = round(o.warmup_fraction * decay_steps) if o.warmup_fraction > 0 else o.warmup_steps
+    warmup = min(warmup, decay_steps)
     end_value = o.lr * o.min_lr_ratio
     if o.schedule == "constant":
         after = optax.constant_schedule(o.lr)
