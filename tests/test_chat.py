@@ -7,7 +7,6 @@ import json
 
 import pytest
 
-from tests.helpers.cli import assert_one_error, cli
 from tests.helpers.small import run_small
 from titanax.data.chat import ChatError, ChatTemplate, assistant_spans
 
@@ -89,15 +88,51 @@ def test_loss_covers_each_assistant_reply_and_its_end_of_turn(tokenizer):
         assistant_spans(ChatTemplate.from_folder(folder), CHAT[:2], tok.encode)
 
 
-def test_generate_chat_renders_the_prompt_as_a_user_turn(tmp_path, tokenizer):
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A small run trained one step (its tokenizer in the workdir)."""
+    path = tmp_path_factory.mktemp("chat") / "run"
+    run_small(path, 1, **{"checkpoint.every_steps": 1})
+    return path
+
+
+def _generate(capsys, *argv) -> tuple[int, str, str]:
+    """launch.generate in this process: (exit code, stdout, stderr)."""
+    from launch.generate import main
+
+    try:
+        main([str(a) for a in argv])
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_chat_renders_the_prompt_as_a_user_turn(run, tokenizer, capsys):
     folder, _ = tokenizer
-    run = tmp_path / "run"
-    run_small(run, 1, **{"checkpoint.every_steps": 1})
-    r = cli("launch.generate", "--workdir", run, "--prompt", "hi", "--chat")
-    assert_one_error(r, 2, "has no chat template")
+    code, _, err = _generate(capsys, "--workdir", run, "--prompt", "hi", "--chat")
+    assert code == 2 and err.startswith("error: --chat: ") and "has no chat template" in err, err
+    code, _, err = _generate(capsys, "--workdir", run, "--prompt", "hi", "--system", "x")
+    assert code == 2 and "--system needs --chat" in err, err
     (run / "tokenizer_config.json").write_text((folder / "tokenizer_config.json").read_text())
-    r = cli("launch.generate", "--workdir", run, "--prompt", "hi", "--chat", "--system", "Be brief.",
-            "--max-new-tokens", "4")
-    assert r.returncode == 0 and "[4 tokens from step 1" in r.stderr, r.stderr[-2000:]
-    assert_one_error(cli("launch.generate", "--workdir", run, "--prompt", "hi", "--system", "x"),
-                     2, "--system needs --chat")
+    code, out, err = _generate(capsys, "--workdir", run, "--prompt", "hi", "--chat",
+                               "--system", "Be brief.", "--max-new-tokens", "4")
+    assert code == 0 and "[4 tokens from step 1" in err, err
+
+
+def test_generate_samples_in_the_dtype_asked_for(run):
+    """An imported model computes in its config.json's dtype (test_hf_dtype.py); --dtype (here
+    load_for_inference's dtype) samples in another."""
+    import jax
+
+    from titanax.generate import generate, load_for_inference
+
+    got = {}
+    for dtype in (None, "bfloat16"):
+        cfg, graphdef, params, step = load_for_inference(run, dtype=dtype,
+                                                         devices=jax.devices()[:1])
+        got[dtype] = cfg.model.dtype
+        assert step == 1 and len(list(generate(cfg, graphdef, params, [5, 6, 7],
+                                               max_new_tokens=3))) == 3
+    assert got == {None: "float32", "bfloat16": "bfloat16"}  # the run's, then the one asked

@@ -5,12 +5,9 @@ from __future__ import annotations
 
 import json
 
-import jax
 import pytest
 
 from tests.helpers.hf_runs import HF_CONFIG
-from tests.helpers.small import run_small
-from titanax.generate import generate, load_for_inference
 from titanax.hf.run_config import import_config
 
 pytestmark = pytest.mark.usefixtures("devices8")
@@ -27,18 +24,6 @@ def test_import_computes_in_the_published_dtype(tmp_path, keys, overrides, want)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **HF_CONFIG,
                                                       **keys}))
     assert import_config(tmp_path, None, overrides).model.dtype == want
-
-
-def test_generate_samples_in_the_dtype_asked_for(tmp_path):
-    run_small(tmp_path / "run", 1, **{"checkpoint.every_steps": 1})
-    got = {}
-    for dtype in (None, "bfloat16"):
-        cfg, graphdef, params, step = load_for_inference(tmp_path / "run", dtype=dtype,
-                                                         devices=jax.devices()[:1])
-        got[dtype] = cfg.model.dtype
-        assert step == 1 and len(list(generate(cfg, graphdef, params, [5, 6, 7],
-                                               max_new_tokens=3))) == 3
-    assert got == {None: "float32", "bfloat16": "bfloat16"}  # the run's, then the one asked
 
 
 def test_import_without_a_config_is_a_fine_tuning_recipe_that_asks_for_data(tmp_path):
