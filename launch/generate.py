@@ -33,17 +33,7 @@ def main(argv=None) -> None:
                         "imported model's is the one its config.json names)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    if args.max_new_tokens <= 0:
-        fail("--max-new-tokens must be > 0")
-    # Before the checkpoint is read (minutes at 70B).
-    if args.temperature < 0:
-        fail(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
-    if args.top_k < 0:
-        fail(f"--top-k must be >= 0 (0: every token), got {args.top_k}")
-    if not 0.0 < args.top_p <= 1.0:
-        fail(f"--top-p must be in (0, 1] (1: every token), got {args.top_p}")
-    if args.system is not None and not args.chat:
-        fail("--system needs --chat (a system message is part of a chat)")
+    _check_flags(args)
 
     import jax
 
@@ -94,6 +84,20 @@ def main(argv=None) -> None:
     except ValueError as e:
         fail(str(e))
     print(f"[{len(new)} tokens from step {step} of {args.workdir}]", file=sys.stderr)
+
+
+def _check_flags(args) -> None:
+    """Before the checkpoint is read (minutes at 70B): one error line per bad flag."""
+    if args.max_new_tokens <= 0:
+        fail("--max-new-tokens must be > 0")
+    if args.temperature < 0:
+        fail(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
+    if args.top_k < 0:
+        fail(f"--top-k must be >= 0 (0: every token), got {args.top_k}")
+    if not 0.0 < args.top_p <= 1.0:
+        fail(f"--top-p must be in (0, 1] (1: every token), got {args.top_p}")
+    if args.system is not None and not args.chat:
+        fail("--system needs --chat (a system message is part of a chat)")
 
 
 def _chat_ids(tok, tok_path, prompt: str, system: str | None) -> list[int]:

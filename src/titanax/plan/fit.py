@@ -133,8 +133,10 @@ def candidates(cfg: Config, batch_ways: int) -> Iterator[dict]:
 def search_fit(cfg: Config, measure: Measure, capacity: int, where: str, batch_ways: int,
                *, need: dict | None = None, log=None) -> FitAnswer:
     """cfg's memory (measured, or `need` when known) against capacity; when it does not fit,
-    the first candidate that does. Candidates the config rejects are skipped; one that fails
-    to compile is recorded and skipped. Nothing is searched when the state alone is too big."""
+    the first group of candidate_groups with a count that fits, at its smallest such count
+    (the group's largest count compiled first, then a bisection: module docstring).
+    Candidates the config rejects are skipped; one that fails to compile is recorded and
+    skipped. Nothing is searched when the state alone is too big."""
     say = log or (lambda *_a: None)
     need = need if need is not None else measure(cfg)["memory"]
     answer = FitAnswer(need, capacity, where)
