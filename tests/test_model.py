@@ -8,8 +8,8 @@ from flax import nnx
 
 from titanax.config import ModelConfig
 from titanax.models import model_spec, preset
-from titanax.models.decoder import init_cache
-from titanax.models.layers import RMSNorm, apply_rope, rope_inv_freq
+from titanax.models.common.decoder import init_cache
+from titanax.models.common.layers import RMSNorm, apply_rope, rope_inv_freq
 from titanax.models.llama3.model import Llama
 from titanax.ops import attention
 from titanax.parallel.mesh import single_device_mesh

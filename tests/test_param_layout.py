@@ -13,11 +13,12 @@ from flax import nnx
 
 from tests.helpers.small import run_small, small_config, tree_equal
 from titanax import ops
-from titanax.checkpoint.orbax_io import LEGACY_TRANSPOSES, Checkpointer, legacy_params
+from titanax.checkpoint.orbax_io import Checkpointer, legacy_params
 from titanax.checkpoint.reader import CheckpointReader
 from titanax.config import apply_overrides
 from titanax.generate import load_for_inference
 from titanax.hf.exporter import export_hf
+from titanax.models.llama3.migrations import LEGACY_TRANSPOSES
 from titanax.models.llama3.model import Llama
 from titanax.parallel.mesh import build_mesh, single_device_mesh
 from titanax.parallel.rules import model_context

@@ -18,7 +18,8 @@ Parameter layout. Each step's metadata records PARAM_LAYOUT. Layout 2 stores wo 
 slice along its major axis). Steps without a recorded layout were written before and hold them
 as [L, Hq, hd, d] and [L, F, d], the Adam moments alike; restoring such a step (and
 checkpoint/reader.py, which export reads through) transposes those leaves into the current
-layout, so every checkpoint a user has keeps working.
+layout, so every checkpoint a user has keeps working. Which leaves and how is the
+architecture's to say (ModelSpec.legacy_transposes; Llama's in models/llama3/migrations.py).
 
 State entries moved out of params (MOVED_OUT_OF_PARAMS). fp8_delayed's amax histories were
 nnx.Params until issue 19: older steps hold them inside 'params' (params.layers.fp8_wq, ...)
@@ -52,21 +53,11 @@ from orbax.checkpoint import checkpoint_managers as policies
 
 from titanax.checkpoint import integrity
 from titanax.config import CheckpointConfig, Config, ConfigError, ModelConfig
+from titanax.models.registry import model_spec
 from titanax.preemption import STOPPING
 
 PARAM_LAYOUT = 2  # the parameter layout this code writes (see the module docstring)
 _LAYOUT_KEY = "titanax_param_layout"  # in each step's custom metadata
-# Stacked parameters whose layout changed in layout 2: name under 'layers' -> the permutation
-# taking the old array to the current one (current = old.transpose(perm)).
-LEGACY_TRANSPOSES = {"wo": (0, 3, 1, 2),  # [L, Hq, hd, d] -> [L, d, Hq, hd]
-                     "w_down": (0, 2, 1)}  # [L, F, d] -> [L, d, F]
-
-
-def _current_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
-    L, d, hd = model.n_layers, model.d_model, model.resolved_head_dim
-    return {"wo": (L, d, model.n_heads, hd), "w_down": (L, d, model.ffn_dim)}
-
-
 def legacy_shape(shape, perm) -> tuple:
     """The old-layout shape (or spec) of a current-layout `shape`: the inverse of `perm`."""
     return tuple(shape[i] for i in np.argsort(perm))
@@ -74,18 +65,19 @@ def legacy_shape(shape, perm) -> tuple:
 
 def legacy_params(model: ModelConfig, stored_shapes: dict[str, tuple[int, ...]],
                   layout: int | None) -> dict[str, tuple[int, ...]]:
-    """{name: perm} of the stacked parameters ('wo', 'w_down') a checkpoint holds in the old
-    layout. model: the checkpoint's own config (its dimensions give both layouts' shapes);
-    stored_shapes: the stored shape of params.layers.<name>; layout: the step's recorded layout,
-    None for steps written before layouts were recorded, which hold the old layout. Shapes
-    alone cannot tell: with ffn_dim == d_model both w_down layouts have the same shape (and
-    with n_heads == head_dim == d_model both wo layouts)."""
+    """{name: perm} of the stacked parameters a checkpoint holds in an old layout (the
+    architecture's spec lists them: ModelSpec.legacy_transposes, e.g.
+    models/llama3/migrations.py). model: the checkpoint's own config (its dimensions give both
+    layouts' shapes); stored_shapes: the stored shape of params.layers.<name>; layout: the
+    step's recorded layout, None for steps written before layouts were recorded, which hold
+    the old layout. Shapes alone cannot tell: with ffn_dim == d_model both w_down layouts have
+    the same shape (and with n_heads == head_dim == d_model both wo layouts)."""
     if layout is not None and layout >= 2:
         return {}
-    current = _current_shapes(model)
-    return {name: perm for name, perm in LEGACY_TRANSPOSES.items()
+    candidates = model_spec(model).legacy_transposes(model)
+    return {name: perm for name, (perm, current) in candidates.items()
             if stored_shapes.get(name) is not None
-            and tuple(stored_shapes[name]) == legacy_shape(current[name], perm)}
+            and tuple(stored_shapes[name]) == legacy_shape(current, perm)}
 
 
 def _key_names(keypath) -> tuple[str, ...]:
@@ -391,18 +383,16 @@ class Checkpointer:
         layout = self.param_layout(step)
         if layout is not None and layout >= PARAM_LAYOUT:
             return {}
+        model = Config.from_dict(self.read_config(step)).model
         params = self._state_tree(step).get("params")
         layers = params.get("layers") if isinstance(params, dict) else None
         stored = {}
-        for name in LEGACY_TRANSPOSES:
+        for name in model_spec(model).legacy_transposes(model):
             leaf = layers.get(name) if isinstance(layers, dict) else None
             leaf = leaf.get("value") if isinstance(leaf, dict) else leaf
             if getattr(leaf, "shape", None) is not None:
                 stored[name] = tuple(leaf.shape)
-        if not stored:  # not a Llama train state
-            return {}
-        model = Config.from_dict(self.read_config(step)).model
-        return legacy_params(model, stored, layout)
+        return legacy_params(model, stored, layout) if stored else {}
 
     def read_config(self, step: int) -> dict:
         return self.manager.restore(step, args=ocp.args.Composite(

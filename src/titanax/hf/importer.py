@@ -28,7 +28,7 @@ from titanax.hf.folder import HFImportError, locate, read_config
 from titanax.hf.safetensors_io import SafetensorsError, TensorInfo, read_header, read_tensor
 from titanax.hf.source import keep_source
 from titanax.hf.tokenizer import tokenizer_files
-from titanax.models.hf_interop import HFTensor
+from titanax.models.common.hf_interop import HFTensor
 from titanax.models.registry import model_spec, spec_for_hf
 from titanax.parallel.layer_order import stored_position
 

@@ -1,5 +1,7 @@
-"""One folder per architecture (e.g. llama3/), registered in registry.py; shared pieces:
-decoder.py (the decoder stack), layers.py (RMSNorm, RoPE), hf_interop.py, spec.py."""
+"""One folder per architecture (e.g. llama3/), registered in registry.py, each configuring the
+shared pieces in common/ (layers, attention, the decoder block and stack, HF tables); spec.py
+is what the rest of titanax asks of an architecture; accumulate.py is the in-place gradient
+sum the decoder stack runs under train.grad_accum."""
 
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ import importlib
 ARCHS: dict[str, str] = {
     "llama3": "titanax.models.llama3",
     "qwen3": "titanax.models.qwen3",
+    "mistral": "titanax.models.mistral",
 }
 
 

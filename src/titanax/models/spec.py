@@ -2,7 +2,9 @@
 models/, registered by name in models/registry.py and chosen by `model.arch`.
 
 State creation, the train loop, sampling, HF import/export, the planner and the FLOP formula
-ask the spec; none of them imports a model class."""
+ask the spec; none of them imports a model class. Hooks (flops, activation_elems, aux_losses,
+no_decay, legacy_transposes) default to what a dense decoder needs; an architecture overrides
+the ones it differs in."""
 
 from __future__ import annotations
 
@@ -25,6 +27,23 @@ def flops_per_token(model: ModelConfig, seq_len: int, n_params_no_embed: int) ->
     return 6.0 * n_params_no_embed + 12.0 * model.n_layers * width * seq_len
 
 
+def no_decay_norms(path: tuple[str, ...]) -> bool:
+    """The default no-decay rule: norm scales (any path with 'norm' in a name) get no weight
+    decay, every other parameter does."""
+    return any("norm" in name for name in path)
+
+
+def no_legacy_layouts(model: ModelConfig) -> dict:
+    """The default migration table: every checkpoint of the architecture is in its current
+    layout."""
+    return {}
+
+
+def no_aux_losses(model) -> dict:
+    """The default auxiliary losses: none (a dense model's loss is its token NLL alone)."""
+    return {}
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
     arch: str  # the model.arch value
@@ -35,9 +54,26 @@ class ModelSpec:
     # init_cache(cfg, batch, max_len, dtype=None) -> the KV cache __call__ takes
     init_cache: Callable[..., Any]
     presets: Mapping[str, dict]  # preset name -> ModelConfig fields
-    # The model's HF interop (models/hf_interop.HFInterop: tensor table, config.json both ways);
+    # The model's HF interop (models/common/hf_interop.HFInterop: tensor table, config.json both ways);
     # None: the architecture cannot be imported or exported.
     hf: Any = None
+    # --- hooks, each defaulting to what a dense decoder needs ---------------------------
+    # flops(cfg, seq_len, n_params_no_embed) -> FLOPs per token trained; an MoE counts its
+    # active parameters here instead of all of them.
+    flops: Callable[[ModelConfig, int, int], float] = flops_per_token
+    # activation_elems(cfg, remat) -> saved activation elements per token per layer for the
+    # planner's memory model; None: the planner's generic decoder formula
+    # (plan/memory_model.py saved_elems_per_token).
+    activation_elems: Callable[[ModelConfig, str], float] | None = None
+    # aux_losses(model) -> {name: float32 scalar} of extra loss terms (e.g. an MoE's load
+    # balancing) added to the token NLL sum; {} for a dense model.
+    aux_losses: Callable[[Any], Mapping[str, Any]] = no_aux_losses
+    # no_decay(path) -> True for a parameter (path like ('layers', 'attn_norm', 'scale'))
+    # that gets no weight decay.
+    no_decay: Callable[[tuple[str, ...]], bool] = no_decay_norms
+    # legacy_transposes(cfg) -> {name under 'layers': (perm, current shape)} of parameters an
+    # older titanax stored in another layout (checkpoint/orbax_io.py applies them on restore).
+    legacy_transposes: Callable[[ModelConfig], Mapping[str, tuple]] = no_legacy_layouts
 
     def count_params(self, cfg: ModelConfig, *, exclude_embedding: bool = False) -> int:
         """Exact parameter count from nnx.eval_shape: nothing is allocated. FP8 scaling state is
@@ -58,5 +94,6 @@ class ModelSpec:
         return total
 
     def flops_per_token(self, cfg: ModelConfig, seq_len: int) -> float:
-        """FLOP_FORMULA for this architecture at cfg's dimensions."""
-        return flops_per_token(cfg, seq_len, self.count_params(cfg, exclude_embedding=True))
+        """FLOPs per token (the architecture's `flops`; FLOP_FORMULA by default) at cfg's
+        dimensions."""
+        return self.flops(cfg, seq_len, self.count_params(cfg, exclude_embedding=True))

@@ -103,7 +103,7 @@ def bench_train_step(cfg: Config, *, steps: int = 10, warmup: int = 2, devices=N
                 times.append(time.perf_counter() - t0)
     n_no_embed = model_spec(cfg.model).count_params(cfg.model, exclude_embedding=True)
     tokens = cfg.train.batch_size * cfg.train.seq_len
-    flops_step = M.flops_per_token(cfg.model, cfg.train.seq_len, n_no_embed) * tokens
+    flops_step = model_spec(cfg.model).flops(cfg.model, cfg.train.seq_len, n_no_embed) * tokens
     if peak_flops is None:
         # The whole machine's matmul peak: simulated CPU devices share the same cores.
         peak_flops = (cfg.train.peak_flops * len(devices) if cfg.train.peak_flops

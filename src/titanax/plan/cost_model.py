@@ -37,7 +37,6 @@ from titanax.plan.documents import mean_document_tokens
 from titanax.plan.efficiencies import EFFICIENCIES, Efficiencies
 from titanax.plan.memory_model import memory_per_device, param_split
 from titanax.plan.step_shape import StepShape
-from titanax.train.metrics import flops_per_token
 
 
 @dataclasses.dataclass
@@ -78,7 +77,7 @@ def estimate(cfg: Config, cluster: Cluster, layout: Layout,
     shape = StepShape.of(cfg, layout.degrees, doc_tokens)
     pp, tokens = shape.deg["pipeline"], shape.tokens
     n_params, n_no_embed = param_counts(cfg.model)
-    fpt = flops_per_token(cfg.model, cfg.train.seq_len, n_no_embed)
+    fpt = model_spec(cfg.model).flops(cfg.model, cfg.train.seq_len, n_no_embed)
 
     memory, host_memory = memory_per_device(cfg, shape.deg, n_params)
     usable = hw.hbm_bytes * eff.usable_memory

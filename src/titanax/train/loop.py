@@ -172,7 +172,7 @@ class Trainer:
         spec = model_spec(cfg.model)
         n_params = spec.count_params(cfg.model)
         n_no_embed = spec.count_params(cfg.model, exclude_embedding=True)
-        self.flops_per_token = M.flops_per_token(cfg.model, seq_len, n_no_embed)
+        self.flops_per_token = spec.flops(cfg.model, seq_len, n_no_embed)
         self.peak, peak_src = M.peak_flops_per_device(cfg.train.peak_flops, cfg.model.dtype)
         self.log(f"titanax: {n_params:,} parameters ({n_no_embed:,} without the input "
                  f"embedding)\n  {M.FLOP_FORMULA} = {self.flops_per_token:.4g} at S={seq_len}\n"

@@ -1,7 +1,7 @@
-"""Qwen3 dense: model.py (Llama's block with per-head q/k norms), sharding.py, hf.py,
+"""Qwen3 dense: model.py (the common block with per-head q/k norms), hf.py,
 presets.py (0.6B to 32B and a tiny one for CPU tests)."""
 
-from titanax.models.decoder import init_cache
+from titanax.models.common.decoder import init_cache
 from titanax.models.qwen3.hf import HF
 from titanax.models.qwen3.model import Qwen3
 from titanax.models.qwen3.presets import PRESETS

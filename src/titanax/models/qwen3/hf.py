@@ -1,9 +1,5 @@
-"""Hugging Face Qwen3 (Qwen3ForCausalLM) <-> titanax: Llama's table (models/llama3/hf.py) plus
-the per-head norms, and Qwen3's config.json.
-
-  HF name (layer i)                          HF shape   titanax parameter       per-layer shape
-  model.layers.i.self_attn.q_norm.weight     [hd]       layers.q_norm.scale     [hd]
-  model.layers.i.self_attn.k_norm.weight     [hd]       layers.k_norm.scale     [hd]
+"""Hugging Face Qwen3 (Qwen3ForCausalLM) <-> titanax: the common decoder's tensor table with the
+per-head q/k norm rows (models/common/hf_table.py), and Qwen3's config.json.
 
 Sliding-window attention (use_sliding_window) is not implemented: such a config.json is
 refused on import, and export writes use_sliding_window false."""
@@ -11,28 +7,22 @@ refused on import, and export writes use_sliding_window false."""
 from __future__ import annotations
 
 from titanax.config import ModelConfig
-from titanax.models.hf_interop import HFInterop, HFTensor
-from titanax.models.llama3.hf import common_config, common_overrides, decoder_table, per_layer_rows
+from titanax.models.common.hf_config import common_config, common_overrides, plain_rope_config
+from titanax.models.common.hf_interop import HFInterop, HFTensor
+from titanax.models.common.hf_table import decoder_table, per_layer_rows, qk_norm_rows
 
 
 def tensor_table(cfg: ModelConfig) -> list[HFTensor]:
     """Every HF tensor of a Qwen3ForCausalLM with cfg's dimensions."""
-    hd = cfg.resolved_head_dim
-    qk_norms = [("self_attn.q_norm.weight", ("layers", "q_norm", "scale"), (hd,), "copy"),
-                ("self_attn.k_norm.weight", ("layers", "k_norm", "scale"), (hd,), "copy")]
-    return decoder_table(cfg, per_layer_rows(cfg) + qk_norms)
+    return decoder_table(cfg, per_layer_rows(cfg) + qk_norm_rows(cfg))
 
 
 def hf_config(cfg: ModelConfig, *, dtype: str, bos_id: int | None, eos_id: int | None) -> dict:
     """config.json for transformers' Qwen3ForCausalLM (and vLLM). RoPE as both the legacy
     rope_theta and transformers 5's rope_parameters."""
-    if cfg.rope_scaling != "none":
-        raise ValueError(f"model.rope_scaling={cfg.rope_scaling!r}: Qwen3 exports plain RoPE "
-                         "only (set model.rope_scaling=none)")
     return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
             **common_config(cfg, dtype=dtype, bos_id=bos_id, eos_id=eos_id),
-            "rope_theta": cfg.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+            **plain_rope_config(cfg, "Qwen3"),
             "use_sliding_window": False, "sliding_window": None,
             "max_window_layers": cfg.n_layers}
 

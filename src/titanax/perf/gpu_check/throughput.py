@@ -33,7 +33,7 @@ MODEL_IMPL = "auto"  # configs/llama3_*.py model.attention_impl (titanax/recipes
 
 
 def model_attention(impl: str):
-    """The model's attention call (llama3 Block.attention -> titanax.ops.attention)."""
+    """The model's attention call (models/common/block.py DecoderBlock.attention -> titanax.ops.attention)."""
     from titanax import ops
     return lambda q, k, v, seg: ops.attention(q, k, v, impl=impl, causal=True,
                                               segment_ids=seg)

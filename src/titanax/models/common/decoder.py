@@ -3,8 +3,9 @@ stacked layers run by one jax.lax.scan (or staged over the 'pipeline' mesh axis)
 policies, host-offloaded weights, the final norm and the output layer (untied, or the
 embedding transposed), and the fused, chunked loss head.
 
-An architecture subclasses Decoder with its block class (all n_layers layers as one module,
-every parameter with a leading 'layers' axis) and its logical-axis table (its sharding.py).
+An architecture subclasses Decoder with its block options (common/block.py: one module holds
+all n_layers layers, every parameter with a leading 'layers' axis) and its logical-axis table
+(common/sharding.py decoder_axes).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from jax.ad_checkpoint import checkpoint_name
 from titanax import ops
 from titanax.config import ModelConfig
 from titanax.models import accumulate
-from titanax.models.layers import RMSNorm, rms_norm
+from titanax.models.common.block import BlockOptions, DecoderBlock
+from titanax.models.common.layers import RMSNorm, make_param, rms_norm
 from titanax.ops.cross_entropy import chunk_positions, linear_cross_entropy_sum, seq_split
 from titanax.parallel.context import balanced, context_shards, natural
 from titanax.parallel.pipeline import PipelineSchedule, pipeline_stages, run_pipelined
@@ -40,17 +42,16 @@ REMAT_POLICIES = {
 }
 
 
-def make_param(rngs: nnx.Rngs, shape, names, std, dtype) -> nnx.Param:
-    """A normal(0, std) parameter carrying its logical axis names (rules.py maps them)."""
-    return nnx.Param(std * jax.random.normal(rngs.params(), shape, dtype), out_sharding=names)
-
-
 class Decoder(nnx.Module):
     """embed -> layers (block_cls, stacked) -> final_norm -> output (or embed transposed when
-    model.tie_embeddings). Subclasses set block_cls and param_axes."""
+    model.tie_embeddings). An architecture subclasses it with its block_options and
+    param_axes (and block_cls when its layer is not the common DecoderBlock, e.g. an MoE)."""
 
-    block_cls: type = None  # block_cls(cfg, rngs=) -> a module called on one layer's slice
-    # Logical axis names of the parameters outside the block: 'embed', 'output', 'final_norm'.
+    # block_cls(cfg, block_options, param_axes, rngs=) -> a module called on one layer's slice
+    block_cls: type = DecoderBlock
+    block_options: BlockOptions = BlockOptions()
+    # Logical axis names of every parameter (common/sharding.py decoder_axes): the block's and
+    # 'embed', 'output', 'final_norm'.
     param_axes: Mapping[str, tuple[str, ...]] = {}
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -58,7 +59,7 @@ class Decoder(nnx.Module):
         self.cfg = cfg
         self.embed = make_param(rngs, (cfg.vocab_size, cfg.d_model), axes["embed"],
                                 cfg.init_std, pdt)
-        self.layers = self.block_cls(cfg, rngs=rngs)
+        self.layers = self.block_cls(cfg, self.block_options, axes, rngs=rngs)
         self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt,
                                   axes=axes["final_norm"])
         if not cfg.tie_embeddings:  # tied: no parameter, the output layer is embed.T

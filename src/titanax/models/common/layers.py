@@ -1,5 +1,5 @@
-"""Decoder building blocks that hold no attention logic: RMSNorm and rotary embeddings (shared
-by every architecture under models/)."""
+"""Layers that hold no attention logic: parameters, RMSNorm and rotary embeddings (shared by every
+architecture under models/)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+
+def make_param(rngs: nnx.Rngs, shape, names, std, dtype) -> nnx.Param:
+    """A normal(0, std) parameter carrying its logical axis names (rules.py maps them)."""
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, dtype), out_sharding=names)
 
 
 class RMSNorm(nnx.Module):
@@ -55,13 +60,14 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: str = "none", factor: fl
     return np.where(is_medium, blended, scaled).astype(np.float32)
 
 
-def apply_rope(x_BSHD, positions_BS, inv_freq):
-    """Rotates pairs (i, i + D/2): the 'rotate half' layout HF Llama checkpoints use, so
+def apply_rope(x_BSHK, positions_BS, inv_freq):
+    """Rotates pairs (i, i + K/2): the 'rotate half' layout HF Llama checkpoints use, so
     weights leave and enter titanax without permutation."""
-    angles_BSF = positions_BS[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)
-    cos = jnp.cos(angles_BSF)[:, :, None, :]
-    sin = jnp.sin(angles_BSF)[:, :, None, :]
-    x32 = x_BSHD.astype(jnp.float32)
+    # angles per position and frequency: [B, S, K/2]
+    angles = positions_BS[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x32 = x_BSHK.astype(jnp.float32)
     x1, x2 = jnp.split(x32, 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_BSHD.dtype)
+    return out.astype(x_BSHK.dtype)

@@ -1,0 +1,121 @@
+"""The common decoder layer: pre-norm grouped-query attention with RoPE and a SwiGLU MLP, all
+n_layers layers in one module (every parameter [layers, ...]), run by common/decoder.py.
+
+Architectures configure it (BlockOptions) rather than subclass one another: Llama 3 and
+Mistral use it as it is, Qwen3 turns on per-head q/k norms. Its seams for a layer that is
+otherwise the same: `project_qkv` (q, k, v before RoPE), `attention` and `mlp`.
+
+Matmuls go through titanax.ops (FP8 recipes, tensor-parallel collective matmuls) so kernels
+plug in by config; parameters carry logical axis names only (common/sharding.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from titanax import ops
+from titanax.config import ModelConfig
+from titanax.models.common.attention import rope_attention
+from titanax.models.common.layers import RMSNorm, make_param
+from titanax.ops.linear import linears
+from titanax.parallel.rules import shard_activation
+
+FP8_SITES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the FP8 matmuls
+# Megatron tensor parallelism (parallel/rules.py): column-parallel weights gather the
+# sequence-parallel input, row-parallel ones scatter their output (parallel/collective_matmul).
+TP_ROLES = {"wq": "column", "wk": "column", "wv": "column", "w_gate": "column",
+            "w_up": "column", "wo": "row", "w_down": "row"}
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockOptions:
+    """What differs between the architectures built on this layer (not dimensions: those are
+    the ModelConfig's)."""
+    # RMSNorm over head_dim of every query and key head before RoPE (Qwen3): parameters
+    # layers.q_norm.scale and layers.k_norm.scale, [layers, head_dim], eps model.norm_eps.
+    qk_norm: bool = False
+
+
+class DecoderBlock(nnx.Module):
+    """All n_layers decoder layers at once: every parameter has a leading 'layers' axis.
+    Called on one layer's slice of the state (see Decoder._layer_fn)."""
+
+    def __init__(self, cfg: ModelConfig, options: BlockOptions, axes, *, rngs: nnx.Rngs):
+        L, D, K, F = cfg.n_layers, cfg.d_model, cfg.resolved_head_dim, cfg.ffn_dim
+        H, N = cfg.n_heads, cfg.n_kv_heads
+        pdt = jnp.dtype(cfg.param_dtype)
+        std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        norm = lambda name, dim: RMSNorm(dim, eps=cfg.norm_eps, param_dtype=pdt, stack=L,
+                                         axes=axes[name])
+        self.attn_norm = norm("attn_norm", D)
+        self.wq = make_param(rngs, (L, D, H, K), axes["wq"], std, pdt)
+        self.wk = make_param(rngs, (L, D, N, K), axes["wk"], std, pdt)
+        self.wv = make_param(rngs, (L, D, N, K), axes["wv"], std, pdt)
+        self.wo = make_param(rngs, (L, D, H, K), axes["wo"], out_std, pdt)
+        self.mlp_norm = norm("mlp_norm", D)
+        self.w_gate = make_param(rngs, (L, D, F), axes["w_gate"], std, pdt)
+        self.w_up = make_param(rngs, (L, D, F), axes["w_up"], std, pdt)
+        self.w_down = make_param(rngs, (L, D, F), axes["w_down"], out_std, pdt)
+        if options.qk_norm:
+            self.q_norm = norm("q_norm", K)
+            self.k_norm = norm("k_norm", K)
+        if cfg.matmul_precision == "fp8_delayed":  # amax histories per FP8 call site
+            for name in FP8_SITES:
+                setattr(self, f"fp8_{name}", ops.make_fp8_meta(L, cfg.fp8_amax_history))
+        self.cfg, self.options = cfg, options
+
+    def _meta(self, name):
+        """This layer's amax histories for weight `name` (fp8_delayed), else None."""
+        meta = getattr(self, f"fp8_{name}", None)
+        return None if meta is None else ops.fp8_meta_dict(meta[...])
+
+    def lin(self, x, name: str, spec: str):
+        """x times weight `name` in the compute dtype or an FP8 recipe, with this call site's
+        amax histories."""
+        cfg = self.cfg
+        return ops.linear(x, getattr(self, name)[...], spec, precision=cfg.matmul_precision,
+                          dtype=jnp.dtype(cfg.dtype), fp8_meta=self._meta(name),
+                          grad_reduce=cfg.grad_reduce_dtype,
+                          mxfp8_scale_rounding=cfg.mxfp8_scale_rounding, tp=TP_ROLES.get(name))
+
+    def lin_shared(self, x, names: tuple[str, ...], spec: str) -> tuple:
+        """lin of one input with several weights (q/k/v, gate/up): under a collective matmul
+        (parallel/collective_matmul.py) they share one ring."""
+        cfg = self.cfg
+        return linears(x, [getattr(self, n)[...] for n in names], spec,
+                       precision=cfg.matmul_precision, dtype=jnp.dtype(cfg.dtype),
+                       fp8_metas=[self._meta(n) for n in names], grad_reduce=cfg.grad_reduce_dtype,
+                       mxfp8_scale_rounding=cfg.mxfp8_scale_rounding, tp=TP_ROLES[names[0]])
+
+    def project_qkv(self, h_BSD):
+        """q [B, S, H, K], k and v [B, S, N, K] before RoPE; with qk_norm, q and k normalised
+        over K, each head on its own."""
+        q_BSHK, k_BSNK, v_BSNK = self.lin_shared(h_BSD, ("wq", "wk", "wv"), "bsd,dhk->bshk")
+        if self.options.qk_norm:
+            q_BSHK, k_BSNK = self.q_norm(q_BSHK), self.k_norm(k_BSNK)
+        return q_BSHK, k_BSNK, v_BSNK
+
+    def attention(self, h_BSD, positions_BS, segment_ids_BS, kv, cache_index):
+        """The attention sublayer's output [B, S, D] (before the residual) and the new KV."""
+        q_BSHK, k_BSNK, v_BSNK = self.project_qkv(h_BSD)
+        out_BSHK, new_kv = rope_attention(self.cfg, q_BSHK, k_BSNK, v_BSNK, positions_BS,
+                                          segment_ids_BS, kv, cache_index)
+        return self.lin(out_BSHK, "wo", "bshk,dhk->bsd"), new_kv
+
+    def mlp(self, h_BSD):
+        """SwiGLU: w_down(silu(w_gate h) * w_up h)."""
+        gate_BSF, up_BSF = self.lin_shared(h_BSD, ("w_gate", "w_up"), "bsd,df->bsf")
+        act_BSF = shard_activation(jax.nn.silu(gate_BSF) * up_BSF, ("batch", "seq", "mlp"))
+        return self.lin(act_BSF, "w_down", "bsf,df->bsd")
+
+    def __call__(self, x_BSD, positions_BS, segment_ids_BS, kv=None, cache_index=None):
+        attn_BSD, new_kv = self.attention(self.attn_norm(x_BSD), positions_BS, segment_ids_BS,
+                                          kv, cache_index)
+        x_BSD = shard_activation(x_BSD + attn_BSD, ("batch", "norm_seq", "embed"))
+        x_BSD = x_BSD + self.mlp(self.mlp_norm(x_BSD))
+        return shard_activation(x_BSD, ("batch", "norm_seq", "embed")), new_kv
