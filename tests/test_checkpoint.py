@@ -211,7 +211,7 @@ def test_model_change_names_fields_but_allows_execution_knobs():
 
 
 # Another valid value of every ModelConfig field. A new field must be added here, and so be
-# classified: an execution field (config._execution) resumes with the other value, an
+# classified: an execution field (config/model.py _execution) resumes with the other value, an
 # architecture field is refused by name.
 OTHER_VALUES = {
     "arch": "qwen3", "vocab_size": 1024, "d_model": 96, "n_layers": 3, "n_heads": 8,

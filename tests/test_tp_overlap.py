@@ -2,7 +2,7 @@
 overlap"): the collective matmul (parallel/collective_matmul.py) equals XLA's partitioned
 matmul in values and gradients, alone (with and without context parallelism) and through the
 train step with model.tp_overlap=true against one device on simulated CPU devices (with
-context 2 too); config.py refuses what it cannot do; the HLO reader (perf/hlo_text.py) finds
+context 2 too); titanax.config refuses what it cannot do; the HLO reader (perf/hlo_text.py) finds
 mesh axes in every replica-group format; the XLA flag names exist in this jaxlib; and the
 deviceless H100 compile of the Llama-3-8B-wide step on TP4 x DP2 and TP4 x CP2
 (perf/tp_overlap.py, `python -m launch.bench tp_overlap`) shows the sequence-parallel
@@ -231,7 +231,7 @@ def _step_jaxpr(cfg) -> str:
 
 def test_not_under_the_1f1b_schedule():
     """1f1b runs a stage's layers under lax.cond: a ring's permutes would run on some stages
-    only (on XLA:CPU the loss came out wrong); `unsupported` gives config.py's reason."""
+    only (on XLA:CPU the loss came out wrong); `unsupported` gives titanax.config's reason."""
     from tests.helpers.layouts import tiny_config
 
     layout = {"mesh.data": 2, "mesh.tensor": 2, "mesh.pipeline": 2}

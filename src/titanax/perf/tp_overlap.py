@@ -61,7 +61,7 @@ class StepShape:
     gpu: str = "h100"
     # Context parallelism (> 1): the sequence split over 'context' too, each context shard
     # running its own tensor rings (parallel/collective_matmul.py); attention 'auto' then
-    # (cuDNN's cannot run inside the K/V exchange's shard_map, config._check_context).
+    # (cuDNN's cannot run inside the K/V exchange's shard_map, config/rules.py _check_context).
     context: int = 1
 
     @property

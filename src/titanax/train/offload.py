@@ -1,7 +1,7 @@
 """Host offload of the train state: for when the state alone exceeds HBM (Llama-3-70B with
 float32 master weights and Adam on one 8 x H100 node needs 106 GB per GPU before gradients).
 
-Options (config.py, all off by default):
+Options (config/train.py, all off by default):
 - train.offload_optimizer: Adam's moments (the opt_state leaves that mirror the parameters,
   mu and nu) live in pinned host memory between steps.
 - train.offload_params: the float32 master weights of the stacked decoder layers

@@ -41,7 +41,7 @@ def make_loss_fn(cfg: Config, graphdef):
     microbatches, all devices; None: this batch's own), so the step's loss is the mean over
     them whatever train.grad_accum and the layout (transformers' loss with labels=-100 on
     the same examples). model.tp_overlap: the
-    model is traced with its tensor-parallel matmuls as collective matmuls (config.py has
+    model is traced with its tensor-parallel matmuls as collective matmuls (titanax.config has
     refused the layouts they cannot run; others fall back by themselves). The config decides,
     also against an enclosing use_collective_matmul() block."""
     masking, chunk = cfg.data.masks_documents, cfg.train.loss_chunk

@@ -1,0 +1,108 @@
+"""--set section.field=value: each value coerced to its field's type (strings from the command
+line, Python values from code), unknown keys answered with the closest one."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+
+from titanax.config.errors import ConfigError, type_hints, type_name
+from titanax.config.rules import SECTIONS, Config
+
+
+def _field_types(cls) -> dict[str, type]:
+    hints = type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def closest_key(key: str) -> str:
+    section, _, name = key.partition(".")
+    if section in SECTIONS:  # a known section: the field is the likely typo
+        names = [f.name for f in dataclasses.fields(SECTIONS[section])]
+        close = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
+        if close:
+            return f" Did you mean '{section}.{close[0]}'?"
+    all_keys = [f"{s}.{f.name}" for s, c in SECTIONS.items() for f in dataclasses.fields(c)]
+    close = difflib.get_close_matches(key, all_keys, n=1, cutoff=0.5)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
+def _coerce(key: str, raw, typ: type):
+    """Turns an override value (a string from the command line, or a Python value) into typ."""
+    if isinstance(typ, types.UnionType):  # int | str (train.grad_accum=4 or auto): a number
+        if isinstance(raw, str):          # when it reads as one, else the text
+            try:
+                return _coerce(key, raw, int)
+            except ConfigError:
+                return raw.strip()
+        if isinstance(raw, bool) or not isinstance(raw, typ):
+            raise ConfigError(f"{key}: expected {type_name(typ)}, got {type(raw).__name__} "
+                              f"{raw!r}")
+        return raw
+    if isinstance(raw, str):
+        text = raw.strip()
+        if typ is bool:
+            low = text.lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ConfigError(f"{key}: expected a boolean (true/false), got {raw!r}")
+        if typ is int:
+            try:
+                return int(text.replace("_", ""))
+            except ValueError:
+                try:
+                    value = float(text)
+                except ValueError:
+                    raise ConfigError(f"{key}: expected an integer, got {raw!r}") from None
+                if value.is_integer():
+                    return int(value)
+                raise ConfigError(f"{key}: expected an integer, got {raw!r}") from None
+        if typ is float:
+            try:
+                return float(text)
+            except ValueError:
+                raise ConfigError(f"{key}: expected a number, got {raw!r}") from None
+        if typ is str:
+            return text
+    if typ is float and isinstance(raw, int) and not isinstance(raw, bool):
+        return float(raw)
+    if typ is bool and not isinstance(raw, bool):
+        raise ConfigError(f"{key}: expected a boolean, got {type(raw).__name__} {raw!r}")
+    if typ in (int, float) and isinstance(raw, bool):
+        raise ConfigError(f"{key}: expected {typ.__name__}, got a boolean")
+    if not isinstance(raw, typ):
+        raise ConfigError(f"{key}: expected {typ.__name__}, got {type(raw).__name__} {raw!r}")
+    if typ is float and not math.isfinite(raw):
+        raise ConfigError(f"{key}: must be a finite number, got {raw!r}")
+    return raw
+
+
+def parse_override(text: str) -> tuple[str, str]:
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected section.field=value, e.g. train.steps=100")
+    key, value = text.split("=", 1)
+    return key.strip(), value
+
+
+def apply_overrides(cfg: Config, overrides: typing.Mapping[str, typing.Any] | typing.Iterable[str]) -> Config:
+    """Applies {'train.steps': '300'} or ['train.steps=300'] to cfg; validates the result."""
+    if not isinstance(overrides, typing.Mapping):
+        overrides = dict(parse_override(o) for o in overrides)
+    per_section: dict[str, dict] = {}
+    for key, raw in overrides.items():
+        parts = key.split(".")
+        if len(parts) != 2 or parts[0] not in SECTIONS:
+            raise ConfigError(f"unknown config key {key!r}: keys look like section.field with "
+                              f"section one of {list(SECTIONS)}.{closest_key(key)}")
+        section, name = parts
+        types_ = _field_types(SECTIONS[section])
+        if name not in types_:
+            raise ConfigError(f"unknown config key {key!r}.{closest_key(key)}")
+        per_section.setdefault(section, {})[name] = _coerce(key, raw, types_[name])
+    sections = {s: dataclasses.replace(getattr(cfg, s), **v) for s, v in per_section.items()}
+    return dataclasses.replace(cfg, **sections)

@@ -1,0 +1,190 @@
+"""The whole run's Config and the checks that read more than one section: sizes against mesh
+degrees, which combinations of offload, accumulation, pipeline and context parallelism run.
+check_parallel_layout runs here with the configured degrees and again in parallel/mesh.py
+once -1 is resolved; the `*_unsupported` reasons are shared with the code that runs them."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from titanax.config.checkpoint import CheckpointConfig
+from titanax.config.data import DataConfig
+from titanax.config.errors import fail
+from titanax.config.model import FP8_RECIPES, ModelConfig
+from titanax.config.optim import OptimConfig
+from titanax.config.parallel import MeshConfig, PipelineConfig
+from titanax.config.train import TrainConfig
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "mesh": MeshConfig,
+    "pipeline": PipelineConfig,
+    "train": TrainConfig,
+    "optim": OptimConfig,
+    "data": DataConfig,
+    "checkpoint": CheckpointConfig,
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self):
+        for name, cls in SECTIONS.items():
+            if not isinstance(getattr(self, name), cls):
+                fail(name, f"must be a {cls.__name__}, got {type(getattr(self, name)).__name__}")
+        if self.train.seq_len > self.model.max_seq_len:
+            fail("train.seq_len", f"{self.train.seq_len} exceeds model.max_seq_len="
+                 f"{self.model.max_seq_len}; raise model.max_seq_len or shorten the sequence")
+        if self.train.offload_params and self.model.remat == "none":
+            fail("train.offload_params", "needs a model.remat policy: without one the "
+                 "backward pass keeps every layer's weights on the device, the very copy "
+                 "offloading avoids; set model.remat=full (or full_offload, dots, "
+                 "dots_no_batch)")
+        t = self.train
+        if t.offload_params and (t.grad_accum_auto or t.grad_accum > 1):
+            # The sum in place (models/accumulate.py) takes each layer's gradients on the
+            # device as its backward makes them; the plain sum would meet them in host memory.
+            if not t.grad_accum_in_place:
+                fail("train.offload_params", f"with train.grad_accum={t.grad_accum} needs "
+                     "train.grad_accum_in_place=true: the plain sum would add the offloaded "
+                     "layers' gradients in host memory, where it cannot run")
+            if self.model.remat not in ("full", "full_offload"):
+                fail("train.offload_params", f"with train.grad_accum={t.grad_accum} needs "
+                     f"model.remat=full or full_offload (got {self.model.remat!r}): the "
+                     "gradients are summed in place only under those; or set "
+                     "train.grad_accum=1")
+        check_parallel_layout(self, self.mesh.degrees())
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Config:
+        kwargs = {}
+        for name, section_cls in SECTIONS.items():
+            values = dict(d.get(name, {}))
+            known = {f.name for f in dataclasses.fields(section_cls)}
+            kwargs[name] = section_cls(**{k: v for k, v in values.items() if k in known})
+        return cls(**kwargs)
+
+
+def check_parallel_layout(cfg: Config, degrees: dict[str, int]) -> None:
+    """Model and batch sizes against mesh degrees (-1: not known yet, skipped). Runs here with
+    the configured degrees and again in parallel/mesh.py once -1 is resolved."""
+    m, tensor, pp = cfg.model, degrees["tensor"], degrees["pipeline"]
+    if pp == -1 and cfg.pipeline.schedule == "circular":
+        fail("mesh.pipeline", "-1 with pipeline.schedule=circular: circular runs store the "
+             "layer stack stage-major for their stage count, so set mesh.pipeline explicitly")
+    if tensor > 0:
+        for name in ("n_heads", "n_kv_heads"):
+            if getattr(m, name) % tensor:
+                fail(f"model.{name}", f"{getattr(m, name)} is not divisible by mesh.tensor="
+                     f"{tensor} (tensor parallelism splits heads); choose mesh.tensor dividing "
+                     f"{getattr(m, name)}")
+        if cfg.train.seq_len % tensor:
+            fail("train.seq_len", f"{cfg.train.seq_len} is not divisible by mesh.tensor="
+                 f"{tensor} (sequence parallelism splits the norm regions along the sequence)")
+    _check_context(cfg, degrees.get("context", 1), max(tensor, 1), pp)
+    if cfg.model.tp_overlap:
+        why = tp_overlap_unsupported(cfg, degrees)
+        if why:
+            fail("model.tp_overlap", why)
+    if pp > 1 and cfg.train.offload_params:
+        fail("train.offload_params", f"does not work with mesh.pipeline={pp}: the pipeline "
+             "schedules pick each stage's layer chunk with a traced index, which XLA cannot "
+             "do on weights in host memory; use mesh.pipeline=1 (fsdp/data/tensor) or "
+             "train.offload_optimizer alone")
+    if pp > 1:
+        v = cfg.pipeline.resolved_virtual_stages
+        if m.n_layers % (pp * v):
+            fail("model.n_layers", f"{m.n_layers} layers do not split into mesh.pipeline={pp} "
+                 f"stages x pipeline.virtual_stages={v} equal chunks; make n_layers a multiple "
+                 f"of {pp * v}")
+        micro = cfg.pipeline.microbatches
+        rows = cfg.train.batch_size // cfg.train.known_grad_accum
+        if rows % micro:
+            fail("pipeline.microbatches", f"{micro} does not divide the {rows} sequences of a "
+                 "step (train.batch_size / train.grad_accum)")
+        if cfg.pipeline.schedule == "circular" and micro < pp:
+            fail("pipeline.microbatches", f"the circular schedule needs at least as many "
+                 f"microbatches as stages (mesh.pipeline={pp}), got {micro}")
+        if cfg.pipeline.schedule == "1f1b" and m.matmul_precision == "fp8_delayed":
+            fail("pipeline.schedule", "1f1b computes gradients inside its schedule, where "
+                 "fp8_delayed's amax histories (carried as gradients) cannot pass; use "
+                 "model.matmul_precision=fp8_tensorwise or pipeline.schedule=gpipe")
+    if degrees["data"] > 0 and degrees["fsdp"] > 0:
+        ways = degrees["data"] * degrees["fsdp"]
+        micro = cfg.pipeline.microbatches if pp > 1 else 1
+        rows = cfg.train.batch_size // (cfg.train.known_grad_accum * micro)
+        if cfg.train.batch_size % ways or rows % ways:
+            fail("train.batch_size", f"{cfg.train.batch_size} sequences in microbatches of "
+                 f"{rows} (grad_accum={cfg.train.grad_accum}, pipeline microbatches={micro}) "
+                 f"do not split over mesh data x fsdp = {ways}; make each microbatch a "
+                 f"multiple of {ways}")
+
+
+def grad_accum_in_place_unsupported(cfg: Config) -> str | None:
+    """Why a step of cfg sums its microbatches' gradients the plain way, or None: in place
+    (models/accumulate.py, whose `unsupported` this is; the memory model reads it too)."""
+    t = cfg.train
+    if t.grad_accum == 1:
+        return "train.grad_accum=1: nothing to accumulate"
+    if not t.grad_accum_in_place:
+        return "train.grad_accum_in_place=False"
+    if cfg.model.remat not in ("full", "full_offload"):
+        return (f"model.remat={cfg.model.remat!r}: the in-place backward recomputes each layer "
+                "from its input, which is model.remat='full' (or 'full_offload')")
+    if cfg.mesh.pipeline > 1:
+        return "pipeline parallelism: the stages run their own backward schedule"
+    return None
+
+
+def tp_overlap_unsupported(cfg: Config, degrees: dict[str, int]) -> str | None:
+    """Why model.tp_overlap cannot run on cfg with these mesh degrees, or None. Shared with
+    parallel/collective_matmul.unsupported (this module imports no jax). mesh.tensor=1 (or
+    not known yet: checked again once resolved) has no tensor ring, so nothing to refuse."""
+    if degrees["tensor"] in (1, -1):
+        return None
+    if degrees["pipeline"] != 1 and cfg.pipeline.schedule == "1f1b":
+        return ("pipeline.schedule=1f1b runs each stage's layers under lax.cond, so a ring's "
+                "collective-permutes would run on some stages only (XLA:CPU's permute waits for "
+                "every device and mixes up ticks; on GPU the communicator set-up is collective "
+                "too); use pipeline.schedule=gpipe or circular, or set model.tp_overlap=false")
+    if cfg.model.matmul_precision in FP8_RECIPES:
+        return (f"model.matmul_precision={cfg.model.matmul_precision} runs the projections as "
+                "FP8 GEMMs (pallas_kernels/fp8), which the collective matmul does not cut into "
+                "ring steps: the tensor-parallel collectives would stay whole and exposed; "
+                "use model.matmul_precision=default (or highest), or set "
+                "model.tp_overlap=false")
+    return None
+
+
+def _check_context(cfg: Config, cp: int, tensor: int, pp: int) -> None:
+    if cp in (-1, 1):
+        return
+    seq = cfg.train.seq_len
+    if seq % (2 * cp) or seq % (cp * tensor):
+        need = math.lcm(2 * cp, cp * tensor)
+        fail("train.seq_len", f"{seq} does not split over mesh.context={cp}: each device "
+             f"holds two chunks of seq_len / (2 x context) tokens (one from the start, one "
+             f"from the end, for causal load balance), split again over mesh.tensor="
+             f"{tensor}; make train.seq_len a multiple of {need}")
+    if cfg.pipeline.schedule == "1f1b" and pp != 1:
+        fail("pipeline.schedule", f"1f1b with mesh.context={cp}: its stages run forward and "
+             "backward ticks under stage-dependent branches, and the K/V exchange of "
+             "context parallelism cannot sit inside them (the collectives of different "
+             "branches would meet); use pipeline.schedule=gpipe or circular")
+    if cfg.model.attention_impl == "cudnn":
+        fail("model.attention_impl", "cudnn cannot run context parallelism (its attention "
+             "does not compile inside the shard_map the K/V exchange runs in); use auto, "
+             "xla or one of our kernels (triton, mosaic_sm90, mosaic_sm100)")
