@@ -1,0 +1,151 @@
+"""The model suite: the checks every architecture under models/ passes, against transformers
+(tests/hf_peer/model_peer.py, one .venv-torch subprocess for all of them) and against itself
+on one device. tests/test_model_suite.py runs it for every entry of MODELS; a new architecture
+is one entry here.
+
+  export parity   our export, loaded by transformers, gives our logits
+  import parity   a random transformers model, saved and imported, gives its logits
+  param count     count_params equals transformers' parameter count
+  round trip      export then import gives identical tensors (into a sharded state)
+  layout          a TP x FSDP x PP (1f1b) layout gives the one-device loss and gradients
+                  (tests/test_parallel.py runs every layout on Llama's layer)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+import jax
+import numpy as np
+
+from tests.helpers.hf_runs import HF_CONFIG, hf_small_config, load_run, make_run, titanax_logits
+from tests.helpers.layouts import LAYOUTS, assert_matches, loss_and_grads, tiny_config
+from titanax.checkpoint.reader import CheckpointReader
+from titanax.config import apply_overrides
+from titanax.hf.exporter import export_hf
+from titanax.hf.importer import import_hf
+from titanax.models import model_spec
+from titanax.models.common.block import BlockOptions, DecoderBlock
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelCase:
+    hf_class: str  # transformers' class of this architecture
+    model_type: str  # config.json's model_type
+    overrides: dict  # --set on top of hf_runs.HF_SMALL (d 64, 2 layers, vocab 384)
+    hf_config: dict  # kwargs of the random transformers model of the same dimensions
+    tiny: dict  # --set on top of layouts.TINY for the layout check
+    # False where tests/test_parallel.py already runs this model's layer over every layout:
+    # Llama's (the common DecoderBlock with default options, untied), which Mistral is too.
+    # check_layout asserts that the model really is that layer before it skips.
+    layout: bool = True
+
+
+_PLAIN_ROPE = {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
+_HF_DIMS = {k: HF_CONFIG[k] for k in ("vocab_size", "hidden_size", "intermediate_size",
+                                      "num_hidden_layers", "num_attention_heads",
+                                      "num_key_value_heads", "max_position_embeddings",
+                                      "initializer_range", "bos_token_id", "eos_token_id")}
+
+# Between them: untied and tied output layers, llama3 RoPE scaling and plain RoPE, head_dim
+# * heads == d_model and != d_model, with and without per-head q/k norms.
+MODELS = {
+    "llama3": ModelCase("LlamaForCausalLM", "llama", {}, HF_CONFIG, {}, layout=False),
+    "qwen3": ModelCase(
+        "Qwen3ForCausalLM", "qwen3",
+        {"model.arch": "qwen3", "model.head_dim": 32, "model.rope_theta": 1e6,
+         "model.rope_scaling": "none", "model.norm_eps": 1e-6, "model.tie_embeddings": True},
+        {**_HF_DIMS, **_PLAIN_ROPE, "head_dim": 32, "rms_norm_eps": 1e-6,
+         "tie_word_embeddings": True},
+        {"model.arch": "qwen3", "model.head_dim": 16, "model.rope_scaling": "none",
+         "model.tie_embeddings": True}),
+    "mistral": ModelCase(
+        "MistralForCausalLM", "mistral",
+        {"model.arch": "mistral", "model.head_dim": 32, "model.rope_theta": 1e6,
+         "model.rope_scaling": "none"},
+        {**_HF_DIMS, **_PLAIN_ROPE, "head_dim": 32, "rms_norm_eps": 1e-5,
+         "tie_word_embeddings": False, "sliding_window": None},
+        {"model.arch": "mistral", "model.head_dim": 16, "model.rope_scaling": "none"},
+        layout=False),
+}
+
+LAYOUT = "tp2_fsdp2_pp2_1f1b"  # tensor, FSDP and a pipeline (1f1b) at once
+_TINY = {"model.n_layers": 4}  # two layers per pipeline stage
+
+
+def hf_config_of(name: str):
+    return hf_small_config(**MODELS[name].overrides)
+
+
+def prepare(name: str, tmp: pathlib.Path, tokens_path: pathlib.Path) -> tuple[dict, list]:
+    """A titanax run of model `name` and its export under tmp/name; (the run's parameters by
+    path, the peer jobs that score the export and make a random transformers model)."""
+    case, out = MODELS[name], tmp / name
+    original = make_run(out / "run", hf_config_of(name))
+    export_hf(out / "run", out / "export", dtype="float32", progress=False)
+    jobs = [{"op": "logits", "dir": str(out / "export"), "class": case.hf_class,
+             "tokens": str(tokens_path), "out": str(out / "export_logits.npy")},
+            {"op": "make", "model_type": case.model_type, "config": case.hf_config, "seed": 0,
+             "dir": str(out / "hf"), "tokens": str(tokens_path),
+             "out": str(out / "hf_logits.npy"), "count_out": str(out / "hf_count.json")}]
+    return original, jobs
+
+
+def check_export_parity(name: str, tmp: pathlib.Path, tokens):
+    cfg, graphdef, params = load_run(tmp / name / "run")
+    ours = titanax_logits(cfg, graphdef, params, tokens)
+    assert ours.std() > 0.5  # logits of a real size, not near-zero noise
+    np.testing.assert_allclose(np.load(tmp / name / "export_logits.npy"), ours, atol=1e-4,
+                               rtol=0)
+    config = json.loads((tmp / name / "export" / "config.json").read_text())
+    assert config["architectures"] == [MODELS[name].hf_class]
+
+
+def check_import_parity(name: str, tmp: pathlib.Path, tokens, work: pathlib.Path):
+    import_hf(tmp / name / "hf", hf_config_of(name), work, devices=jax.devices()[:1],
+              progress=False, log=lambda *_: None)
+    cfg, graphdef, params = load_run(work)
+    theirs = np.load(tmp / name / "hf_logits.npy")
+    assert theirs.std() > 0.5
+    np.testing.assert_allclose(titanax_logits(cfg, graphdef, params, tokens), theirs,
+                               atol=1e-4, rtol=0)
+
+
+def check_param_count(name: str, tmp: pathlib.Path):
+    model = hf_config_of(name).model
+    theirs = json.loads((tmp / name / "hf_count.json").read_text())
+    assert model_spec(model).count_params(model) == theirs
+
+
+def check_round_trip(name: str, tmp: pathlib.Path, original: dict, work: pathlib.Path):
+    """Our export imported into a sharded state (fsdp 2, tensor 2), read back unrestored."""
+    cfg = apply_overrides(hf_config_of(name), {"mesh.fsdp": 2, "mesh.tensor": 2})
+    import_hf(tmp / name / "export", cfg, work, devices=jax.devices()[:4], progress=False,
+              log=lambda *_: None)
+    reader = CheckpointReader(work / "checkpoints")
+    assert set(reader.params()) == set(original)
+    for path, value in original.items():
+        np.testing.assert_array_equal(reader.read(path), value, err_msg=".".join(path))
+
+
+def is_llamas_layer(name: str) -> bool:
+    """Whether model `name` computes Llama's layer (what tests/test_parallel.py runs)."""
+    cfg = hf_config_of(name).model
+    build = model_spec(cfg).build
+    return (build.block_cls is DecoderBlock and build.block_options == BlockOptions()
+            and not cfg.tie_embeddings)
+
+
+def check_layout(name: str):
+    """The layout's loss and gradients equal one device's; False from a model whose layer
+    test_parallel already checks (nothing run)."""
+    if not MODELS[name].layout:
+        assert is_llamas_layer(name), f"{name} is not Llama's layer: set layout=True"
+        return False
+    over = {**_TINY, **MODELS[name].tiny}
+    one = loss_and_grads(tiny_config(**over, **{"mesh.data": 1}), jax.devices()[:1])
+    got = loss_and_grads(tiny_config(**over, **LAYOUTS[LAYOUT]), jax.devices())
+    assert_matches(got[:2], one[:2])
+    return True

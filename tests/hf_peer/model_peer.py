@@ -1,0 +1,57 @@
+"""transformers' side of the model suite (tests/helpers/model_suite.py), run under .venv-torch
+as one subprocess for every architecture: `python model_peer.py JOBS.json`; float32 throughout.
+
+Jobs:
+  {"op": "logits", "dir": HF_DIR, "class": NAME, "tokens": T.npy, "out": L.npy}
+      loads HF_DIR with AutoModelForCausalLM (it must be class NAME) and saves the logits.
+  {"op": "make", "model_type": TYPE, "config": {config kwargs}, "seed": N, "dir": HF_DIR,
+   "tokens": T.npy, "out": L.npy, "count_out": C.json}
+      creates a random model of TYPE (norm weights randomised too, so their mapping is
+      tested), saves it with save_pretrained, its logits and its parameter count (tied
+      weights once).
+"""
+
+import json
+import sys
+
+import numpy as np
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+
+def logits_of(model, tokens_path):
+    tokens = torch.from_numpy(np.load(tokens_path).astype(np.int64))
+    with torch.no_grad():
+        return model(input_ids=tokens).logits.float().numpy()
+
+
+def job_logits(job):
+    model = AutoModelForCausalLM.from_pretrained(job["dir"], dtype=torch.float32).eval()
+    assert type(model).__name__ == job["class"], type(model)
+    np.save(job["out"], logits_of(model, job["tokens"]))
+
+
+def job_make(job):
+    torch.manual_seed(job["seed"])
+    config = AutoConfig.for_model(job["model_type"], **job["config"])
+    model = AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+    model.save_pretrained(job["dir"], safe_serialization=True)
+    np.save(job["out"], logits_of(model, job["tokens"]))
+    with open(job["count_out"], "w") as f:
+        json.dump(sum(p.numel() for p in model.parameters()), f)
+
+
+def main():
+    torch.set_num_threads(2)
+    with open(sys.argv[1]) as f:
+        jobs = json.load(f)
+    for job in jobs:
+        {"logits": job_logits, "make": job_make}[job["op"]](job)
+
+
+if __name__ == "__main__":
+    main()

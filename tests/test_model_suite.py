@@ -1,0 +1,71 @@
+"""The model suite (tests/helpers/model_suite.py) on every architecture it lists: HF logits
+parity against transformers both ways, the parameter count, export/import identity, a parallel
+layout equal to one device. One transformers subprocess serves every model; then the
+architecture-specific facts (published sizes, refused sliding windows)."""
+
+import types
+
+import numpy as np
+import pytest
+from torch_peer import run_jobs
+
+from tests.helpers import model_suite as suite
+from titanax.models import model_spec, preset
+
+pytestmark = pytest.mark.usefixtures("devices8")  # meshes over 8 simulated devices
+NAMES = list(suite.MODELS)
+
+
+@pytest.fixture(scope="module")
+def peer(tmp_path_factory):
+    """Every model's run and export, and transformers' side of all of them in one subprocess."""
+    tmp = tmp_path_factory.mktemp("suite")
+    tokens = np.random.default_rng(0).integers(0, 384, (2, 48)).astype(np.int32)
+    np.save(tmp / "tokens.npy", tokens)
+    originals, jobs = {}, []
+    for name in NAMES:
+        originals[name], more = suite.prepare(name, tmp, tmp / "tokens.npy")
+        jobs += more
+    run_jobs("model_peer.py", jobs, tmp)
+    return types.SimpleNamespace(tmp=tmp, tokens=tokens, originals=originals)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_export_gives_transformers_logits(peer, name):
+    suite.check_export_parity(name, peer.tmp, peer.tokens)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_import_gives_transformers_logits(peer, name, tmp_path):
+    suite.check_import_parity(name, peer.tmp, peer.tokens, tmp_path / "imported")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_param_count_is_transformers(peer, name):
+    suite.check_param_count(name, peer.tmp)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_export_then_import_is_the_identity(peer, name, tmp_path):
+    suite.check_round_trip(name, peer.tmp, peer.originals[name], tmp_path / "roundtrip")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_layout_matches_one_device(name):
+    if not suite.check_layout(name):
+        pytest.skip(f"{name} computes Llama's layer: tests/test_parallel.py runs its layouts")
+
+
+def test_mistral_size_and_refused_sliding_window():
+    assert model_spec("mistral").count_params(preset("mistral_7b")) == 7_248_023_552
+    cfg = suite.hf_config_of("mistral")
+    hf = {**suite.MODELS["mistral"].hf_config, "model_type": "mistral"}
+    spec = model_spec(cfg.model)
+    assert spec.hf.mismatches(hf, cfg.model) == []
+    assert spec.hf.to_config(cfg.model, dtype="float32", bos_id=0, eos_id=1)[
+        "sliding_window"] is None
+    v0_1 = {**hf, "sliding_window": 4096, "max_position_embeddings": 32768}
+    for refused in (v0_1, {**hf, "sliding_window": 63}):  # max_position_embeddings 64
+        with pytest.raises(ValueError, match="sliding_window=.* is not supported"):
+            spec.hf.mismatches(refused, cfg.model)
+    assert spec.hf.mismatches({**hf, "sliding_window": 64}, cfg.model) == []
