@@ -113,7 +113,7 @@ def _chat_ids(tok, tok_path, prompt: str, system: str | None) -> list[int]:
     messages = ([{"role": "system", "content": system}] if system is not None else []) + [
         {"role": "user", "content": prompt}]
     try:
-        return tok.encode(template.render(messages, add_generation_prompt=True))
+        return tok.encode_rendered(template.render(messages, add_generation_prompt=True))
     except ChatError as e:
         fail(str(e))
 

@@ -12,6 +12,14 @@ object per line, the text under --text-key), .parquet and .arrow (the text in co
 .arrow, or those matching --glob (e.g. '*.html'). --bos starts each document with the
 tokenizer's BOS token (as in Llama 3 pretraining; train with data.bos=true). Interrupted runs
 resume: re-run the same command. The work itself lives in titanax.data.shards.prepare_shards.
+
+Fine-tuning examples (--format chat: a "messages" list; --format prompt_response: "prompt"
+and "response" fields) are rendered through the chat template beside --tokenizer
+(chat_template.jinja or tokenizer_config.json), and a loss mask is written beside the tokens:
+the assistant's replies and their end-of-turn tokens (--train-on all: every token).
+
+    python -m launch.prepare_data --tokenizer RUN/hf_tokenizer/tokenizer.json \
+        --input chats.jsonl --out sft/ --format chat
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import shutil
 import sys
 
 from titanax.config import ConfigError
+from titanax.data.examples import FORMATS, TRAIN_ON
 from titanax.data.shards import prepare_shards
 
 
@@ -39,6 +48,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="JSON field (.jsonl) or column (.parquet, .arrow) holding the text")
     p.add_argument("--bos", action="store_true",
                    help="start each document with the tokenizer's BOS (train with data.bos=true)")
+    p.add_argument("--format", default="text", choices=FORMATS,
+                   help="text: documents (--text-key); chat: a 'messages' list of {role, "
+                   "content}; prompt_response: 'prompt' and 'response' fields. The example "
+                   "formats render through the tokenizer folder's chat template and write a "
+                   "loss mask beside the tokens")
+    p.add_argument("--train-on", default="assistant", choices=TRAIN_ON,
+                   help="examples: the loss on the assistant's turns (and their end-of-turn "
+                   "token) only, or on all tokens")
     p.add_argument("--glob", default=None,
                    help="only files matching this pattern (name or relative path)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -46,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         meta = prepare_shards(args.tokenizer, args.input, args.out,
                               shard_tokens=args.shard_tokens, text_key=args.text_key,
-                              glob=args.glob, progress=not args.no_progress, bos=args.bos)
+                              glob=args.glob, progress=not args.no_progress, bos=args.bos,
+                              fmt=args.format, train_on=args.train_on)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -63,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     # max_id (in meta.json) lets training check model.vocab_size without reading the tokens
     max_ids = [s["max_id"] for s in meta["shards"] if "max_id" in s]
     bos_note = f", bos {meta['bos_id']} per document" if meta.get("bos") else ""
+    if args.format != "text":
+        n_loss = sum(s["n_loss_tokens"] for s in meta["shards"])
+        bos_note += (f"; {args.format} examples, the loss on {n_loss:,} tokens "
+                     f"(--train-on {args.train_on})")
     print(f"{args.out}: {len(meta['shards'])} shards, {n_docs} documents, {n_tokens:,} tokens "
           f"(vocab {meta['vocab_size']}, eos {meta['eos_id']}"
           f"{bos_note}"

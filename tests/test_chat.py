@@ -72,8 +72,12 @@ def test_bad_conversations_and_templates_are_named():
 
 def test_loss_covers_each_assistant_reply_and_its_end_of_turn(tokenizer):
     folder, tok = tokenizer
-    ids, mask = assistant_spans(ChatTemplate.from_folder(folder), CHAT, tok.encode)
-    assert ids == tok.encode(ChatTemplate.from_folder(folder).render(CHAT))
+    ids, mask = assistant_spans(ChatTemplate.from_folder(folder), CHAT, tok.encode_rendered)
+    assert ids == tok.encode_rendered(ChatTemplate.from_folder(folder).render(CHAT))
+    # the template's special tokens are their ids (as apply_chat_template tokenizes them), but
+    # the same text in a user's own words stays characters
+    eot = tok._tok.token_to_id("<|eot_id|>")
+    assert ids.count(eot) == 5 and tok.encode("<|eot_id|>").count(eot) == 0
     spans, run = [], []
     for t, m in zip(ids, mask):
         if m:
@@ -84,8 +88,9 @@ def test_loss_covers_each_assistant_reply_and_its_end_of_turn(tokenizer):
     spans += [run] if run else []
     # exactly the replies and their <|eot_id|>: no header, no prompt, nothing else
     assert [tok.decode(s) for s in spans] == ["3 2 1<|eot_id|>", "b a<|eot_id|>"]
+    assert [s[-1] for s in spans] == [eot, eot]
     with pytest.raises(ChatError, match="no assistant message"):
-        assistant_spans(ChatTemplate.from_folder(folder), CHAT[:2], tok.encode)
+        assistant_spans(ChatTemplate.from_folder(folder), CHAT[:2], tok.encode_rendered)
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from titanax.config.errors import check_positive, check_types, fail
+from titanax.config.errors import check_choice, check_positive, check_types, fail
 from titanax.config.mixture import mixture_string, parse_source
+
+DATA_FORMATS = ("auto", "text", "examples", "chat", "prompt_response")
+PACKINGS = ("pack", "pad")  # data/example_rows.py
+TRUNCATES = ("right", "drop")
 
 
 @dataclass(frozen=True)
@@ -18,7 +22,9 @@ class DataConfig:
     # has no data of its own); launch.train refuses to start until one is.
     source: str = "embedded"
     tokenizer: str = ""  # tokenizer.json; '' with embedded: trained on first use, cached
-    val_fraction: float = 0.02  # held-out share of documents (embedded) or tokens (shards)
+    # Held-out share of documents (embedded), tokens (text shards) or examples (example
+    # shards); 0 (shard folders only): no validation split, train.eval_every is skipped.
+    val_fraction: float = 0.02
     embedded_max_bytes: int = 24_000_000  # cap on the embedded corpus read from disk
     document_masking: bool = True  # attention never crosses packed document boundaries
     shuffle: bool = True
@@ -29,6 +35,17 @@ class DataConfig:
     # only with this set: its validation split is the tail of what is there so far, and
     # moves once the folder is finished.
     allow_partial: bool = False
+    # What data.source must hold: 'auto' (whatever it holds), 'text' (documents, the loss on
+    # every token), or fine-tuning examples with their loss masks: 'examples' (either kind),
+    # 'chat' or 'prompt_response' (prepare_data --format). A folder of another kind is
+    # refused before training. An import of a model with a chat template sets 'examples'.
+    format: str = "auto"
+    # Fine-tuning examples in rows of train.seq_len + 1 tokens, never split: 'pack' (first-fit,
+    # several per row, each its own segment) or 'pad' (one example per row, then padding).
+    packing: str = "pack"
+    # An example longer than a row: 'right' keeps its first train.seq_len + 1 tokens, 'drop'
+    # leaves it out; the log counts either.
+    truncate: str = "right"
 
     def __post_init__(self):
         if isinstance(self.source, (list, tuple, dict)):
@@ -37,8 +54,14 @@ class DataConfig:
         if not self.source:
             fail("data.source", "must be 'embedded', 'synthetic' or a folder of token shards")
         self.folders()  # a malformed mixture fails here, before anything is built
-        if not 0.0 < self.val_fraction < 0.5:
-            fail("data.val_fraction", f"must lie in (0, 0.5), got {self.val_fraction}")
+        if not 0.0 <= self.val_fraction < 0.5:
+            fail("data.val_fraction", f"must lie in [0, 0.5), got {self.val_fraction}")
+        if self.val_fraction == 0 and self.source in ("embedded", "synthetic"):
+            fail("data.val_fraction", f"0 (no validation) is for shard folders; data.source="
+                 f"{self.source} needs a share in (0, 0.5)")
+        check_choice("data.format", self.format, DATA_FORMATS)
+        check_choice("data.packing", self.packing, PACKINGS)
+        check_choice("data.truncate", self.truncate, TRUNCATES)
         check_positive("data", self, "embedded_max_bytes")
 
     @property

@@ -45,6 +45,9 @@ class Config:
         if self.train.seq_len > self.model.max_seq_len:
             fail("train.seq_len", f"{self.train.seq_len} exceeds model.max_seq_len="
                  f"{self.model.max_seq_len}; raise model.max_seq_len or shorten the sequence")
+        if self.train.epochs and self.data.source == "synthetic":
+            fail("train.epochs", "data.source=synthetic has no end to count passes over; "
+                 "set train.steps instead (and train.epochs=0)")
         if self.train.offload_params and self.model.remat == "none":
             fail("train.offload_params", "needs a model.remat policy: without one the "
                  "backward pass keeps every layer's weights on the device, the very copy "
@@ -91,6 +94,10 @@ def check_parallel_layout(cfg: Config, degrees: dict[str, int]) -> None:
                 fail(f"model.{name}", f"{getattr(m, name)} is not divisible by mesh.tensor="
                      f"{tensor} (tensor parallelism splits heads); choose mesh.tensor dividing "
                      f"{getattr(m, name)}")
+        if m.vocab_size % tensor:
+            fail("model.vocab_size", f"{m.vocab_size} is not divisible by mesh.tensor={tensor} "
+                 "(tensor parallelism splits the embedding and the output layer along the "
+                 "vocabulary); choose mesh.tensor dividing it")
         if cfg.train.seq_len % tensor:
             fail("train.seq_len", f"{cfg.train.seq_len} is not divisible by mesh.tensor="
                  f"{tensor} (sequence parallelism splits the norm regions along the sequence)")

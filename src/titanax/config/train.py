@@ -14,6 +14,11 @@ GRAD_ACCUM_AUTO = "auto"  # train.grad_accum: the smallest count that fits (laun
 @dataclass(frozen=True)
 class TrainConfig:
     steps: int = 300
+    # Passes over the training data instead of a step count: > 0 sets train.steps to
+    # ceil(epochs x training rows / batch_size) once the data is open (launch.train logs the
+    # count; the learning-rate schedule spans it). Fractions allowed (0.5: half the data).
+    # 0: train.steps decides. Not for data.source=synthetic (no end).
+    epochs: float = 0.0
     batch_size: int = 16  # global, in sequences
     seq_len: int = 256
     seed: int = 0
@@ -110,6 +115,8 @@ class TrainConfig:
                        "eval_batches", "max_bad_steps")
         if self.known_grad_accum <= 0:
             fail("train.grad_accum", f"must be > 0 or 'auto', got {self.grad_accum}")
+        if self.epochs < 0:
+            fail("train.epochs", f"must be >= 0 (0: train.steps decides), got {self.epochs}")
         if self.eval_every < 0:
             fail("train.eval_every", "must be >= 0")
         if self.peak_flops < 0:

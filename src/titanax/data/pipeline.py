@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import pathlib
 
 import numpy as np
@@ -24,6 +25,8 @@ import numpy as np
 from titanax.config import Config, ConfigError
 from titanax.data import corpus, shards
 from titanax.data.errors import DataError
+from titanax.data.example_rows import ExampleRows, pack_example_rows
+from titanax.data.example_source import example_rows, is_example_folder
 from titanax.data.mixture import MixtureWindows
 from titanax.data.packing import StreamWindows, TokenStream, pack
 from titanax.data.tokenizer import Tokenizer, load_or_train
@@ -64,6 +67,8 @@ class Data:
         return self.rows
 
     def _pack(self, windows) -> dict:
+        if windows.ndim == 3:  # rows of whole examples (data/example_rows.py)
+            return pack_example_rows(windows)
         masking = self.cfg.data.document_masking
         return pack(windows, self.eos_id, masking)
 
@@ -90,7 +95,10 @@ class Data:
         return iter(ds.to_iter_dataset(read))
 
     def val_batches(self) -> list[dict]:
-        """train.eval_batches fixed batches of held-out windows (fewer if the split is small)."""
+        """train.eval_batches fixed batches of held-out windows (fewer if the split is small);
+        none when there is no validation split (examples with data.val_fraction=0)."""
+        if self.val_windows is None:
+            return []
         g = self.cfg.train.batch_size
         n = min(self.cfg.train.eval_batches, len(self.val_windows) // g)
         if n == 0:
@@ -130,17 +138,53 @@ def build_data(cfg: Config, workdir: str | pathlib.Path, process_index: int = 0,
         parts = _shard_folder(cfg, pathlib.Path(cfg.data.folders()[0][0]))
     else:
         parts = _mixture(cfg)
+    _check_format(cfg, parts[1])
     tokenizer, train_stream, val_stream, eos_id, summary = parts
     seq_len = cfg.train.seq_len
     if not isinstance(train_stream, TokenStream):  # already windows: synthetic, a mixture
         train_w, val_w = train_stream, val_stream
     else:
-        train_w, val_w = StreamWindows(train_stream, seq_len), StreamWindows(val_stream, seq_len)
+        train_w = StreamWindows(train_stream, seq_len)
+        val_w = None if val_stream is None else StreamWindows(val_stream, seq_len)
     if len(train_w) == 0:
         raise DataError(f"data.source={source!r}: the training split has {len(train_stream)} "
                         f"tokens, less than one window of train.seq_len+1={seq_len + 1}; "
                         "lower train.seq_len or use more data")
     return Data(cfg, tokenizer, train_w, val_w, eos_id, summary, rows)
+
+
+def with_epoch_steps(cfg: Config, workdir: str | pathlib.Path) -> tuple[Config, str]:
+    """cfg with train.steps = ceil(train.epochs x training rows / batch_size), and the line
+    that says so (train.epochs > 0)."""
+    n = len(build_data(cfg, workdir).train_windows)
+    t = cfg.train
+    steps = max(1, math.ceil(t.epochs * n / t.batch_size))
+    line = (f"train.epochs={t.epochs:g} -> train.steps={steps} ({n:,} training rows of "
+            f"{t.seq_len + 1} tokens, {t.batch_size} a step)")
+    return dataclasses.replace(cfg, train=dataclasses.replace(t, steps=steps)), line
+
+
+def _check_format(cfg: Config, train) -> None:
+    """data.format and data.packing against what the source holds: examples (with loss masks)
+    or text."""
+    d = cfg.data
+    examples = isinstance(train, ExampleRows) or (isinstance(train, MixtureWindows)
+                                                  and isinstance(train.parts[0], ExampleRows))
+    holds = "examples" if examples else "text"
+    if d.format not in ("auto", "text") and not examples:
+        flag = "chat" if d.format == "examples" else d.format
+        raise DataError(f"data.format={d.format}: data.source={d.source} holds text, with no "
+                        "loss masks; write its examples with `python -m launch.prepare_data "
+                        f"--format {flag}` into a fresh --out folder, or set "
+                        "data.format=auto to train on every token")
+    if d.format == "text" and examples:
+        raise DataError(f"data.format=text: data.source={d.source} holds fine-tuning "
+                        "examples; set data.format=auto (or the folder's format)")
+    if d.packing == "pad" and holds == "text":
+        raise DataError(f"data.packing=pad puts one example per row, but data.source="
+                        f"{d.source} holds text (packed into windows); prepare examples with "
+                        "`python -m launch.prepare_data --format chat|prompt_response`, or "
+                        "set data.packing=pack")
 
 
 def _synthetic(cfg: Config):
@@ -228,9 +272,14 @@ def _open_folder(cfg: Config, folder: pathlib.Path):
                         "meta.json complete: false); re-run the same prepare_data command to "
                         "finish it, or set data.allow_partial=true to train on what it holds "
                         "(its validation split, the tail, moves once it is finished)")
+    if is_example_folder(meta):  # whole examples in rows, not windows of a stream
+        train, val, train.summary = example_rows(cfg, folder, meta, arrays)  # (its log line)
+        return meta, train, val
     stream = TokenStream(arrays, names=[str(folder / e["file"]) for e in meta["shards"]],
                          vocab_size=cfg.model.vocab_size)
     n = len(stream)
+    if cfg.data.val_fraction == 0:  # no validation split
+        return meta, stream, None
     n_val = max(1, int(n * cfg.data.val_fraction))
     return meta, stream.view(0, n - n_val), stream.view(n - n_val, n)
 
@@ -238,7 +287,10 @@ def _open_folder(cfg: Config, folder: pathlib.Path):
 def _check_bos(cfg: Config, metas: dict) -> None:
     """Refuses folders written with and without BOS per document together, or against
     data.bos (folders from before meta.json recorded it were written without)."""
-    flags = {folder: bool(meta.get("bos", False)) for folder, meta in metas.items()}
+    flags = {folder: bool(meta.get("bos", False)) for folder, meta in metas.items()
+             if not is_example_folder(meta)}  # examples: the chat template writes any BOS
+    if not flags:
+        return
     if len(set(flags.values())) > 1:
         with_ = [str(f) for f, b in flags.items() if b]
         without = [str(f) for f, b in flags.items() if not b]
@@ -255,6 +307,21 @@ def _check_bos(cfg: Config, metas: dict) -> None:
                         f"BOS per document (meta.json bos: {str(flag).lower()}); set "
                         f"data.bos={str(flag).lower()}, or re-run `python -m launch.prepare_data"
                         f"{'' if flag else ' --bos'}` into a fresh --out folder")
+
+
+def _check_example_format(cfg: Config, metas: dict) -> None:
+    """Every folder's examples of one kind, written with one template and loss rule, and of
+    data.format's kind when it names one."""
+    kinds = {(m["data_format"], m.get("train_on"), m.get("template_sha256"))
+             for m in metas.values()}
+    if len(kinds) > 1:
+        raise DataError(f"data.source: the folders' examples differ in format, --train-on or "
+                        f"chat template ({sorted(map(str, kinds))}); prepare them alike")
+    fmt = next(iter(kinds))[0]
+    if cfg.data.format not in ("auto", "examples", fmt):
+        raise DataError(f"data.format={cfg.data.format}: data.source={cfg.data.source} holds "
+                        f"{fmt} examples; set data.format={fmt} (or auto), or prepare the data "
+                        f"with --format {cfg.data.format}")
 
 
 def _folder_tokenizer(cfg: Config, folder: pathlib.Path) -> Tokenizer | None:
@@ -293,6 +360,9 @@ def _shard_folder(cfg: Config, folder: pathlib.Path):
     _check_bos(cfg, {folder: meta})
     _check_tokenizer(cfg, {folder: meta})
     tok = _folder_tokenizer(cfg, folder)
+    if isinstance(train, ExampleRows):
+        _check_example_format(cfg, {folder: meta})
+        return tok, train, val, meta.get("eos_id"), train.summary
     n_docs = sum(s.get("n_docs", 0) for s in meta["shards"])
     summary = (f"data: shards {folder} ({len(meta['shards'])} shards, {n_docs} documents), "
                f"train {len(train):,} tokens, val {len(val):,} tokens, vocab "
@@ -314,23 +384,49 @@ def _mixture(cfg: Config):
                 raise DataError(f"data.source: {folder} and {first} were written with "
                                 f"different tokenizers ({key} differs); tokenize every folder "
                                 "of a mixture with the same tokenizer.json")
+    kinds = {folder: is_example_folder(meta) for folder, meta in metas.items()}
+    if len(set(kinds.values())) > 1:
+        raise DataError(f"data.source: mixes folders of fine-tuning examples "
+                        f"({[str(f) for f, e in kinds.items() if e]}) with text folders "
+                        f"({[str(f) for f, e in kinds.items() if not e]}); text has no loss "
+                        "masks: prepare every folder with the same --format")
+    if any(kinds.values()):
+        return _example_mixture(cfg, folders, opened, metas)
     seq_len, total = cfg.train.seq_len, sum(w for _, w in folders)
     train, val, lines = [], [], []
     for folder, w in folders:
         _, t, v = opened[folder]
-        t, v = StreamWindows(t, seq_len), StreamWindows(v, seq_len)
+        t, v = StreamWindows(t, seq_len), None if v is None else StreamWindows(v, seq_len)
         for split, windows, fix in (("training", t, "use more data"),
-                                    ("validation", v, "raise data.val_fraction")):
+                                    ("validation", v or t, "raise data.val_fraction")):
             if len(windows) == 0:
                 raise DataError(f"data.source: the {split} split of {folder} holds no window of "
                                 f"train.seq_len+1={seq_len + 1} tokens; lower train.seq_len or "
                                 f"{fix}")
         train.append(t)
         val.append(v)
-        lines.append(f"{folder} {w / total:.0%} ({len(t):,} train / {len(v):,} val windows)")
+        n_val = len(v) if v else 0
+        lines.append(f"{folder} {w / total:.0%} ({len(t):,} train / {n_val:,} val windows)")
     weights = [w for _, w in folders]
     mix = MixtureWindows(train, weights)
     summary = (f"data: mixture of {len(folders)} shard folders: {', '.join(lines)}, vocab "
                f"{meta0.get('vocab_size')}{', bos per document' if cfg.data.bos else ''}")
-    return (_folder_tokenizer(cfg, first), mix, MixtureWindows(val, weights).val_windows(),
-            meta0.get("eos_id"), summary)
+    val_mix = None if val[0] is None else MixtureWindows(val, weights).val_windows()
+    return _folder_tokenizer(cfg, first), mix, val_mix, meta0.get("eos_id"), summary
+
+
+def _example_mixture(cfg: Config, folders, opened: dict, metas: dict):
+    """A mixture of example folders: each folder's rows, interleaved by weight as windows are
+    (data/mixture.py); validation only when every folder holds some out."""
+    _check_example_format(cfg, metas)
+    total = sum(w for _, w in folders)
+    weights = [w for _, w in folders]
+    train = [opened[f][1] for f, _ in folders]
+    vals = [opened[f][2] for f, _ in folders]
+    lines = [f"{f} {w / total:.0%} ({opened[f][1].describe()})" for f, w in folders]
+    val = None if any(v is None for v in vals) else MixtureWindows(vals, weights).val_windows()
+    first = folders[0][0]
+    summary = (f"data: mixture of {len(folders)} example folders "
+               f"({metas[first]['data_format']}): {', '.join(lines)}")
+    return _folder_tokenizer(cfg, first), MixtureWindows(train, weights), val, \
+        metas[first].get("eos_id"), summary

@@ -76,13 +76,21 @@ def _hf_saved_files(folder: pathlib.Path) -> list[str]:
     return files
 
 
-def records(root: pathlib.Path, rel: str, text_key: str, skip: int):
-    """Yields (records consumed so far, text, bytes accounted for) for one input, after skip."""
+def records(root: pathlib.Path, rel: str, text_key: str, skip: int,
+            fields: tuple[str, ...] | None = None):
+    """Yields (records consumed so far, text, bytes accounted for) for one input, after skip.
+    fields: read examples instead of text (prepare_data --format chat|prompt_response): each
+    record is then a dict of those fields ({} for a blank line), and plain text files are
+    refused."""
     path = root / rel
     if rel.endswith(JSONL):
-        yield from _jsonl(path, text_key, skip)
+        yield from _jsonl(path, text_key, skip, fields)
     elif rel.endswith(TABLES):
-        yield from _table(path, text_key, skip)
+        yield from _table(path, text_key, skip, fields)
+    elif fields:
+        raise DataError(f"{path}: examples ({', '.join(fields)}) are read from .jsonl, "
+                        ".parquet or .arrow files, not from plain text; leave this file out "
+                        "(--glob) or prepare it with --format text")
     elif skip < 1:
         raw = path.read_bytes()
         yield 1, raw.decode("utf-8", errors="replace"), len(raw)
@@ -104,7 +112,7 @@ def _open_text_lines(raw):
     return raw
 
 
-def _jsonl(path: pathlib.Path, text_key: str, skip: int):
+def _jsonl(path: pathlib.Path, text_key: str, skip: int, fields=None):
     with open(path, "rb") as raw:
         lines, seen = _open_text_lines(raw), 0
         try:
@@ -113,45 +121,66 @@ def _jsonl(path: pathlib.Path, text_key: str, skip: int):
                 nbytes, seen = pos - seen, pos
                 if lineno <= skip:
                     continue
-                yield lineno, _json_text(path, lineno, line, text_key), nbytes
+                yield lineno, _json_record(path, lineno, line, text_key, fields), nbytes
         except (OSError, EOFError) as e:  # gzip/zstd: truncated or corrupt stream
             raise DataError(f"{path}: cannot decompress ({e}); download it again") from None
 
 
-def _json_text(path: pathlib.Path, lineno: int, line: bytes, text_key: str) -> str:
+def _json_record(path: pathlib.Path, lineno: int, line: bytes, text_key: str, fields=None):
+    """The text under text_key, or with fields the dict of those fields."""
     if not line.strip():
-        return ""
+        return {} if fields else ""
     try:
         obj = json.loads(line)
     except ValueError as e:
         raise DataError(f"{path}:{lineno}: not valid JSON ({e})") from None
-    if not isinstance(obj, dict) or text_key not in obj:
-        keys = list(obj) if isinstance(obj, dict) else type(obj).__name__
-        raise DataError(f"{path}:{lineno}: no {text_key!r} field (found {keys}); pass --text-key")
-    value = obj[text_key]
-    return "" if value is None else str(value)
+    for key in fields or (text_key,):
+        if not isinstance(obj, dict) or key not in obj:
+            keys = list(obj) if isinstance(obj, dict) else type(obj).__name__
+            how = "pass --text-key" if not fields else f"--format needs {list(fields)}"
+            raise DataError(f"{path}:{lineno}: no {key!r} field (found {keys}); {how}")
+    if fields:
+        return {k: obj[k] for k in fields}
+    return text_value(obj[text_key], f"{path}:{lineno}", text_key)
 
 
-def _table(path: pathlib.Path, text_key: str, skip: int):
-    """Rows of a parquet or Arrow file, reading only the text column, batch by batch."""
-    batches, n_rows = _column_batches(path, text_key)
+def text_value(value, where: str, text_key: str) -> str:
+    """A text field's value: a string (None: empty). Anything else (a list of messages, a
+    number) is refused: str() of it would be tokenized as if it were text."""
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise DataError(f"{where}: --text-key {text_key!r} holds a {type(value).__name__}, not "
+                        "text; for chat data pass --format chat (a list of messages), for "
+                        "prompt/response pairs --format prompt_response, else choose the "
+                        "--text-key that holds the text")
+    return value
+
+
+def _table(path: pathlib.Path, text_key: str, skip: int, fields=None):
+    """Rows of a parquet or Arrow file, reading only the needed columns, batch by batch."""
+    columns = list(fields or (text_key,))
+    batches, n_rows = _column_batches(path, columns)
     size = path.stat().st_size
     row, accounted = 0, 0
-    for column in batches:
-        if row + len(column) <= skip:  # resuming: whole batches before the point are skipped
-            row += len(column)
+    for batch in batches:
+        if row + batch.num_rows <= skip:  # resuming: whole batches before the point skipped
+            row += batch.num_rows
             continue
-        for value in column.to_pylist():
+        values = [batch.column(i).to_pylist() for i in range(len(columns))]
+        for cells in zip(*values):
             row += 1
             # Bytes in proportion to rows: the file's size is spread evenly over its rows.
             nbytes = size * row // max(n_rows, 1) - accounted
             accounted += nbytes
             if row > skip:
-                yield row, "" if value is None else str(value), nbytes
+                record = (dict(zip(columns, cells)) if fields else
+                          text_value(cells[0], f"{path} row {row}", text_key))
+                yield row, record, nbytes
 
 
-def _column_batches(path: pathlib.Path, text_key: str):
-    """(iterator of the text column's arrays, number of rows)."""
+def _column_batches(path: pathlib.Path, columns: list[str]):
+    """(iterator of record batches holding just these columns, number of rows)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -159,8 +188,8 @@ def _column_batches(path: pathlib.Path, text_key: str):
         if path.name.endswith(".parquet"):
             pf = pq.ParquetFile(path)
             names, n_rows = pf.schema_arrow.names, pf.metadata.num_rows
-            _need_column(path, text_key, names)
-            return (b.column(0) for b in pf.iter_batches(columns=[text_key])), n_rows
+            _need_columns(path, columns, names)
+            return pf.iter_batches(columns=columns), n_rows
         source = pa.memory_map(str(path))
         try:
             table = pa.ipc.open_file(source).read_all()
@@ -170,11 +199,12 @@ def _column_batches(path: pathlib.Path, text_key: str):
     except (pa.ArrowException, OSError) as e:
         raise DataError(f"{path}: not a readable {path.suffix} file ({e}); check the "
                         "file, or leave it out with --glob") from None
-    _need_column(path, text_key, table.schema.names)
-    column = table.column(text_key)
-    return iter(column.chunks), table.num_rows
+    _need_columns(path, columns, table.schema.names)
+    return iter(table.select(columns).to_batches()), table.num_rows
 
 
-def _need_column(path: pathlib.Path, text_key: str, names: list[str]) -> None:
-    if text_key not in names:
-        raise DataError(f"{path}: no {text_key!r} column (found {names}); pass --text-key")
+def _need_columns(path: pathlib.Path, columns: list[str], names: list[str]) -> None:
+    for column in columns:
+        if column not in names:
+            how = "pass --text-key" if len(columns) == 1 else "--format needs them"
+            raise DataError(f"{path}: no {column!r} column (found {names}); {how}")

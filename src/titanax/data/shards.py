@@ -9,6 +9,11 @@ A folder holds
   shard_00000.npy ...  uint32 1-D, documents concatenated, each followed by eos (and, with
                        bos, preceded by bos)
   tokenizer.json       a copy of the tokenizer that wrote them
+Fine-tuning examples (prepare_data --format chat|prompt_response; meta.json data_format,
+train_on, template_sha256) add per shard, listed in its entry:
+  mask_00000.npy       uint8, one per token: 1 where the loss bears on the token as a target
+  offsets_00000.npy    int64 [n_docs + 1]: where each example starts (no eos is added: the
+                       template ends each turn itself)
 
 A shard only exists under its final name once completely written (temp name, then rename),
 and it only counts once meta.json lists it; meta.json itself is replaced atomically. So a run
@@ -30,10 +35,13 @@ import sys
 
 import numpy as np
 
+from titanax.data.chat import ChatTemplate
 from titanax.data.errors import DataError
+from titanax.data.examples import FIELDS, FORMATS, ExampleEncoder
 from titanax.data.readers import list_inputs, records
 
-__all__ = ["DataError", "list_inputs", "prepare_shards", "open_shards", "read_meta"]
+__all__ = ["DataError", "list_inputs", "prepare_shards", "open_shards", "open_example_arrays",
+           "read_meta"]
 
 FORMAT = "titanax-token-shards"
 VERSION = 1
@@ -131,6 +139,32 @@ def open_shards(folder: str | pathlib.Path, vocab_size: int | None = None
     return meta, arrays
 
 
+def open_example_arrays(folder: str | pathlib.Path, meta: dict
+                        ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(masks, offsets) of an example folder's shards, memory-mapped and checked against the
+    shards' sizes; DataError for a text folder (it has no loss masks)."""
+    folder = pathlib.Path(folder)
+    if meta.get("data_format", "text") == "text":
+        raise DataError(f"{folder}: holds text documents, with no loss masks; write fine-tuning "
+                        "examples with `python -m launch.prepare_data --format chat` (or "
+                        "prompt_response) into a fresh --out folder")
+    masks, offsets = [], []
+    for entry in meta["shards"]:
+        for key, out in (("mask", masks), ("offsets", offsets)):
+            path = folder / entry.get(key, f"<{key} missing from {META}>")
+            try:
+                arr = np.load(path, mmap_mode="r", allow_pickle=False)
+            except Exception as e:  # missing, truncated, not .npy
+                raise DataError(f"{path}: unreadable ({type(e).__name__}: {e}); {_FIX}") from None
+            out.append(arr)
+        n = entry["n_tokens"]
+        if masks[-1].shape != (n,) or offsets[-1].shape != (entry["n_docs"] + 1,) \
+                or int(offsets[-1][-1]) != n:
+            raise DataError(f"{folder / entry['file']}: its mask or offsets do not match its "
+                            f"{n} tokens and {entry['n_docs']} examples; {_FIX}")
+    return masks, offsets
+
+
 def _scan_unrecorded(folder: pathlib.Path, meta: dict, arrays: list[np.ndarray]) -> None:
     """Shards listed without max_id (written before titanax recorded it) are read once, and
     their max_id written into meta.json so that later start-ups read no tokens."""
@@ -190,10 +224,14 @@ def _open_shard(folder: pathlib.Path, entry: dict) -> np.ndarray:
 def prepare_shards(tokenizer_path: str | pathlib.Path, input_path: str | pathlib.Path,
                    out_dir: str | pathlib.Path, shard_tokens: int = 50_000_000,
                    text_key: str = "text", glob: str | None = None, progress: bool = True,
-                   batch_chars: int = 4_000_000, bos: bool = False) -> dict:
+                   batch_chars: int = 4_000_000, bos: bool = False, fmt: str = "text",
+                   train_on: str = "assistant") -> dict:
     """Tokenizes input into a shard folder, resuming an interrupted run. Returns meta.
 
-    bos: each document starts with the tokenizer's BOS token (meta.json records it)."""
+    bos: each document starts with the tokenizer's BOS token (meta.json records it).
+    fmt: 'text' (documents), or 'chat' / 'prompt_response' (fine-tuning examples, each with
+    its loss mask: data/examples.py); train_on: the examples' loss on 'assistant' turns or
+    'all' tokens."""
     from tqdm import tqdm
 
     from titanax.data.tokenizer import Tokenizer
@@ -202,12 +240,16 @@ def prepare_shards(tokenizer_path: str | pathlib.Path, input_path: str | pathlib
         raise DataError(f"--shard-tokens must be > 0, got {shard_tokens}")
     out = pathlib.Path(out_dir)
     tok = Tokenizer.load(tokenizer_path)
-    if bos:
+    encoder = _example_encoder(fmt, tok, tokenizer_path, train_on, bos)
+    if bos and encoder is None:
         tok.require_bos("--bos")
     root, rels = list_inputs(input_path, glob)
     identity = {"tokenizer_sha256": file_sha256(tokenizer_path),
                 "source": str(pathlib.Path(input_path).resolve()), "text_key": text_key,
-                "glob": glob, "bos": bos}
+                "glob": glob, "bos": bos,
+                **(encoder.identity() if encoder else {"data_format": "text"})}
+    if not (out / META).is_file():  # a bad --format / --text-key: refused, nothing written
+        _check_first_record(root, rels, text_key, encoder)
     meta = _start_or_resume(out, tok, identity)
     shutil.copyfile(tokenizer_path, _tmp_name(out / "tokenizer.json"))
     os.replace(_tmp_name(out / "tokenizer.json"), out / "tokenizer.json")
@@ -218,21 +260,23 @@ def prepare_shards(tokenizer_path: str | pathlib.Path, input_path: str | pathlib
     total_bytes = sum((root / r).stat().st_size for r in todo)
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing",
                disable=not progress)
-    writer = _ShardWriter(out, meta, shard_tokens, tok.eos_id, tok.bos_id if bos else None)
+    writer = _ShardWriter(out, meta, shard_tokens, tok.eos_id, tok.bos_id if bos else None,
+                          encoder=encoder, root=root)
+    fields = FIELDS[fmt] if encoder else None
 
     def events():
         for rel in todo:
             skip = partial["records"] if partial and partial["path"] == rel else 0
-            for consumed, text, nbytes in records(root, rel, text_key, skip):
+            for consumed, rec, nbytes in records(root, rel, text_key, skip, fields):
                 bar.update(nbytes)
-                if text.strip():
-                    yield ("doc", rel, consumed, text)
+                if rec if fields else rec.strip():
+                    yield ("doc", rel, consumed, rec)
             yield ("end", rel, None, None)
 
     batch, chars = [], 0
     for ev in events():
         batch.append(ev)
-        chars += len(ev[3] or "")
+        chars += len(ev[3]) if isinstance(ev[3], str) else 256 if ev[3] else 0
         if chars >= batch_chars or len(batch) >= 4096:
             writer.add(batch, tok)
             batch, chars = [], 0
@@ -240,13 +284,42 @@ def prepare_shards(tokenizer_path: str | pathlib.Path, input_path: str | pathlib
     writer.flush()
     bar.close()
     if not writer.meta["shards"]:
-        raise DataError(f"--input {input_path}: no document with text "
-                        f"(--text-key {text_key!r}{f', --glob {glob!r}' if glob else ''}); check "
-                        "them and run again (this folder is started afresh)")
+        what = (f"--format {fmt} example ({', '.join(FIELDS[fmt])})" if encoder else
+                f"document with text (--text-key {text_key!r}")
+        raise DataError(f"--input {input_path}: no {what}{f', --glob {glob!r}' if glob else ''})"
+                        "; check them and run again (this folder is started afresh)")
     # Every input is in a listed shard: training takes the folder without data.allow_partial.
     writer.meta["complete"] = True
     write_json_atomic(out / META, writer.meta)
     return writer.meta
+
+
+_BEFORE_RECORDED = {"bos": False, "data_format": "text", "train_on": None,
+                    "template_sha256": None}
+
+
+def _example_encoder(fmt: str, tok, tokenizer_path, train_on: str, bos: bool):
+    """The ExampleEncoder of an example format (its template from the tokenizer's folder), or
+    None for text."""
+    if fmt == "text":
+        return None
+    if fmt not in FORMATS:
+        raise DataError(f"--format {fmt!r}: one of {list(FORMATS)}")
+    template = ChatTemplate.from_folder(pathlib.Path(tokenizer_path).parent)
+    return ExampleEncoder(fmt, tok, template, train_on, bos)
+
+
+def _check_first_record(root: pathlib.Path, rels: list[str], text_key: str, encoder) -> None:
+    """Reads and encodes the first record with content, so that a wrong --text-key or
+    --format fails before the output folder exists."""
+    fields = FIELDS[encoder.fmt] if encoder else None
+    for rel in rels:
+        for consumed, rec, _ in records(root, rel, text_key, 0, fields):
+            if encoder is not None and rec:
+                encoder.encode(rec, f"{root / rel}:{consumed}")
+                return
+            if encoder is None and rec.strip():
+                return
 
 
 def _holds_work(meta: dict) -> bool:
@@ -259,13 +332,13 @@ def _start_or_resume(out: pathlib.Path, tok, identity: dict) -> dict:
     if (out / META).is_file() and _holds_work(read_meta(out)):
         meta = read_meta(out)
         for key, value in identity.items():
-            # bos: folders from before it was recorded were written without
-            was = meta.get(key, False) if key == "bos" else meta.get(key)
+            # bos, data_format: folders from before they were recorded hold text without BOS
+            was = meta.get(key, _BEFORE_RECORDED.get(key))
             if was != value:
                 raise DataError(f"{out}: was written with {key}={was!r}, this run has "
                                 f"{value!r}; use a fresh --out folder (or delete {out})")
-        for stale in out.glob(".shard_*.npy.tmp*"):
-            stale.unlink()  # a shard whose writer was killed mid-write: never counted
+        for stale in out.glob(".*.npy.tmp*"):
+            stale.unlink()  # a shard (or its mask) whose writer was killed: never counted
         return meta
     out.mkdir(parents=True, exist_ok=True)
     meta = {"format": FORMAT, "version": VERSION, "vocab_size": tok.vocab_size,
@@ -276,29 +349,43 @@ def _start_or_resume(out: pathlib.Path, tok, identity: dict) -> dict:
 
 
 class _ShardWriter:
-    """Buffers tokenized documents; writes a shard (then meta.json) every ~shard_tokens."""
+    """Buffers tokenized documents; writes a shard (then meta.json) every ~shard_tokens.
+    With an example encoder, each shard's loss mask and example offsets go beside it."""
 
     def __init__(self, out: pathlib.Path, meta: dict, shard_tokens: int, eos_id: int,
-                 bos_id: int | None = None):  # bos_id: each document starts with it (data.bos)
+                 bos_id: int | None = None, *, encoder=None, root: pathlib.Path | None = None):
+        # bos_id: each document starts with it (data.bos); encoder: examples, not text
         self.out, self.meta, self.shard_tokens, self.eos_id = out, meta, shard_tokens, eos_id
         self.head = [] if bos_id is None else [bos_id]
+        self.encoder, self.root = encoder, root
         self.pieces: list[np.ndarray] = []
+        self.masks: list[np.ndarray] = []
         self.n_tokens = 0
         self.n_docs = 0
         self.ended: list[str] = []
         self.partial = meta["partial_input"]
 
-    def add(self, batch: list[tuple], tok) -> None:
+    def _encoded(self, batch: list[tuple], tok):
+        """Per "doc" event: (ids, mask or None)."""
+        if self.encoder is not None:
+            return (self.encoder.encode(ev[3], f"{self.root / ev[1]}:{ev[2]}")
+                    for ev in batch if ev[0] == "doc")
         texts = [ev[3] for ev in batch if ev[0] == "doc"]
-        encoded = iter(tok.encode_batch(texts)) if texts else iter(())
+        return ((np.asarray(self.head + ids + [self.eos_id], np.uint32), None)
+                for ids in (tok.encode_batch(texts) if texts else ()))
+
+    def add(self, batch: list[tuple], tok) -> None:
+        encoded = iter(self._encoded(batch, tok))
         for kind, rel, consumed, _ in batch:
             if kind == "end":
                 self.ended.append(rel)
                 if self.partial and self.partial["path"] == rel:
                     self.partial = None
                 continue
-            ids = self.head + next(encoded) + [self.eos_id]
-            self.pieces.append(np.asarray(ids, dtype=np.uint32))
+            ids, mask = next(encoded)
+            self.pieces.append(ids)
+            if mask is not None:
+                self.masks.append(mask)
             self.n_tokens += len(ids)
             self.n_docs += 1
             self.partial = {"path": rel, "records": consumed}
@@ -308,15 +395,28 @@ class _ShardWriter:
     def flush(self) -> None:
         """Writes the buffered documents as the next shard, then records it in meta.json."""
         if self.n_tokens:
-            name = shard_name(len(self.meta["shards"]))
+            index = len(self.meta["shards"])
             tokens = np.concatenate(self.pieces)
-            save_npy_atomic(self.out / name, tokens)
+            save_npy_atomic(self.out / shard_name(index), tokens)
             # max_id: training checks the ids against model.vocab_size without reading them
-            self.meta["shards"].append({"file": name, "n_tokens": self.n_tokens,
-                                        "n_docs": self.n_docs, "max_id": int(tokens.max())})
+            entry = {"file": shard_name(index), "n_tokens": self.n_tokens,
+                     "n_docs": self.n_docs, "max_id": int(tokens.max())}
+            if self.encoder is not None:
+                entry.update(self._write_examples(index))
+            self.meta["shards"].append(entry)
         elif not self.ended and self.partial == self.meta["partial_input"]:
             return  # nothing new to record
         self.meta["done_inputs"] = sorted(set(self.meta["done_inputs"]) | set(self.ended))
         self.meta["partial_input"] = self.partial
         write_json_atomic(self.out / META, self.meta)
-        self.pieces, self.n_tokens, self.n_docs, self.ended = [], 0, 0, []
+        self.pieces, self.masks, self.n_tokens, self.n_docs, self.ended = [], [], 0, 0, []
+
+    def _write_examples(self, index: int) -> dict:
+        """The shard's loss mask (uint8 per token) and example offsets (int64, n_docs + 1),
+        written before meta.json lists the shard."""
+        mask = np.concatenate(self.masks)
+        offsets = np.cumsum([0] + [len(p) for p in self.pieces], dtype=np.int64)
+        names = {"mask": f"mask_{index:05d}.npy", "offsets": f"offsets_{index:05d}.npy"}
+        save_npy_atomic(self.out / names["mask"], mask)
+        save_npy_atomic(self.out / names["offsets"], offsets)
+        return {**names, "n_loss_tokens": int(mask.sum())}

@@ -34,6 +34,7 @@ class Tokenizer:
         # Text that happens to contain "<|end_of_text|>" must not produce the real eos id:
         # special tokens are only ever placed by the pipeline.
         hf_tokenizer.encode_special_tokens = True
+        self._rendering = None  # encode_rendered's tokenizer, made on first use
         self.path = str(path)
         self.vocab_size: int = hf_tokenizer.get_vocab_size(with_added_tokens=True)
         self.eos_id = _first_id(hf_tokenizer, _EOS_CANDIDATES)
@@ -72,6 +73,17 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """A chat template's output: the special tokens the template wrote (<|eot_id|>, ...)
+        become their ids, as transformers' apply_chat_template tokenizes them. Only for text
+        the template produced: in the user's own text (encode) they stay plain characters."""
+        if self._rendering is None:
+            from tokenizers import Tokenizer as HFTokenizer
+
+            self._rendering = HFTokenizer.from_str(self._tok.to_str())
+            self._rendering.encode_special_tokens = False
+        return self._rendering.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         # Parallel over the batch in Rust (all cores); the _fast variant skips character

@@ -216,8 +216,9 @@ def finetune_hint(cfg: Config, workdir: pathlib.Path) -> str:
     """The command that fine-tunes the imported run: with the data.source it still needs."""
     from titanax.config import SOURCE_UNSET
 
-    data = (" --set data.source=DATA (a folder written by python -m launch.prepare_data with "
-            "this tokenizer)" if cfg.data.source == SOURCE_UNSET else "")
+    fmt = " --format chat" if cfg.data.format == "examples" else ""
+    data = (f" --set data.source=DATA (a folder written by python -m launch.prepare_data{fmt} "
+            "with this tokenizer)" if cfg.data.source == SOURCE_UNSET else "")
     return f"fine-tune with python -m launch.train --workdir {workdir}{data}"
 
 

@@ -53,6 +53,12 @@ def _is_llama3_tokenizer(hf_dir: pathlib.Path) -> bool:
     return HFTokenizer.from_file(str(hf_dir / "tokenizer.json")).token_to_id(BOS) is not None
 
 
+def _has_chat_template(hf_dir: pathlib.Path) -> bool:
+    from titanax.data.chat import ChatTemplate
+
+    return ChatTemplate.from_folder(hf_dir) is not None
+
+
 # Without --config, an import trains with a fine-tuning recipe (what TRL's SFT, Tunix and
 # Megatron-Bridge's gpt_sft start from), not titanax's from-scratch defaults: a small peak
 # learning rate with cosine decay to zero after 3% warmup, no weight decay, FSDP over every
@@ -86,6 +92,10 @@ def import_config(hf_dir, config_path=None, overrides=()) -> Config:
             pass  # a malformed --set model.max_seq_len: apply_overrides names it
     if _is_llama3_tokenizer(hf_dir):
         picked["data.bos"] = True
+    if config_path is None and _has_chat_template(hf_dir):
+        # An Instruct model is fine-tuned on examples with loss masks; a text folder is
+        # refused in one line naming prepare_data --format chat (data.format=auto allows it).
+        picked["data.format"] = "examples"
     try:
         if config_path is not None:
             return load_config(config_path, {**picked, **user})

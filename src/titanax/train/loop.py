@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding
 
 from titanax.checkpoint.orbax_io import Checkpointer, resolve_restore_source
 from titanax.config import SOURCE_UNSET, Config, ConfigError, format_config
-from titanax.data.pipeline import build_data
+from titanax.data.pipeline import build_data, with_epoch_steps
 from titanax.models.registry import model_spec
 from titanax.ops.linear import precision_refusal
 from titanax.parallel.layer_order import reorder_restored
@@ -131,6 +131,9 @@ class Trainer:
         elif cfg.train.grad_accum_auto:
             raise ConfigError("train.grad_accum=auto is chosen by a memory check: run "
                               "launch.train, or pass fit=titanax.plan.fit.fit_to_devices")
+        if cfg.train.epochs:  # passes over the data: the step count the schedule spans
+            cfg, line = with_epoch_steps(cfg, workdir)
+            self.log(line)
         self.cfg = cfg
         self.batch_sharding = NamedSharding(self.mesh, batch_input_spec())
         self.tx, self.schedule = make_optimizer(cfg), lr_schedule(cfg)
@@ -311,6 +314,8 @@ class Trainer:
         progress.show(step, row)
 
     def evaluate(self, step: int, say) -> None:
+        if not self.val_batches:  # no validation split (data.val_fraction=0)
+            return
         total, count = 0.0, 0.0
         for b in self.val_batches:
             s, n = self.eval_fn(self.state,
@@ -337,7 +342,9 @@ class Trainer:
         if self.is_main:
             M.plot_loss(self.workdir)
         mean_rate = self.throughput.mean()
+        val = (f"val_loss {self.val_losses.get(step, float('nan')):.4f}, "
+               if self.val_batches else "")
         self.log(f"done: step {step}, final loss {self.losses.get(step, float('nan')):.4f}, "
-                 f"val_loss {self.val_losses.get(step, float('nan')):.4f}, "
+                 f"{val}"
                  f"{mean_rate:,.0f} tokens/s; checkpoints in {self.ckpt.directory}")
         return RunResult(step, self.losses, self.val_losses, mean_rate, self.workdir, skipped)
