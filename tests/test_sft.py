@@ -152,6 +152,28 @@ def test_packed_rows_give_the_same_loss(sft):
     np.testing.assert_allclose(loss, sft.hf["loss"], rtol=1e-5)
 
 
+def test_refusals_are_one_line_and_change_nothing(sft, tmp_path, capsys):
+    from launch.train import main as train_main
+
+    text = tmp_path / "text"
+    text.mkdir()
+    (text / "a.txt").write_text("reverse 1 2 3\n" * 100)
+    assert prepare_main(["--tokenizer", str(sft.imported / "hf_tokenizer" / "tokenizer.json"),
+                         "--input", str(text), "--out", str(tmp_path / "shards"),
+                         "--no-progress"]) == 0
+    capsys.readouterr()
+    before = {p: p.stat().st_mtime_ns for p in sft.imported.rglob("*")}
+    for sets, says in ((["--set", f"data.source={tmp_path / 'shards'}"],
+                        "data.format=examples: data.source="),
+                       ([], "data.source is not set")):
+        with pytest.raises(SystemExit) as e:
+            train_main(["--workdir", str(sft.imported), *sets])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith("error: ") and says in err, err
+        assert err.count("\n") == 1, err
+    assert {p: p.stat().st_mtime_ns for p in sft.imported.rglob("*")} == before
+
+
 def _reply(capsys, workdir: pathlib.Path, prompt: str) -> str:
     """launch.generate --chat's greedy answer, in this process."""
     from launch.generate import main

@@ -130,6 +130,7 @@ def build_data(cfg: Config, workdir: str | pathlib.Path, process_index: int = 0,
         rows = slice(process_index * local, (process_index + 1) * local)
     workdir = pathlib.Path(workdir)
     source = cfg.data.source
+    check_source_kind(cfg)
     if source == "synthetic":
         parts = _synthetic(cfg)
     elif source == "embedded":
@@ -138,7 +139,6 @@ def build_data(cfg: Config, workdir: str | pathlib.Path, process_index: int = 0,
         parts = _shard_folder(cfg, pathlib.Path(cfg.data.folders()[0][0]))
     else:
         parts = _mixture(cfg)
-    _check_format(cfg, parts[1])
     tokenizer, train_stream, val_stream, eos_id, summary = parts
     seq_len = cfg.train.seq_len
     if not isinstance(train_stream, TokenStream):  # already windows: synthetic, a mixture
@@ -164,27 +164,34 @@ def with_epoch_steps(cfg: Config, workdir: str | pathlib.Path) -> tuple[Config, 
     return dataclasses.replace(cfg, train=dataclasses.replace(t, steps=steps)), line
 
 
-def _check_format(cfg: Config, train) -> None:
-    """data.format and data.packing against what the source holds: examples (with loss masks)
-    or text."""
+def check_source_kind(cfg: Config) -> None:
+    """What data.source's folders hold (text, or examples with loss masks: their meta.json)
+    against data.format and data.packing, and against each other; one DataError line. Cheap
+    (meta.json only): launch.train runs it before anything is compiled or written."""
     d = cfg.data
-    examples = isinstance(train, ExampleRows) or (isinstance(train, MixtureWindows)
-                                                  and isinstance(train.parts[0], ExampleRows))
-    holds = "examples" if examples else "text"
-    if d.format not in ("auto", "text") and not examples:
-        flag = "chat" if d.format == "examples" else d.format
-        raise DataError(f"data.format={d.format}: data.source={d.source} holds text, with no "
-                        "loss masks; write its examples with `python -m launch.prepare_data "
-                        f"--format {flag}` into a fresh --out folder, or set "
-                        "data.format=auto to train on every token")
-    if d.format == "text" and examples:
-        raise DataError(f"data.format=text: data.source={d.source} holds fine-tuning "
-                        "examples; set data.format=auto (or the folder's format)")
-    if d.packing == "pad" and holds == "text":
-        raise DataError(f"data.packing=pad puts one example per row, but data.source="
-                        f"{d.source} holds text (packed into windows); prepare examples with "
-                        "`python -m launch.prepare_data --format chat|prompt_response`, or "
-                        "set data.packing=pack")
+    metas = {pathlib.Path(f): shards.read_meta(f) for f, _ in d.folders()}
+    kinds = {folder: is_example_folder(meta) for folder, meta in metas.items()}
+    if not kinds:  # embedded, synthetic: text
+        kinds = {d.source: False}
+    if len(set(kinds.values())) > 1:
+        raise DataError(f"data.source: mixes folders of fine-tuning examples "
+                        f"({[str(f) for f, e in kinds.items() if e]}) with text folders "
+                        f"({[str(f) for f, e in kinds.items() if not e]}); text has no loss "
+                        "masks: prepare every folder with the same --format")
+    if not any(kinds.values()):
+        if d.format not in ("auto", "text"):
+            flag = "chat" if d.format == "examples" else d.format
+            raise DataError(f"data.format={d.format}: data.source={d.source} holds text, with "
+                            "no loss masks; write its examples with `python -m "
+                            f"launch.prepare_data --format {flag}` into a fresh --out folder, "
+                            "or set data.format=auto to train on every token")
+        if d.packing == "pad":
+            raise DataError(f"data.packing=pad puts one example per row, but data.source="
+                            f"{d.source} holds text (packed into windows); prepare examples "
+                            "with `python -m launch.prepare_data --format chat|prompt_response`"
+                            ", or set data.packing=pack")
+        return
+    _check_example_format(cfg, metas)
 
 
 def _synthetic(cfg: Config):
@@ -361,7 +368,6 @@ def _shard_folder(cfg: Config, folder: pathlib.Path):
     _check_tokenizer(cfg, {folder: meta})
     tok = _folder_tokenizer(cfg, folder)
     if isinstance(train, ExampleRows):
-        _check_example_format(cfg, {folder: meta})
         return tok, train, val, meta.get("eos_id"), train.summary
     n_docs = sum(s.get("n_docs", 0) for s in meta["shards"])
     summary = (f"data: shards {folder} ({len(meta['shards'])} shards, {n_docs} documents), "
@@ -384,13 +390,7 @@ def _mixture(cfg: Config):
                 raise DataError(f"data.source: {folder} and {first} were written with "
                                 f"different tokenizers ({key} differs); tokenize every folder "
                                 "of a mixture with the same tokenizer.json")
-    kinds = {folder: is_example_folder(meta) for folder, meta in metas.items()}
-    if len(set(kinds.values())) > 1:
-        raise DataError(f"data.source: mixes folders of fine-tuning examples "
-                        f"({[str(f) for f, e in kinds.items() if e]}) with text folders "
-                        f"({[str(f) for f, e in kinds.items() if not e]}); text has no loss "
-                        "masks: prepare every folder with the same --format")
-    if any(kinds.values()):
+    if is_example_folder(meta0):  # all of them (check_source_kind)
         return _example_mixture(cfg, folders, opened, metas)
     seq_len, total = cfg.train.seq_len, sum(w for _, w in folders)
     train, val, lines = [], [], []
@@ -418,7 +418,6 @@ def _mixture(cfg: Config):
 def _example_mixture(cfg: Config, folders, opened: dict, metas: dict):
     """A mixture of example folders: each folder's rows, interleaved by weight as windows are
     (data/mixture.py); validation only when every folder holds some out."""
-    _check_example_format(cfg, metas)
     total = sum(w for _, w in folders)
     weights = [w for _, w in folders]
     train = [opened[f][1] for f, _ in folders]

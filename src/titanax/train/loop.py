@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding
 
 from titanax.checkpoint.orbax_io import Checkpointer, resolve_restore_source
 from titanax.config import SOURCE_UNSET, Config, ConfigError, format_config
-from titanax.data.pipeline import build_data, with_epoch_steps
+from titanax.data.pipeline import build_data, check_source_kind, with_epoch_steps
 from titanax.models.registry import model_spec
 from titanax.ops.linear import precision_refusal
 from titanax.parallel.layer_order import reorder_restored
@@ -78,6 +78,7 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, log=print, devices=None,
             f"data.source is not set (the run in {workdir} was imported without training "
             "data): give --set data.source=DIR, a folder written by python -m "
             "launch.prepare_data (or a mixture, DIR1:0.7,DIR2:0.3)")
+    check_source_kind(cfg)  # a text folder for a fine-tuning run: refused before anything
     # One run per workdir, for the run's whole life (process 0 holds it for all of them).
     with (workdir_lock(workdir, enabled=jax.process_index() == 0),
           compilation_cache(cfg.train.compilation_cache, workdir)):
