@@ -23,8 +23,8 @@ SCAN_OUTER, SCAN_INNER, M, K = 3, 2, 512, 1024  # nested scans of [M, K] @ [K, K
 
 SCRIPT = r"""
 import json, sys, jax, jax.numpy as jnp
-import pallas_kernels
 from pallas_kernels import aot
+from pallas_kernels.flash_attention import flash_attention
 B, S, H, D, WIDTH, LOOP_N, OUTER, INNER, M, K = (int(x) for x in sys.argv[1:11])
 mesh = aot.gpu_mesh("h100")
 
@@ -57,7 +57,7 @@ qkv = [((B, S, H, D), bf)] * 3
 out = {
     "dense": text(attention_grad(implementation="cudnn",
                                  mask=jnp.tril(jnp.ones((S, S), bool))[None, None]), *qkv),
-    "mosaic": text(attention_grad(pallas_kernels.flash_attention, causal=True,
+    "mosaic": text(attention_grad(flash_attention, causal=True,
                                   impl="mosaic_sm90"), *qkv),
     # without Triton GEMMs XLA calls cuBLAS(Lt) for the projection and its two gradients
     "causal_gemm": text(projected_causal, ((B, S, WIDTH), bf), ((WIDTH, WIDTH), bf),
@@ -248,10 +248,10 @@ def test_s_by_s_when_seq_len_is_also_a_weight_dimension():
     """Llama-3-70B at 8192 tokens: d_model is 8192 too, so [d, d] weights and [B, S, d]
     activations have two dims equal to S; then only attention code's arrays count."""
     square = A.SquareTest(8192, weight_dims={8192, 1024, 28672})
-    assert square((4, 64, 8192, 8192), "ops/attention.py:60 (attention_mask)")
+    assert square((4, 64, 8192, 8192), "flash_attention/mask.py:52 (Mask.dense)")
     assert not square((8192, 8192), "ops/linear.py:142 (_dot)")
     assert square.ambiguous((2, 4, 8192, 8192), "models/decoder.py:188 (Decoder._run_layers)")
-    assert not square((4, 8192, 1024), "ops/attention.py:60 (attention_mask)")
+    assert not square((4, 8192, 1024), "flash_attention/mask.py:52 (Mask.dense)")
     plain = A.SquareTest(6144, weight_dims={8192, 1024, 28672})
     assert plain((2, 4, 6144, 6144), "models/decoder.py:188 (Decoder._run_layers)")
     assert not plain.ambiguous((6144, 6144))

@@ -12,7 +12,7 @@ import pytest
 from pallas_kernels import aot
 from pallas_kernels.flash_attention import attention_reference
 from pallas_kernels.flash_attention.api import flash_block_bwd, flash_block_fwd
-from pallas_kernels.flash_attention.reference import block_reference_bwd, block_reference_fwd
+from pallas_kernels.flash_attention.backend_xla import block_reference_bwd, block_reference_fwd
 from tests.helpers.layouts import assert_matches, loss_and_grads, tiny_config
 from titanax import ops
 from titanax.config import ConfigError, MeshConfig

@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from ..target import compute_capability, out_struct
-from .reference import MASK_VALUE
+from .mask import MASK_VALUE
 from .tile_ranges import FULL_HI, FULL_LO, HI, LO, tile_ranges
 
 

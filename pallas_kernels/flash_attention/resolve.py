@@ -26,6 +26,7 @@ from .. import measured
 from ..target import compute_capability, target_platform
 from .backends import (
     CPU_DEFAULT,
+    GENERAL,
     GPU_FALLBACK,
     GPU_VENDOR,
     IMPLS,
@@ -63,15 +64,18 @@ def our_kernel(cc, dtype, head_dim: int) -> str | None:
 
 def resolve_impl(impl: str, dtype, head_dim: int, *, interpret: bool = False,
                  segment_ids: bool = False, manual: bool | None = None,
-                 seq_len: int | None = None) -> str:
+                 seq_len: int | None = None, general: bool = False) -> str:
     """The backend 'auto' means here, by platform, compute capability, dtype, head_dim, whether
     there are segment ids, and whether we trace inside jax.shard_map (`manual`; None: look).
-    seq_len (optional) puts numbers on the logged reason. Any other name is checked against
-    the table and returned as it is."""
+    seq_len (optional) puts numbers on the logged reason. general: the mask is more than causal
+    and segment ids (decoding with a KV cache): backends.GENERAL. Any other name is checked
+    against the table and returned as it is."""
     if impl not in IMPLS:
         raise ValueError(f"unknown flash attention impl {impl!r}; use one of {IMPLS}")
     if impl != "auto":
         return impl
+    if general:
+        return GENERAL
     if interpret:
         return INTERPRET_DEFAULT
     platform = target_platform()

@@ -27,9 +27,9 @@ import pytest
 
 from pallas_kernels.flash_attention import default_config, kernel_bwd, kernel_fwd, kernel_sm90
 from pallas_kernels.flash_attention.api import flash_block_bwd, flash_block_fwd
+from pallas_kernels.flash_attention.backend_xla import block_reference_bwd, block_reference_fwd
 from pallas_kernels.flash_attention.config import FlashConfig
 from pallas_kernels.flash_attention.kernel_sm90_bwd import MAX_BWD_HEAD_DIM
-from pallas_kernels.flash_attention.reference import block_reference_bwd, block_reference_fwd
 from pallas_kernels.flash_attention.tile_ranges import (
     causal_tiles,
     tile_ranges,

@@ -45,7 +45,7 @@ def _entry(axes: tuple[str, ...]):
     return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
-def per_shard_attention(fwd, bwd, q_BSHD, k_BTKD, v_BTKD, segment_ids_BS=None, *,
+def per_shard_attention(fwd, bwd, q_BSHK, k_BTNK, v_BTNK, segment_ids_BS=None, *,
                         split_seq: bool = False, check_vma: bool = True):
     """Differentiable attention whose halves run on each device's (batch, heads) shard:
     fwd(q, k, v, seg) -> (out, lse [B, Hq, ...]) and bwd(q, k, v, seg, out, lse, do) ->
@@ -60,7 +60,7 @@ def per_shard_attention(fwd, bwd, q_BSHD, k_BTKD, v_BTKD, segment_ids_BS=None, *
     (parallel/context.py). check_vma=False turns jax's varying-axes check off inside the
     shard_maps (ops.attention says why context parallelism needs that)."""
     fwd_m, bwd_m = fwd, bwd
-    layout = _layout(q_BSHD, k_BTKD, split_seq)
+    layout = _layout(q_BSHK, k_BTNK, split_seq)
     if layout is not None:
         fwd_m, bwd_m = _sharded_halves(fwd, bwd, layout, segment_ids_BS is not None, check_vma)
 
@@ -80,19 +80,19 @@ def per_shard_attention(fwd, bwd, q_BSHD, k_BTKD, v_BTKD, segment_ids_BS=None, *
         return dq, dk, dv, None
 
     attention.defvjp(attention_fwd, attention_bwd)
-    return attention(q_BSHD, k_BTKD, v_BTKD, segment_ids_BS)
+    return attention(q_BSHK, k_BTNK, v_BTNK, segment_ids_BS)
 
 
-def aligned(q_BSHD, k_BTKD, v_BTKD):
+def aligned(q_BSHK, k_BTNK, v_BTNK):
     """q, k, v constrained to the same batch and head sharding per_shard_attention would use:
     cuDNN's partitioning rule refuses q, k and v sharded differently, which XLA's propagation
     produces when a microbatch or the kv heads do not divide the mesh evenly."""
-    layout = _layout(q_BSHD, k_BTKD)
+    layout = _layout(q_BSHK, k_BTNK)
     if layout is None:
-        return q_BSHD, k_BTKD, v_BTKD
+        return q_BSHK, k_BTNK, v_BTNK
     constrain = jax.lax.with_sharding_constraint
-    return (constrain(q_BSHD, layout["q"]), constrain(k_BTKD, layout["kv"]),
-            constrain(v_BTKD, layout["kv"]))
+    return (constrain(q_BSHK, layout["q"]), constrain(k_BTNK, layout["kv"]),
+            constrain(v_BTNK, layout["kv"]))
 
 
 def seq_axes(seq_len: int) -> tuple[str, ...]:
@@ -104,14 +104,14 @@ def seq_axes(seq_len: int) -> tuple[str, ...]:
     return _split_axes(activation_spec(("seq",))[0], seq_len, mesh, free)
 
 
-def _layout(q_BSHD, k_BTKD, split_seq: bool = False):
+def _layout(q_BSHK, k_BTNK, split_seq: bool = False):
     """(mesh axes, q/kv/seg/lse specs, heads axes, K/V slicing) or None when nothing splits."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty or mesh.size == 1:
         return None
     free = {a for a in mesh.axis_names if a not in mesh.manual_axes}
-    B, _, Hq, _ = q_BSHD.shape
-    Hkv = k_BTKD.shape[2]
+    B, _, Hq, _ = q_BSHK.shape
+    Hkv = k_BTNK.shape[2]
     G = Hq // Hkv
     q_rule = activation_spec(("batch", "seq", "heads", "head_dim"))
     kv_rule = activation_spec(("batch", "seq", "kv_heads", "head_dim"))
@@ -128,7 +128,7 @@ def _layout(q_BSHD, k_BTKD, split_seq: bool = False):
             slice_kv = (1, hq_local, G)
         else:  # q heads of one device span kv heads unevenly: keep the heads whole
             heads = ()
-    seq = seq_axes(q_BSHD.shape[1]) if split_seq else ()
+    seq = seq_axes(q_BSHK.shape[1]) if split_seq else ()
     names = set(batch) | set(heads) | set(kv_heads) | set(seq)
     if not names:
         return None

@@ -1,0 +1,153 @@
+"""THE backend suite: every entry of backends.BACKENDS against the reference, values and
+gradients, on one list of cases (causal and not, GQA, packed documents causal and not, more
+keys than queries, KV-cache decoding), with no per-backend code: a new table entry is
+picked up as it is.
+
+How each entry runs on a CPU, read from the table: our Pallas kernel pairs in their
+interpreter (interpret=True: the Triton-style grid kernels in Pallas interpret mode, Mosaic
+GPU kernels in the Mosaic GPU interpreter, which runs warpgroups, mbarriers, TMA, wgmma,
+tcgen05 and TMEM); the others as they are. On a CPU `cudnn` is jax.nn.dot_product_attention's
+XLA implementation, so this checks what titanax hands it (is_causal, the dense mask); its
+cuDNN calls are checked compiled for an H100 (tests/test_audit.py, tests/test_preset_audit.py).
+Grids stay tiny: an interpreted grid step costs ~9 ms and a Mosaic kernel far more. Kernel
+pairs run at their shipped tiles (default_config), except grid kernels, at 32 x 32 tiles so
+that these short sequences still span several.
+
+Tolerances (error = max |x - ref| / max |ref| per tensor, ref in float32 from the same
+rounded inputs): bfloat16 has unit roundoff u = 2^-8. A backend rounds P (dS in the backward)
+to bf16 before its second matmul, each term off by at most u relative to its own size, and
+rounds its result once more: about 2u of the largest term; the terms (values, keys, dO) of
+these unit-normal inputs are at most ~2x the largest output, so 5u bounds it. float32:
+u = 2^-24 over sums of at most ~200 terms, with exp2/log2 rescaling: 2e-5 (~300u).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.flash_attention import (
+    BACKENDS,
+    FlashConfig,
+    attention_reference,
+    flash_attention,
+)
+
+pytestmark = pytest.mark.mosaic_interpret  # Mosaic warpgroups run in the interpreter
+
+TOL = {jnp.dtype(jnp.float32): 2e-5, jnp.dtype(jnp.bfloat16): 5 * 2.0 ** -8}
+GRID_TILES = FlashConfig(block_q=32, block_kv=32, block_q_bwd=32, block_kv_bwd=32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    B: int = 1
+    S: int = 100
+    H: int = 2
+    N: int = 1
+    K: int = 64
+    T: int | None = None  # keys; None: S
+    causal: bool = True
+    segments: bool = False  # packed documents, boundaries off the tile grid
+    q_offset: int = 0  # decoding: queries at q_offset.. of a cache of T slots
+    kv_valid_len: int | None = None
+    dtype: str = "bfloat16"
+
+
+CASES = {
+    "causal_gqa_tail": Case(S=140),  # 2-3 query tiles, 2 key tiles, tails, G = 2
+    "noncausal_documents_hd256": Case(S=90, K=256, causal=False, segments=True),
+    "causal_documents_hd128": Case(S=100, K=128, segments=True),
+    "more_keys_than_queries": Case(S=64, T=150),  # key tiles past every query: dK, dV = 0
+    "decoding": Case(S=3, T=40, q_offset=10, kv_valid_len=13, H=4, N=2),
+    "float32_batch_kv_heads": Case(B=2, S=40, H=4, N=2, segments=True, dtype="float32"),
+}
+
+
+def _packed(B, S):
+    cuts = np.array([S // 5, S // 2 + 3])
+    ids = np.searchsorted(cuts, np.arange(S), side="right")
+    return jnp.asarray(np.broadcast_to(ids, (B, S)), jnp.int32)
+
+
+def _inputs(c: Case, seed=0):
+    T = c.S if c.T is None else c.T
+    ks = jax.random.split(jax.random.key(seed), 4)
+    shapes = ((c.B, c.S, c.H, c.K), (c.B, T, c.N, c.K), (c.B, T, c.N, c.K), (c.B, c.S, c.H, c.K))
+    return [jax.random.normal(k, s, jnp.float32).astype(c.dtype) for k, s in zip(ks, shapes)]
+
+
+def _rel_err(x, ref):
+    x, ref = np.asarray(x, np.float32), np.asarray(ref, np.float32)
+    assert np.all(np.isfinite(x))
+    return float(np.max(np.abs(x - ref)) / np.max(np.abs(ref)))
+
+
+def _reference(q, k, v, c: Case, seg):
+    """The reference with decoding written out: a query at position s + q_offset sees the
+    written cache slots up to itself."""
+    if not (c.q_offset or c.kv_valid_len is not None):
+        return attention_reference(q, k, v, causal=c.causal, segment_ids=seg)
+    T = k.shape[1]
+    visible = np.arange(T)[None] <= np.arange(c.S)[:, None] + c.q_offset
+    visible &= np.arange(T)[None] < (T if c.kv_valid_len is None else c.kv_valid_len)
+    rows = [attention_reference(q[:, s:s + 1], k[:, visible[s]], v[:, visible[s]],
+                                causal=False) for s in range(c.S)]
+    return jnp.concatenate(rows, axis=1)
+
+
+def _value_and_vjp(f, q, k, v, do):
+    """(out, dq, dk, dv) of f in one jitted call (eager ops would each compile)."""
+    def both(q, k, v, do):
+        out, vjp = jax.vjp(f, q, k, v)
+        return (out, *vjp(do.astype(out.dtype)))
+    return jax.jit(both)(q, k, v, do)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("name", list(BACKENDS))
+def test_backend_matches_reference(name, case):
+    c = CASES[case]
+    why = BACKENDS[name].unsupported(c.dtype, c.K)
+    if why:
+        pytest.skip(why)
+    b = BACKENDS[name]
+    q, k, v, do = _inputs(c)
+    seg = _packed(c.B, c.S) if c.segments else None
+    config = GRID_TILES if b.is_kernel and not b.mosaic else None
+    run = lambda q, k, v: flash_attention(
+        q, k, v, causal=c.causal, segment_ids=seg, q_offset=c.q_offset,
+        kv_valid_len=c.kv_valid_len, impl=name, config=config, interpret=b.is_kernel)
+    ref = lambda q, k, v: _reference(*(x.astype(jnp.float32) for x in (q, k, v)), c, seg)
+    got, want = _value_and_vjp(run, q, k, v, do), _value_and_vjp(ref, q, k, v, do)
+    assert got[0].shape == q.shape and got[0].dtype == q.dtype
+    tol = TOL[jnp.dtype(c.dtype)]
+    for what, x, r in zip(("out", "dq", "dk", "dv"), got, want):
+        err = _rel_err(x, r)
+        assert err < tol, f"{name} {case} {what}: relative error {err:.2e} >= {tol:.2e}"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_reference_is_softmax_attention(case):
+    """The reference itself against softmax(q k^T / sqrt(K)) v in float64, written out."""
+    c = CASES[case]
+    q, k, v, _ = (np.asarray(x, np.float64) for x in _inputs(c))
+    seg = _packed(c.B, c.S) if c.segments else None
+    T, G = k.shape[1], c.H // c.N
+    s = np.einsum("bshk,bthk->bhst", q, np.repeat(k, G, axis=2)) / np.sqrt(c.K)
+    pos = np.arange(c.S)[:, None] + c.q_offset
+    ok = np.ones((c.S, T), bool)[None]
+    if c.causal:
+        ok = ok & (np.arange(T)[None] <= pos)
+    if c.kv_valid_len is not None:
+        ok = ok & (np.arange(T)[None] < c.kv_valid_len)
+    if seg is not None:
+        ok = ok & (np.asarray(seg)[:, :, None] == np.asarray(seg)[:, None, :])
+    s = np.where(ok[:, None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = np.einsum("bhst,bthk->bshk", p / p.sum(-1, keepdims=True), np.repeat(v, G, axis=2))
+    got = jax.jit(_reference, static_argnums=3)(
+        *(jnp.asarray(x, jnp.float32) for x in (q, k, v)), c, seg)
+    assert _rel_err(got, want) < 1e-5
