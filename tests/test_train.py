@@ -11,7 +11,13 @@ from tests.helpers.small import ROOT, SMALL, single_device_step, small_config
 from titanax.config import apply_overrides
 from titanax.parallel.mesh import build_mesh
 from titanax.parallel.rules import model_context
-from titanax.train.optim import decay_mask, lr_schedule, make_optimizer
+from titanax.train.optim import (
+    clip_by_global_norm,
+    decay_mask,
+    lr_schedule,
+    make_optimizer,
+    update_rule,
+)
 from titanax.train.state import create_train_state
 
 pytestmark = pytest.mark.usefixtures("devices8")  # meshes over 8 simulated devices
@@ -102,6 +108,27 @@ def test_no_weight_decay_on_norms_and_schedule_shape():
     assert float(lr(10)) == pytest.approx(peak, rel=1e-3)
     assert float(lr(100)) == pytest.approx(floor, rel=1e-3)
     assert float(lr(55)) < peak
+
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_optimizer_table_matches_the_state_and_optax(dtype):
+    """The table's state bytes (what plan/memory_model.py charges) are the optimizer state's,
+    and its clipping is optax.clip_by_global_norm to the bit (train/offload.py clips with it)."""
+    import jax.numpy as jnp
+    import optax
+
+    cfg = small_config(**{"optim.clip_norm": 0.5})
+    params = {"w": jnp.ones((6, 4), dtype), "norm": {"scale": jnp.ones((4,), dtype)}}
+    state = make_optimizer(cfg).init(params)
+    state_bytes = sum(x.nbytes for x in jax.tree.leaves(state) if x.ndim)  # counts: scalars
+    itemsize = jnp.dtype(dtype).itemsize
+    assert state_bytes == 28 * update_rule(cfg).state_bytes(itemsize)
+    grads = {"w": jnp.arange(24.0, dtype=dtype).reshape(6, 4), "norm": {"scale": -params["norm"]["scale"]}}
+    ours = clip_by_global_norm(0.5).update(grads, optax.EmptyState())[0]
+    theirs = optax.clip_by_global_norm(0.5).update(grads, optax.EmptyState())[0]
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 def _run(args, **kw):

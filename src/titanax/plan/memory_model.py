@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 
 from titanax.config import Config, ModelConfig, grad_accum_in_place_unsupported
+from titanax.train.optim import update_rule
 
 
 def saved_elems_per_token(m: ModelConfig, remat: str) -> float:
@@ -103,13 +104,15 @@ def memory_per_device(cfg: Config, deg: dict[str, int], n_params: int
 
 def _state_bytes(cfg: Config, deg: dict[str, int], n_params: int
                  ) -> tuple[dict[str, float], dict[str, float]]:
-    """Weights, Adam's moments and the gradient buffer: ({HBM}, {pinned host}) per device."""
+    """Weights, the optimizer's moments and the gradient buffer: ({HBM}, {pinned host}) per
+    device."""
     m, t = cfg.model, cfg.train
     pbytes = 4 if m.param_dtype == "float32" else 2
     p = param_split(m, n_params, deg)
     device, host = {}, {}
     weights = p.total * pbytes
-    moments = p.total * 8  # Adam's two float32 moments
+    # The update rule's state (train/optim.py's table; AdamW: mu and nu in the param dtype).
+    moments = p.total * update_rule(cfg).state_bytes(pbytes)
     grads = p.total * 4  # float32, reduce-scattered into this shard layer by layer
     if t.offload_params:  # the layers' master weights live on the host
         host["weights"] = p.layers * pbytes

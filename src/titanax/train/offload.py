@@ -30,9 +30,10 @@ non-finite guard compute:
    lives on the host), updated and written back in place with dynamic_update_index_in_dim
    (copied back to the host first), so XLA updates the donated buffers in place, on the host
    or the device, and at most one layer's moments and weights are on the device at once. Each
-   iteration clips with the global norm, runs optax's own AdamW (optim.py's chain without the
-   clip, on trees whose other leaves are empty: the math is elementwise, step count and
-   learning rate are scalars) and applies the guard, all elementwise. (fp8_delayed's amax
+   iteration clips with the global norm (optim.clip_leaf), runs the update rule of
+   optim.py's table (optim.elementwise_update: the step's own chain without the clip, on trees
+   whose other leaves are empty: the math is elementwise, step count and learning rate are
+   scalars) and applies the guard, all elementwise. (fp8_delayed's amax
    histories are not parameters: they live in the train state's 'fp8', in device memory,
    and the train step writes them.)
 Elementwise means the layer order is irrelevant (circular pipelines store the stack
@@ -43,8 +44,6 @@ scan over the sharded axis would gather the whole stack on every stage).
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import optax
@@ -52,6 +51,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from titanax.config import Config
+from titanax.train.optim import clip_leaf, elementwise_update
 
 HOST = "pinned_host"  # memory kind of offloaded leaves between steps
 _LAYERS = "layers"
@@ -152,22 +152,11 @@ def global_norm(tree):
     return jnp.sqrt(total + _per_stage(scan, host, None, reduce=True))
 
 
-def _adamw(cfg: Config) -> optax.GradientTransformation:
-    """optim.py's optimizer without the clipping: chain(adamw), state (adamw_state,). The train
-    state's tx is chain(clip_by_global_norm, adamw), state (EmptyState(), adamw_state), or
-    with optim.clip_norm = 0 this very chain."""
-    from titanax.train.optim import make_optimizer
-
-    return make_optimizer(dataclasses.replace(
-        cfg, optim=dataclasses.replace(cfg.optim, clip_norm=0.0)))
-
-
 def _clip_fn(clip_norm: float, grad_norm):
-    """optax.clip_by_global_norm's per-leaf step, given the global norm."""
+    """The clipping step of optim.make_optimizer's chain, per leaf, given the global norm."""
     if clip_norm <= 0:
         return lambda t: t
-    trigger = jnp.squeeze(grad_norm < clip_norm)
-    return lambda t: jax.lax.select(trigger, t, (t / grad_norm.astype(t.dtype)) * clip_norm)
+    return lambda t: clip_leaf(t, grad_norm, clip_norm)
 
 
 def _empty(x):
@@ -187,12 +176,12 @@ def _moment_kinds(tx, opt_state, params) -> list[int]:
 
 
 def _inner_state(cfg: Config, inner, opt_state, params):
-    """opt_state's (adamw_state,), checked to be what optim.py's optimizer builds."""
+    """opt_state's (rule state,), checked to be what optim.make_optimizer builds."""
     inner_state = tuple(opt_state[-1:])
     if (len(opt_state) != (2 if cfg.optim.clip_norm > 0 else 1)
             or jax.tree.structure(inner.init(params)) != jax.tree.structure(inner_state)):
-        raise ValueError("train/offload.py expects optim.py's optimizer, chain("
-                         "[clip_by_global_norm,] adamw); teach streamed_update the new one")
+        raise ValueError("train/offload.py expects optim.make_optimizer's chain("
+                         "[clip_by_global_norm,] rule); teach streamed_update the new one")
     return inner_state
 
 
@@ -204,7 +193,7 @@ def streamed_update(cfg: Config, tx, grads, opt_state, params, grad_norm, finite
     with the stacked layers' leaves streamed a layer at a time. grad_norm: the global norm of
     grads; finite: a scalar bool. (fp8_delayed's histories are not parameters: the train step
     writes them, train/step.py.)"""
-    inner = _adamw(cfg)
+    inner = elementwise_update(cfg)
     inner_state = _inner_state(cfg, inner, opt_state, params)
     clip = _clip_fn(cfg.optim.clip_norm, grad_norm)
     keep = lambda new, old: jnp.where(finite, new, old)
@@ -217,7 +206,7 @@ def streamed_update(cfg: Config, tx, grads, opt_state, params, grad_norm, finite
     s_kind = _moment_kinds(inner, inner_state, params)
 
     def update(p, g, s):
-        """optax's AdamW on flat leaf lists of the full trees (the part at hand real, the
+        """The update rule on flat leaf lists of the full trees (the part at hand real, the
         rest _empty): (new params leaves, new state leaves)."""
         p_tree = jax.tree.unflatten(p_def, p)
         updates, new_s = inner.update(jax.tree.unflatten(p_def, [clip(x) for x in g]),

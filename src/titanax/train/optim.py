@@ -1,12 +1,62 @@
-"""Optimizer: AdamW with decoupled weight decay (none on norm scales), warmup then cosine (or
-linear/constant) decay, and global-norm clipping."""
+"""The optimizer: a table of update rules (what each keeps per parameter, and its math), the
+learning-rate schedule (warmup, then cosine, linear or constant decay), and the chain the
+train step runs: global-norm clipping, then the rule.
+
+The table is the one place an update rule is described. train/offload.py streams the same
+rule a layer at a time (`elementwise_update`, `clip_leaf`) and plan/memory_model.py charges
+its state (`state_bytes`), so neither can drift from what the step runs."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 import jax
+import jax.numpy as jnp
 import optax
 
-from titanax.config import Config
+from titanax.config import Config, OptimConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateRule:
+    # Parameter-shaped leaves of its state, each in the parameter's dtype (optax's default
+    # mu_dtype): what the memory model charges and what offload moves to the host.
+    moments: int
+    # (optim section, learning-rate schedule) -> the rule as an optax transformation. It must
+    # be elementwise given the clipped gradient (step counts and the learning rate are
+    # scalars): train/offload.py runs it on one layer's rows at a time.
+    transform: Callable[[OptimConfig, optax.Schedule], optax.GradientTransformation]
+
+    def state_bytes(self, param_bytes: int) -> int:
+        """Optimizer state per parameter element, in bytes."""
+        return self.moments * param_bytes
+
+
+def decay_mask(params):
+    """True for parameters that get weight decay: everything but norm scales."""
+    def keep(path, _):
+        names = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+        return "norm" not in names
+    return jax.tree_util.tree_map_with_path(keep, params)
+
+
+def _adamw(o: OptimConfig, lr: optax.Schedule) -> optax.GradientTransformation:
+    # Decoupled weight decay (none on norm scales); mu and nu in the parameters' dtype.
+    return optax.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
+                       mask=decay_mask)
+
+
+OPTIMIZERS: dict[str, UpdateRule] = {
+    "adamw": UpdateRule(moments=2, transform=_adamw),  # mu and nu: 8 bytes for float32 params
+}
+
+
+def update_rule(cfg: Config) -> UpdateRule:
+    """The table's entry cfg trains with. AdamW is the only one; an optim field naming the
+    rule would be read here."""
+    del cfg
+    return OPTIMIZERS["adamw"]
 
 
 def lr_schedule(cfg: Config) -> optax.Schedule:
@@ -29,19 +79,32 @@ def lr_schedule(cfg: Config) -> optax.Schedule:
         [optax.linear_schedule(o.lr / warmup, o.lr, warmup), after], [warmup])
 
 
-def decay_mask(params):
-    """True for parameters that get weight decay: everything but norm scales."""
-    def keep(path, _):
-        names = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
-        return "norm" not in names
-    return jax.tree_util.tree_map_with_path(keep, params)
+def clip_leaf(t, grad_norm, max_norm: float):
+    """One leaf clipped by the global norm: optax.clip_by_global_norm's per-leaf step (its
+    code, so the two paths round alike). train/offload.py computes the norm over host-resident
+    leaves itself and clips each layer's rows with this."""
+    trigger = jnp.squeeze(grad_norm < max_norm)
+    return jax.lax.select(trigger, t, (t / grad_norm.astype(t.dtype)) * max_norm)
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """optax.clip_by_global_norm through clip_leaf (state EmptyState(), as optax's)."""
+    def update(updates, state, params=None):
+        del params
+        norm = optax.tree.norm(updates)
+        return jax.tree.map(lambda t: clip_leaf(t, norm, max_norm), updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def elementwise_update(cfg: Config) -> optax.GradientTransformation:
+    """The rule without the clipping, chain(rule): its state is make_optimizer's last entry."""
+    return optax.chain(update_rule(cfg).transform(cfg.optim, lr_schedule(cfg)))
 
 
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
+    """chain([clip_by_global_norm,] rule): the state is (EmptyState(), rule state) or, with
+    optim.clip_norm = 0, (rule state,) (checkpoints hold optax's own pytrees)."""
     o = cfg.optim
-    parts = []
-    if o.clip_norm > 0:
-        parts.append(optax.clip_by_global_norm(o.clip_norm))
-    parts.append(optax.adamw(lr_schedule(cfg), b1=o.b1, b2=o.b2, eps=o.eps,
-                             weight_decay=o.weight_decay, mask=decay_mask))
-    return optax.chain(*parts)
+    clip = [clip_by_global_norm(o.clip_norm)] if o.clip_norm > 0 else []
+    return optax.chain(*clip, update_rule(cfg).transform(o, lr_schedule(cfg)))
