@@ -179,7 +179,8 @@ def check_source_kind(cfg: Config) -> None:
                         f"({[str(f) for f, e in kinds.items() if not e]}); text has no loss "
                         "masks: prepare every folder with the same --format")
     if not any(kinds.values()):
-        if d.format not in ("auto", "text"):
+        # synthetic: random tokens for benchmarks, whatever run they stand in for
+        if d.format not in ("auto", "text") and d.source != "synthetic":
             flag = "chat" if d.format == "examples" else d.format
             raise DataError(f"data.format={d.format}: data.source={d.source} holds text, with "
                             "no loss masks; write its examples with `python -m "
