@@ -48,7 +48,7 @@ class ModelConfig:
     ffn_dim: int = 768
     rope_theta: float = 500000.0
     # Llama 3.1 frequency scaling: long wavelengths divided by rope_factor, short ones kept,
-    # a smooth blend between (models/layers.py rope_inv_freq).
+    # a smooth blend between (models/common/layers.py rope_inv_freq).
     rope_scaling: str = "llama3"
     rope_factor: float = 8.0
     rope_low_freq_factor: float = 1.0
