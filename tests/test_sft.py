@@ -194,7 +194,7 @@ def test_a_short_fine_tune_follows_the_instruction(sft, capsys):
     shutil.copytree(sft.imported, workdir)
     prompts = [c[-2]["content"] for c in held_out]
     answers = [c[-1]["content"] for c in held_out]
-    before = [_reply(capsys, workdir, p) for p in prompts]
+    before = [_reply(capsys, workdir, p) for p in prompts[:2]]  # (each call compiles)
     cfg = load_config(workdir / "config.json", {
         "data.source": str(sft.tmp / "reverse"), "data.val_fraction": 0,
         "train.epochs": 6, "train.batch_size": 16, "optim.lr": 5e-3,
