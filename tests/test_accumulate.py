@@ -18,8 +18,8 @@ from titanax.parallel.rules import model_context
 from titanax.plan.cluster import Cluster
 from titanax.plan.compile import compile_all_in_subprocess
 from titanax.train import step as train_step
-from titanax.train.describe import describe_accumulation
 from titanax.train.optim import make_optimizer
+from titanax.train.run_log import describe_accumulation
 from titanax.train.state import create_train_state
 
 pytestmark = pytest.mark.usefixtures("devices8")  # meshes over 8 simulated devices

@@ -17,7 +17,7 @@ from titanax.plan.cluster import layout_for, plan_config
 from titanax.plan.cost_model import EFFICIENCIES, estimate, param_counts
 from titanax.plan.report import format_plan
 from titanax.plan.search import search
-from titanax.train import metrics
+from titanax.train import throughput
 
 pytestmark = pytest.mark.usefixtures("devices8")  # meshes over 8 simulated devices
 
@@ -133,11 +133,11 @@ def test_flops_per_token_is_the_readme_formula():
     cfg = _70b()
     plan = make_plan(cfg, Cluster("h100", 8), compile_step=False)
     n_no_embed = param_counts(cfg.model)[1]
-    want = metrics.flops_per_token(cfg.model, cfg.train.seq_len, n_no_embed)
+    want = throughput.flops_per_token(cfg.model, cfg.train.seq_len, n_no_embed)
     assert plan["flops_per_token"] == want
     assert plan["flops_per_token"] == pytest.approx(4.81e11, rel=0.005)  # DESIGN.md's number
     assert plan["flops_per_step"] == want * 256 * 8192
-    assert plan["flop_formula"] == metrics.FLOP_FORMULA
+    assert plan["flop_formula"] == throughput.FLOP_FORMULA
 
 
 def test_pipeline_bubble_and_hand_computed_communication():

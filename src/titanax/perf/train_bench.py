@@ -21,9 +21,9 @@ from titanax.config import Config
 from titanax.models.registry import model_spec
 from titanax.parallel.mesh import build_mesh
 from titanax.parallel.rules import batch_input_spec, model_context
-from titanax.train import metrics as M
 from titanax.train.optim import lr_schedule, make_optimizer
 from titanax.train.state import create_train_state, jit_train_step
+from titanax.train.throughput import measure_matmul_peak
 
 
 @dataclasses.dataclass
@@ -107,7 +107,7 @@ def bench_train_step(cfg: Config, *, steps: int = 10, warmup: int = 2, devices=N
     if peak_flops is None:
         # The whole machine's matmul peak: simulated CPU devices share the same cores.
         peak_flops = (cfg.train.peak_flops * len(devices) if cfg.train.peak_flops
-                      else M.measure_matmul_peak(devices=devices))
+                      else measure_matmul_peak(devices=devices))
     med = statistics.median(times)
     qs = np.percentile(times, [10, 90])
     return TrainBenchResult(

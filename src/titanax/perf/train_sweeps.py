@@ -13,7 +13,7 @@ import jax
 
 from titanax.config import Config, apply_overrides
 from titanax.perf.train_bench import bench_train_step, compile_seconds
-from titanax.train.metrics import FLOP_FORMULA, measure_matmul_peak
+from titanax.train.throughput import FLOP_FORMULA, measure_matmul_peak
 
 SWEEPS = {
     # name: (config key varied, values, what is reported against it)

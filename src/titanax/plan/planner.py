@@ -15,7 +15,7 @@ from titanax.plan.cluster import Cluster, Layout, PlanError, layout_for, plan_co
 from titanax.plan.cost_model import EFFICIENCIES, Estimate, estimate
 from titanax.plan.documents import documents_summary
 from titanax.plan.fit import auto_choice
-from titanax.train.metrics import FLOP_FORMULA
+from titanax.train.throughput import FLOP_FORMULA
 
 
 def _layout_json(layout: Layout) -> dict:

@@ -37,18 +37,22 @@ from titanax.train import metrics as M
 from titanax.train.bad_steps import BadStepCounter, TrainingDiverged
 from titanax.train.batches import global_batch, process_rows
 from titanax.train.compilation_cache import compilation_cache
-from titanax.train.describe import describe_accumulation, describe_memory, describe_processes
-from titanax.train.metrics_trim import drop_metrics_from
 from titanax.train.optim import lr_schedule, make_optimizer
 from titanax.train.profile_window import ProfileWindow
-from titanax.train.progress import Progress
+from titanax.train.run_log import (
+    Progress,
+    describe_accumulation,
+    describe_memory,
+    describe_processes,
+    device_memory,
+)
 from titanax.train.state import (
     abstract_train_state,
     create_train_state,
     jit_eval_step,
     jit_train_step,
 )
-from titanax.train.throughput import Throughput
+from titanax.train.throughput import FLOP_FORMULA, Throughput, peak_flops_per_device
 from titanax.train.workdir_lock import WorkdirLocked, workdir_lock
 
 __all__ = ["RunResult", "Trainer", "TrainingDiverged", "WorkdirLocked", "train"]
@@ -156,7 +160,7 @@ class Trainer:
         if data_state is not None:
             self.train_iter.set_state(data_state)
         if self.is_main:  # step 0 is evaluated again by a run that starts there
-            drop_metrics_from(workdir, self.start_step + 1 if self.start_step else 0)
+            M.drop_metrics_from(workdir, self.start_step + 1 if self.start_step else 0)
 
         self.step_fn = jit_train_step(cfg, self.mesh, self.graphdef, self.shardings, self.tx,
                                       self.schedule)
@@ -177,9 +181,9 @@ class Trainer:
         n_params = spec.count_params(cfg.model)
         n_no_embed = spec.count_params(cfg.model, exclude_embedding=True)
         self.flops_per_token = spec.flops(cfg.model, seq_len, n_no_embed)
-        self.peak, peak_src = M.peak_flops_per_device(cfg.train.peak_flops, cfg.model.dtype)
+        self.peak, peak_src = peak_flops_per_device(cfg.train.peak_flops, cfg.model.dtype)
         self.log(f"titanax: {n_params:,} parameters ({n_no_embed:,} without the input "
-                 f"embedding)\n  {M.FLOP_FORMULA} = {self.flops_per_token:.4g} at S={seq_len}\n"
+                 f"embedding)\n  {FLOP_FORMULA} = {self.flops_per_token:.4g} at S={seq_len}\n"
                  f"  peak {self.peak / 1e9:.1f} GFLOP/s per device from {peak_src}\n"
                  f"  {describe_processes()}\n  {describe_mesh(self.mesh)}\n"
                  f"  data: {self.data.describe()}\n{format_config(cfg)}")
@@ -303,7 +307,7 @@ class Trainer:
         tps, step_time, now = self.throughput.interval(step)
         mfu = (tps * self.flops_per_token / (self.peak * jax.device_count())
                if self.peak else 0.0)
-        in_use, peak_mem = M.device_memory()
+        in_use, peak_mem = device_memory()
         row = {"loss": float(m_host["loss"]), "grad_norm": float(m_host["grad_norm"]),
                "lr": float(m_host["lr"]), "tokens_per_s": tps, "mfu": mfu,
                "step_time": step_time, "skipped_steps": self.bad_steps.total,

@@ -1,7 +1,10 @@
 """Does the compiled train step fit the devices' memory? Answered before the first step runs,
 from the step compiled for abstract inputs (ShapeDtypeStructs: nothing is allocated), so a run
 that cannot fit stops in seconds, naming the need, instead of in an out-of-memory error deep in
-its first step. The search for a change that fits is the planner's (titanax/plan/fit.py)."""
+its first step. The search for a change that fits is the planner's (titanax/plan/fit.py).
+
+compiled_memory is the one reading of XLA's memory figures for a compiled step: this check,
+the run log's opening line (train/run_log.py) and the planner use it."""
 
 from __future__ import annotations
 
@@ -14,7 +17,6 @@ from jax.sharding import NamedSharding
 
 from titanax.config import Config, ConfigError
 from titanax.parallel.rules import batch_input_spec, model_context
-from titanax.train.metrics import compiled_memory  # (re-exported: plan/ reads it here)
 from titanax.train.optim import lr_schedule, make_optimizer
 from titanax.train.state import abstract_train_state, jit_train_step
 
@@ -22,6 +24,38 @@ from titanax.train.state import abstract_train_state, jit_train_step
 class DoesNotFit(ConfigError):
     """The train step needs more memory per device than there is; the message names the
     need, the capacity and (when one was found) the --set that fits."""
+
+
+
+def compiled_memory(compiled) -> dict[str, int]:
+    """Bytes per device of a compiled executable (memory_analysis): arguments, outputs,
+    aliased outputs (the donated state, which takes no new memory), temporaries, their
+    'total' = arguments + outputs - aliased + temporaries, and the same for pinned host
+    memory (train.offload_*, remat full_offload: XLA reports it apart). The one reading of
+    XLA's numbers: the step log, the memory check and the planner use it."""
+    mem = compiled.memory_analysis()
+    get = lambda name: int(getattr(mem, name, 0) or 0)
+    out = {}
+    for prefix in ("", "host_"):
+        args, outs, alias, temp = (get(f"{prefix}argument_size_in_bytes"),
+                                   get(f"{prefix}output_size_in_bytes"),
+                                   get(f"{prefix}alias_size_in_bytes"),
+                                   get(f"{prefix}temp_size_in_bytes"))
+        out.update({f"{prefix}arguments": args, f"{prefix}outputs": outs,
+                    f"{prefix}aliased": alias, f"{prefix}temporaries": temp,
+                    f"{prefix}total": args + outs - alias + temp})
+    return out
+
+
+def describe_compiled_memory(compiled) -> str:
+    """The compiled step's memory per device from XLA's buffer assignment, before it runs."""
+    if compiled.memory_analysis() is None:
+        return "memory analysis: not reported by this backend"
+    m = {k: v / 2**30 for k, v in compiled_memory(compiled).items()}
+    text = (f"memory per device: {m['total']:.3f} GiB = arguments {m['arguments']:.3f} + "
+            f"outputs {m['outputs']:.3f} - donated {m['aliased']:.3f} + temporaries "
+            f"{m['temporaries']:.3f}")
+    return text + (f"; pinned host {m['host_total']:.3f} GiB" if m["host_total"] else "")
 
 
 def lower_train_step(cfg: Config, mesh):

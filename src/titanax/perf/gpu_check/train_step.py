@@ -3,7 +3,7 @@ that fit one GPU: d_model 8192, ffn 28672, 64/8 heads, head_dim 128, vocab 12825
 full remat, fp32 master weights and AdamW, for bf16 ('default') and each FP8 recipe.
 
 MFU as the README defines it: tokens/s x FLOPs per token / peak, FLOPs per token = 6*N +
-12*L*d*S (titanax.train.metrics.flops_per_token, N the parameters without the input embedding),
+12*L*d*S (titanax.train.throughput.flops_per_token, N the parameters without the input embedding),
 peak = the GPU's dense bf16 datasheet FLOP/s (metrics.peak_flops_per_device) for every recipe,
 so FP8 rows show their speed-up over bf16 as a higher MFU.
 """
@@ -24,7 +24,7 @@ from titanax.models.registry import model_spec
 from titanax.perf.gpu_check.context import attention_key, fp8_key
 from titanax.perf.gpu_check.device import our_attention_impl
 from titanax.perf.train_bench import bench_train_step
-from titanax.train.metrics import FLOP_FORMULA, flops_per_token, peak_flops_per_device
+from titanax.train.throughput import FLOP_FORMULA, flops_per_token, peak_flops_per_device
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[4] / "configs"
 PRECISIONS = ("default", "fp8_tensorwise", "fp8_delayed", "mxfp8")
