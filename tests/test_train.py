@@ -102,6 +102,10 @@ def test_no_weight_decay_on_norms_and_schedule_shape():
     assert mask["final_norm"]["scale"].get_value() is False
     assert mask["layers"]["attn_norm"]["scale"].get_value() is False
     assert mask["layers"]["wq"].get_value() is True and mask["embed"].get_value() is True
+    # an architecture's own rule (ModelSpec.no_decay) decides instead, given the names
+    only_embed = decay_mask(state["params"], no_decay=lambda path: path != ("embed",))
+    assert only_embed["embed"].get_value() is True
+    assert only_embed["layers"]["wq"].get_value() is False
     lr = lr_schedule(cfg)
     peak, floor = cfg.optim.lr, cfg.optim.lr * cfg.optim.min_lr_ratio
     assert float(lr(0)) == pytest.approx(peak / 10)

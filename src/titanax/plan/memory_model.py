@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 
 from titanax.config import Config, ModelConfig, grad_accum_in_place_unsupported
+from titanax.models.registry import model_spec
 from titanax.train.optim import update_rule
 
 
@@ -153,8 +154,9 @@ def _saved_activation_bytes(cfg: Config, deg: dict[str, int], tokens: float) -> 
         # the parked and finished microbatches with their cotangents and the loss's hidden
         # states and their gradient.
         saved += (3 if cfg.pipeline.schedule == "1f1b" else 7) * tokens * d * abytes / tp
-    else:
-        saved = m.n_layers * tokens * saved_elems_per_token(m, m.remat) * abytes / tp
+    else:  # the architecture's own count when its spec has one (models/spec.py)
+        per_token = model_spec(m).activation_elems or saved_elems_per_token
+        saved = m.n_layers * tokens * per_token(m, m.remat) * abytes / tp
     return saved
 
 

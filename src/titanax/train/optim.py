@@ -9,6 +9,7 @@ its state (`state_bytes`), so neither can drift from what the step runs."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -16,6 +17,8 @@ import jax.numpy as jnp
 import optax
 
 from titanax.config import Config, OptimConfig
+from titanax.models.registry import model_spec
+from titanax.models.spec import no_decay_norms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,28 +26,31 @@ class UpdateRule:
     # Parameter-shaped leaves of its state, each in the parameter's dtype (optax's default
     # mu_dtype): what the memory model charges and what offload moves to the host.
     moments: int
-    # (optim section, learning-rate schedule) -> the rule as an optax transformation. It must
-    # be elementwise given the clipped gradient (step counts and the learning rate are
-    # scalars): train/offload.py runs it on one layer's rows at a time.
-    transform: Callable[[OptimConfig, optax.Schedule], optax.GradientTransformation]
+    # (optim section, learning-rate schedule, the architecture's no_decay rule) -> the rule
+    # as an optax transformation. It must be elementwise given the clipped gradient (step
+    # counts and the learning rate are scalars): train/offload.py runs it on one layer's rows
+    # at a time.
+    transform: Callable[[OptimConfig, optax.Schedule, Callable], optax.GradientTransformation]
 
     def state_bytes(self, param_bytes: int) -> int:
         """Optimizer state per parameter element, in bytes."""
         return self.moments * param_bytes
 
 
-def decay_mask(params):
-    """True for parameters that get weight decay: everything but norm scales."""
+def decay_mask(params, no_decay: Callable[[tuple[str, ...]], bool] = no_decay_norms):
+    """True for parameters that get weight decay: all but those the architecture's no_decay
+    rule names (models/spec.py; by default the norm scales)."""
     def keep(path, _):
-        names = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
-        return "norm" not in names
+        names = tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+        # nnx state leaves end in the Variable's 'value'; the rule sees the parameter's path
+        return not no_decay(names[:-1] if names[-1:] == ("value",) else names)
     return jax.tree_util.tree_map_with_path(keep, params)
 
 
-def _adamw(o: OptimConfig, lr: optax.Schedule) -> optax.GradientTransformation:
-    # Decoupled weight decay (none on norm scales); mu and nu in the parameters' dtype.
+def _adamw(o: OptimConfig, lr: optax.Schedule, no_decay) -> optax.GradientTransformation:
+    # Decoupled weight decay (none where no_decay says); mu and nu in the parameters' dtype.
     return optax.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
-                       mask=decay_mask)
+                       mask=functools.partial(decay_mask, no_decay=no_decay))
 
 
 OPTIMIZERS: dict[str, UpdateRule] = {
@@ -99,7 +105,8 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
 
 def elementwise_update(cfg: Config) -> optax.GradientTransformation:
     """The rule without the clipping, chain(rule): its state is make_optimizer's last entry."""
-    return optax.chain(update_rule(cfg).transform(cfg.optim, lr_schedule(cfg)))
+    return optax.chain(update_rule(cfg).transform(cfg.optim, lr_schedule(cfg),
+                                                  model_spec(cfg.model).no_decay))
 
 
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
@@ -107,4 +114,5 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
     optim.clip_norm = 0, (rule state,) (checkpoints hold optax's own pytrees)."""
     o = cfg.optim
     clip = [clip_by_global_norm(o.clip_norm)] if o.clip_norm > 0 else []
-    return optax.chain(*clip, update_rule(cfg).transform(o, lr_schedule(cfg)))
+    rule = update_rule(cfg).transform(o, lr_schedule(cfg), model_spec(cfg.model).no_decay)
+    return optax.chain(*clip, rule)
