@@ -28,17 +28,8 @@ from .config import FlashConfig, default_config
 from .mask import Mask
 from .resolve import resolve_impl, unsupported
 
-__all__ = ["IMPLS", "PALLAS_IMPLS", "attention_backend", "flash_attention",
-           "flash_attention_bwd", "flash_attention_fwd", "flash_block_bwd", "flash_block_fwd",
-           "mosaic_unsupported", "resolve_impl"]
-
-PALLAS_IMPLS = KERNEL_IMPLS  # the backends with a Pallas kernel pair (own backward, per shard)
-
-
-def mosaic_unsupported(impl: str, dtype, head_dim: int) -> str | None:
-    """Why backend `impl` cannot take these inputs, or None when it can (the table's limits)."""
-    return unsupported(impl, dtype, head_dim)
-
+__all__ = ["IMPLS", "attention_backend", "flash_attention", "flash_attention_bwd",
+           "flash_attention_fwd", "flash_block_bwd", "flash_block_fwd", "resolve_impl"]
 
 def attention_backend(impl: str, dtype, head_dim: int, mask: Mask | None = None, *,
                       interpret: bool = False, manual: bool | None = None,
@@ -162,7 +153,7 @@ def _prepare(q, k, v, mask, softmax_scale, impl, config, interpret, pallas_only=
     b = attention_backend(impl, q.dtype, K, mask, interpret=interpret, manual=manual)
     if not b.is_kernel:
         if pallas_only:
-            raise ValueError(f"flash_attention_fwd/bwd run the Pallas impls {PALLAS_IMPLS}; "
+            raise ValueError(f"flash_attention_fwd/bwd run the Pallas impls {KERNEL_IMPLS}; "
                              f"impl resolved to {b.name!r}: call flash_attention instead")
         return b, scale, None
     why = unsupported(b.name, q.dtype, K)

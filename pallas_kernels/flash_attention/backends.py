@@ -140,7 +140,8 @@ def backend(name: str) -> Backend:
     try:
         return BACKENDS[name]
     except KeyError:
-        raise ValueError(f"unknown flash attention impl {name!r}; use one of {IMPLS}") from None
+        raise ValueError(f"unknown flash attention impl {name!r}; use one of "
+                         f"{('auto', *BACKENDS)}") from None
 
 
 def generation_kernels(cc_major: int) -> list[Backend]:

@@ -29,7 +29,6 @@ from .backends import (
     GENERAL,
     GPU_FALLBACK,
     GPU_VENDOR,
-    IMPLS,
     INTERPRET_DEFAULT,
     KERNEL_IMPLS,
     backend,
@@ -70,10 +69,8 @@ def resolve_impl(impl: str, dtype, head_dim: int, *, interpret: bool = False,
     seq_len (optional) puts numbers on the logged reason. general: the mask is more than causal
     and segment ids (decoding with a KV cache): backends.GENERAL. Any other name is checked
     against the table and returned as it is."""
-    if impl not in IMPLS:
-        raise ValueError(f"unknown flash attention impl {impl!r}; use one of {IMPLS}")
     if impl != "auto":
-        return impl
+        return backend(impl).name  # unknown names: one error listing the table
     if general:
         return GENERAL
     if interpret:

@@ -3,8 +3,9 @@ the shipped block configs (flash_attention's default_config, the fp8 dataclasses
 
 Flash attention: each impl at head_dim 64/128/256, causal, GQA (8 query heads per kv head on
 the GPU, as Llama-3-70B), with and without packed-document segment ids; output and dq, dk, dv
-against reference.py run in float32 on the same bf16 inputs. Error per tensor = max|x - ref| /
-max|ref|, passing under 2e-2 (flash_attention_test.py's bf16 tolerance).
+against the reference (flash_attention/backend_xla.py) run in float32 on the same bf16 inputs.
+Error per tensor = max|x - ref| / max|ref|, passing under 2e-2 (about backend_suite_test.py's
+bf16 tolerance).
 FP8 matmul: each impl and scaling mode against reference.py (float32 upcast-and-dot) on the
 same quantized operands; bf16 output within rtol 8e-3 and atol 8e-3 * max|ref| (test_sm90.py,
 test_matmul.py). Only the float32 summation order and the final bf16 rounding may differ.
