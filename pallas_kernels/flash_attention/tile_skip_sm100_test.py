@@ -30,10 +30,11 @@ import numpy as np
 import pytest
 
 from pallas_kernels.flash_attention import default_config
-from pallas_kernels.flash_attention.api import _pad_segments, flash_block_bwd, flash_block_fwd
+from pallas_kernels.flash_attention.api import flash_block_bwd, flash_block_fwd
 from pallas_kernels.flash_attention.backend_xla import block_reference_bwd, block_reference_fwd
 from pallas_kernels.flash_attention.kernel_sm100 import BLOCK_Q, pad_multiples
 from pallas_kernels.flash_attention.mosaic_common import MASK
+from pallas_kernels.flash_attention.pair import _pad_segments
 from pallas_kernels.flash_attention.tile_ranges import FULL_HI, FULL_LO, HI, LO, tile_ranges
 
 pytestmark = pytest.mark.mosaic_interpret
