@@ -9,6 +9,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from pallas_kernels.flash_attention.backends import BACKENDS as ATTENTION_BACKENDS
 from titanax.config.checkpoint import CheckpointConfig
 from titanax.config.data import DataConfig
 from titanax.config.errors import fail
@@ -191,7 +192,9 @@ def _check_context(cfg: Config, cp: int, tensor: int, pp: int) -> None:
              "backward ticks under stage-dependent branches, and the K/V exchange of "
              "context parallelism cannot sit inside them (the collectives of different "
              "branches would meet); use pipeline.schedule=gpipe or circular")
-    if cfg.model.attention_impl == "cudnn":
-        fail("model.attention_impl", "cudnn cannot run context parallelism (its attention "
-             "does not compile inside the shard_map the K/V exchange runs in); use auto, "
-             "xla or one of our kernels (triton, mosaic_sm90, mosaic_sm100)")
+    impl = cfg.model.attention_impl
+    if impl in ATTENTION_BACKENDS and ATTENTION_BACKENDS[impl].block_fwd is None:
+        usable = [n for n, b in ATTENTION_BACKENDS.items() if b.block_fwd is not None]
+        fail("model.attention_impl", f"{impl} cannot run context parallelism (it has no "
+             "block form: its attention does not compile inside the shard_map the K/V "
+             f"exchange runs in); use auto or one of {usable}")
