@@ -7,16 +7,10 @@ import json
 
 import pytest
 
+from tests.helpers.chat import LLAMA3, special_tokenizer
 from tests.helpers.small import run_small
 from titanax.data.chat import ChatError, ChatTemplate, assistant_spans
 
-# Llama 3's chat format (its template without the tool-calling branches).
-LLAMA3 = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}"
-          "<|end_header_id|>\n\n{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
-          "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
-          "{% endif %}")
-SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-            "<|eot_id|>")
 CHAT = [{"role": "system", "content": "Be brief."},
         {"role": "user", "content": "reverse 1 2 3"},
         {"role": "assistant", "content": "3 2 1"},
@@ -27,16 +21,10 @@ CHAT = [{"role": "system", "content": "Be brief."},
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     """A small byte-level BPE with Llama 3's special tokens, and its folder's template."""
-    from tokenizers import AddedToken
-    from tokenizers import Tokenizer as HFTokenizer
-
-    from titanax.data.tokenizer import Tokenizer, train_bpe
+    from titanax.data.tokenizer import Tokenizer
 
     folder = tmp_path_factory.mktemp("tok")
-    train_bpe(["reverse 1 2 3 a b\nBe brief.\n" * 20], 300, folder / "tokenizer.json")
-    hf = HFTokenizer.from_file(str(folder / "tokenizer.json"))
-    hf.add_special_tokens([AddedToken(t, special=True) for t in SPECIALS])
-    hf.save(str(folder / "tokenizer.json"))
+    special_tokenizer(folder / "tokenizer.json", "reverse 1 2 3 a b\nBe brief.\n")
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": "<|begin_of_text|>",
         "eos_token": {"content": "<|eot_id|>", "special": True}, "chat_template": LLAMA3}))

@@ -18,6 +18,7 @@ import pytest
 from torch_peer import run_jobs
 
 from launch.prepare_data import main as prepare_main
+from tests.helpers.chat import SPECIALS, special_tokenizer
 from titanax.config import load_config
 from titanax.data import shards
 from titanax.data.example_rows import ExampleRows, ExampleSet
@@ -35,8 +36,6 @@ TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role
             "{{ m['content'] | trim }}<|eot_id|>{% endif %}{% endfor %}"
             "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
             "{% endif %}")
-SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-            "<|eot_id|>")
 
 
 def reverse_chat(i: int, n_turns: int = 1) -> list[dict]:
@@ -54,18 +53,8 @@ CHATS = [reverse_chat(i, 1 + i % 2) for i in range(16)]  # 16 examples, some of 
 
 
 def _tokenizer(folder: pathlib.Path) -> pathlib.Path:
-    from tokenizers import AddedToken
-    from tokenizers import Tokenizer as HFTokenizer
-
-    from titanax.data.tokenizer import train_bpe
-
-    path = folder / "tokenizer.json"
-    train_bpe(["reverse 0 1 2 3 4 5 6 7 8 9 system user assistant Answer briefly.\n" * 20],
-              300, path)
-    hf = HFTokenizer.from_file(str(path))
-    hf.add_special_tokens([AddedToken(t, special=True) for t in SPECIALS])
-    hf.save(str(path))
-    return path
+    return special_tokenizer(folder / "tokenizer.json", "reverse 0 1 2 3 4 5 6 7 8 9 system "
+                             "user assistant Answer briefly.\n")
 
 
 @pytest.fixture(scope="module")

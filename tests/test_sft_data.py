@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from launch.prepare_data import main as prepare_main
+from tests.helpers.chat import LLAMA3, special_tokenizer
 from titanax.config import Config, ConfigError, DataConfig, ModelConfig, TrainConfig
 from titanax.data import shards
 from titanax.data.errors import DataError
@@ -27,15 +28,7 @@ from titanax.data.example_rows import (
     pack_example_rows,
 )
 from titanax.data.pipeline import build_data
-from titanax.data.tokenizer import Tokenizer, train_bpe
-
-# Llama 3's chat format (without its tool branches)
-LLAMA3 = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}"
-          "<|end_header_id|>\n\n{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
-          "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
-          "{% endif %}")
-SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-            "<|eot_id|>")
+from titanax.data.tokenizer import Tokenizer
 
 
 def _chat(i: int) -> list[dict]:
@@ -47,15 +40,8 @@ def _chat(i: int) -> list[dict]:
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory) -> pathlib.Path:
     """A byte-level BPE with Llama 3's special tokens and template beside it."""
-    from tokenizers import AddedToken
-    from tokenizers import Tokenizer as HFTokenizer
-
     folder = tmp_path_factory.mktemp("tok")
-    train_bpe(["reverse 0 1 2 3 4 5 6 7 8 9 user assistant\n" * 20], 300,
-              folder / "tokenizer.json")
-    hf = HFTokenizer.from_file(str(folder / "tokenizer.json"))
-    hf.add_special_tokens([AddedToken(t, special=True) for t in SPECIALS])
-    hf.save(str(folder / "tokenizer.json"))
+    special_tokenizer(folder / "tokenizer.json", "reverse 0 1 2 3 4 5 6 7 8 9 user assistant\n")
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "chat_template": LLAMA3}))
     return folder
