@@ -29,7 +29,7 @@ def main(argv=None) -> None:
                         "the assistant's turn opened; stops at the end of the turn")
     p.add_argument("--system", default=None, help="a system message before it (with --chat)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                   help="the compute dtype to sample in (default: the run's model.dtype; an "
+                   help="the compute dtype to sample in (default: the run's execution.dtype; an "
                         "imported model's is the one its config.json names)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)

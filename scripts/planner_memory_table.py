@@ -21,11 +21,11 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 H100x64 = ["--gpu", "h100", "--nodes", "8"]
 NEMO = ["--set", "mesh.tensor=4", "--set", "mesh.pipeline=4", "--set", "mesh.data=1",
         "--set", "pipeline.schedule=circular", "--set", "pipeline.virtual_stages=5",
-        "--set", "pipeline.microbatches=32", "--set", "model.attention_impl=auto",
+        "--set", "pipeline.microbatches=32", "--set", "execution.attention_impl=auto",
         "--set", "train.batch_size=128"]
 LONG = ["--set", "train.seq_len=65536", "--set", "model.max_seq_len=65536",
         "--set", "train.batch_size=32", "--set", "mesh.fsdp=8", "--set", "mesh.context=8",
-        "--set", "model.attention_impl=auto"]
+        "--set", "execution.attention_impl=auto"]
 OFFLOAD = ["--set", "train.offload_optimizer=true"]
 
 ROWS = [
@@ -42,19 +42,19 @@ ROWS = [
      H100x64 + NEMO + ["--set", "mesh.fsdp=2", "--set", "mesh.context=2"]),
     ("64x H100, FSDP 16 x CP 4 (ring), remat dots, grad_accum 8, batch 128",
      H100x64 + ["--set", "train.batch_size=128", "--set", "mesh.fsdp=16",
-                "--set", "mesh.context=4", "--set", "model.remat=dots",
-                "--set", "train.grad_accum=8", "--set", "model.attention_impl=auto"]),
+                "--set", "mesh.context=4", "--set", "execution.remat=dots",
+                "--set", "train.grad_accum=8", "--set", "execution.attention_impl=auto"]),
     ("64x H100, seq 65,536, batch 32: FSDP 8 x CP 8 (ring), remat full_offload, grad_accum 4",
-     H100x64 + LONG + ["--set", "model.remat=full_offload", "--set", "train.grad_accum=4"]),
+     H100x64 + LONG + ["--set", "execution.remat=full_offload", "--set", "train.grad_accum=4"]),
     ("the same with remat full", H100x64 + LONG + ["--set", "train.grad_accum=4"]),
     ("the same with remat full, grad_accum 1 (4 rows of 8,192 tokens per GPU)",
      H100x64 + LONG + ["--set", "train.grad_accum=1"]),
     ("8x H100, FSDP 8, batch 8", ["--gpu", "h100", "--nodes", "1", "--set", "train.batch_size=8"]),
-    ("8x H100, FSDP 8, batch 8, `train.offload_optimizer` + `model.remat=full_offload`",
+    ("8x H100, FSDP 8, batch 8, `train.offload_optimizer` + `execution.remat=full_offload`",
      ["--gpu", "h100", "--nodes", "1", "--set", "train.batch_size=8", *OFFLOAD,
-      "--set", "model.remat=full_offload"]),
-    ("8x H100, batch 256, `train.offload_optimizer` + `model.remat=full_offload`, grad_accum 32",
-     ["--gpu", "h100", "--nodes", "1", *OFFLOAD, "--set", "model.remat=full_offload",
+      "--set", "execution.remat=full_offload"]),
+    ("8x H100, batch 256, `train.offload_optimizer` + `execution.remat=full_offload`, grad_accum 32",
+     ["--gpu", "h100", "--nodes", "1", *OFFLOAD, "--set", "execution.remat=full_offload",
       "--set", "train.grad_accum=32"]),
     ("8x H100, batch 256, `train.offload_optimizer` + `train.offload_params`, grad_accum 16 "
      "(`grad_accum=auto`'s answer)",
@@ -62,9 +62,9 @@ ROWS = [
       "--set", "train.grad_accum=16"]),
     ("8x B200, FSDP 8, batch 16", ["--gpu", "b200", "--nodes", "1", "--set", "train.batch_size=16"]),
     ("8x B200, FSDP 8, batch 32", ["--gpu", "b200", "--nodes", "1", "--set", "train.batch_size=32"]),
-    ("8x B200, FSDP 8, batch 32, `model.remat=full_offload`",
+    ("8x B200, FSDP 8, batch 32, `execution.remat=full_offload`",
      ["--gpu", "b200", "--nodes", "1", "--set", "train.batch_size=32",
-      "--set", "model.remat=full_offload"]),
+      "--set", "execution.remat=full_offload"]),
     ("8x B200, batch 256 (as shipped), grad_accum 32 (`grad_accum=auto`'s answer)",
      ["--gpu", "b200", "--nodes", "1", "--set", "train.grad_accum=32"]),
 ]

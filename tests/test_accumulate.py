@@ -24,7 +24,7 @@ from titanax.train.state import create_train_state
 
 pytestmark = pytest.mark.usefixtures("devices8")  # meshes over 8 simulated devices
 
-BASE = {"model.dtype": "float32", "model.remat": "full", "train.grad_accum": 4}
+BASE = {"execution.dtype": "float32", "execution.remat": "full", "train.grad_accum": 4}
 
 
 def _grads(cfg, n_devices, trace_only=False):
@@ -47,7 +47,7 @@ def _grads(cfg, n_devices, trace_only=False):
 
 @pytest.mark.parametrize("extra, n_devices", [
     ({"mesh.fsdp": 2, "mesh.tensor": 2}, 4),  # gradients reduce-scattered into sharded sums
-    ({"model.matmul_precision": "fp8_delayed", "model.fp8_amax_history": 4}, 1),
+    ({"execution.matmul_precision": "fp8_delayed", "execution.fp8_amax_history": 4}, 1),
 ])
 def test_in_place_sum_equals_the_plain_sum(extra, n_devices):
     cfg = small_config(**BASE, **extra)
@@ -76,7 +76,7 @@ def test_in_place_sum_equals_the_plain_sum(extra, n_devices):
         assert np.max(np.abs(g - g0)) <= 1e-6 * np.max(np.abs(g0)), jax.tree_util.keystr(path)
     for h, h0 in zip(jax.tree.leaves(fp8), jax.tree.leaves(fp80)):  # amax histories: max
         np.testing.assert_array_equal(np.asarray(h), np.asarray(h0))
-    if extra.get("model.matmul_precision") == "fp8_delayed":
+    if extra.get("execution.matmul_precision") == "fp8_delayed":
         assert jax.tree.leaves(fp8) and any(np.any(np.asarray(h) > 0)
                                             for h in jax.tree.leaves(fp8))
 
@@ -84,8 +84,8 @@ def test_in_place_sum_equals_the_plain_sum(extra, n_devices):
 def test_layouts_that_keep_the_plain_sum_say_why():
     assert "grad_accum=1" in accumulate.unsupported(small_config(**{**BASE,
                                                                    "train.grad_accum": 1}))
-    assert "model.remat='full'" in accumulate.unsupported(small_config(**{**BASE,
-                                                                         "model.remat": "dots"}))
+    assert "execution.remat='full'" in accumulate.unsupported(small_config(**{**BASE,
+                                                                         "execution.remat": "dots"}))
     piped = small_config(**BASE, **{"mesh.pipeline": 2, "pipeline.microbatches": 2})
     assert "pipeline" in accumulate.unsupported(piped)
     # mesh.pipeline=-1 becomes a pipeline only on the mesh: the step sees it there and sums
@@ -118,7 +118,7 @@ def test_compiled_step_holds_one_gradient_sum_whatever_grad_accum():
     d, L, F, V = 1024, 4, 4096, 1024
     cfg = {"model.d_model": d, "model.n_layers": L, "model.n_heads": 8, "model.n_kv_heads": 8,
            "model.ffn_dim": F, "model.vocab_size": V, "model.max_seq_len": 64,
-           "model.dtype": "bfloat16", "model.remat": "full", "model.attention_impl": "cudnn",
+           "execution.dtype": "bfloat16", "execution.remat": "full", "execution.attention_impl": "cudnn",
            "train.batch_size": 64, "train.seq_len": 64, "mesh.data": 1, "mesh.fsdp": 8}
     runs = {"2": {"train.grad_accum": 2}, "8": {"train.grad_accum": 8},
             "8 plain": {"train.grad_accum": 8, "train.grad_accum_in_place": False}}

@@ -131,6 +131,28 @@ def test_no_import_cycles_between_titanax_subpackages():
     assert _cycles(graph) == []
 
 
+def _documented_tiers() -> dict[str, int]:
+    """titanax subpackage -> its tier in docs/architecture.md's layering line (0: bottom)."""
+    text = " ".join((ROOT / "docs" / "architecture.md").read_text().split())
+    line = text.partition("the order, bottom up:")[2].partition("; `launch/` on top")[0]
+    assert line, "docs/architecture.md lost its layering line ('the order, bottom up: ...')"
+    return {f"titanax.{name}": tier for tier, names in enumerate(line.split("->"))
+            for name in re.findall(r"`(\w+)`", names)}
+
+
+def test_titanax_subpackages_import_only_the_tiers_below_theirs():
+    """The layering order docs/architecture.md describes, import by import (inside functions
+    too), and every subpackage placed in it."""
+    tiers = _documented_tiers()
+    subpackages = {_subpackage(m) for m in MODULES if m.startswith("titanax.")}
+    assert sorted(subpackages - set(tiers)) == [], "not placed in docs/architecture.md's order"
+    upward = sorted({f"{m} -> {t}" for m, targets in GRAPH.items() for t in targets
+                     if m.startswith("titanax.") and t.startswith("titanax.")
+                     and _subpackage(m) != _subpackage(t)
+                     and tiers[_subpackage(t)] >= tiers[_subpackage(m)]})
+    assert upward == []
+
+
 def test_layering_kernels_know_no_titanax_and_the_library_no_launcher():
     wrong = [f"{m} -> {t}" for m, targets in GRAPH.items() for t in targets
              if m.startswith("pallas_kernels") and not t.startswith("pallas_kernels")

@@ -1,4 +1,4 @@
-"""The model through the Pallas flash attention path: model.attention_impl=triton runs the
+"""The model through the Pallas flash attention path: execution.attention_impl=triton runs the
 kernels in interpret mode on CPU, mosaic_sm90 and mosaic_sm100 run the Hopper and Blackwell
 kernels (forward and backward) in the Mosaic GPU interpreter, and each must train like the xla
 path (same loss curve) with packed documents (segment ids)."""
@@ -15,18 +15,18 @@ from titanax.parallel.rules import model_context
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TINY = {"model.d_model": 64, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2,
-        "model.ffn_dim": 128, "model.vocab_size": 128, "model.dtype": "float32",
+        "model.ffn_dim": 128, "model.vocab_size": 128, "execution.dtype": "float32",
         "train.batch_size": 2, "train.seq_len": 96, "mesh.data": 1, "optim.lr": 3e-3,
         "optim.warmup_steps": 1}
 # The Mosaic kernels take bf16/fp16 and head_dim 64, 128 or 256: 2 q heads of 64, 1 kv head.
 MOSAIC_MODEL = (("model.d_model", 128), ("model.n_heads", 2), ("model.n_kv_heads", 1),
-                ("model.dtype", "bfloat16"))
+                ("execution.dtype", "bfloat16"))
 
 
 @functools.cache
 def _losses(impl, steps=10, extra=()):
     cfg = apply_overrides(load_config(ROOT / "configs" / "tiny.py"),
-                          {**TINY, **dict(extra), "model.attention_impl": impl})
+                          {**TINY, **dict(extra), "execution.attention_impl": impl})
     mesh, state, step = single_device_step(cfg)
     rng = np.random.default_rng(0)
     B, S = cfg.train.batch_size, cfg.train.seq_len
@@ -62,6 +62,6 @@ def test_mosaic_training_matches_xla_loss_curve(impl):
 def test_attention_impl_choices():
     cfg = load_config(ROOT / "configs" / "tiny.py")
     for impl in ("triton", "mosaic_sm90", "auto", "xla", "cudnn"):
-        assert apply_overrides(cfg, {"model.attention_impl": impl}).model.attention_impl == impl
+        assert apply_overrides(cfg, {"execution.attention_impl": impl}).execution.attention_impl == impl
     with pytest.raises(ConfigError, match="not one of"):
-        apply_overrides(cfg, {"model.attention_impl": "pallas"})
+        apply_overrides(cfg, {"execution.attention_impl": "pallas"})

@@ -189,7 +189,7 @@ def test_expected_flops_follow_the_documented_formula():
                           ["train.seq_len=128", "train.batch_size=4", *sets])
         return cfg, A.expected_flops(cfg, n_devices=2)
 
-    cfg, none = expected("model.remat=none")
+    cfg, none = expected("execution.remat=none")
     m, s = cfg.model, 128
     q, kv = m.n_heads * m.resolved_head_dim, m.n_kv_heads * m.resolved_head_dim
     per_layer = m.d_model * (2 * q + 2 * kv + 3 * m.ffn_dim + 2)   # q, o, k, v, mlp, norms
@@ -201,11 +201,11 @@ def test_expected_flops_follow_the_documented_formula():
     assert none["formula_per_token"] == 6 * n + 12 * m.n_layers * q * s
     assert none["per_device"] == none["per_token"] * 4 * s / 2
     layers = n - output                             # what remat recomputes: all but the output
-    assert expected("model.remat=full")[1]["per_token"] == 6 * n + 3.5 * a + 2 * layers + a
-    assert expected("model.remat=full_offload")[1]["per_token"] == 6 * n + 4.5 * a + 2 * layers
-    assert expected("model.remat=dots")[1]["per_token"] == 6 * n + 4.5 * a
+    assert expected("execution.remat=full")[1]["per_token"] == 6 * n + 3.5 * a + 2 * layers + a
+    assert expected("execution.remat=full_offload")[1]["per_token"] == 6 * n + 4.5 * a + 2 * layers
+    assert expected("execution.remat=dots")[1]["per_token"] == 6 * n + 4.5 * a
     # gpipe over 2 stages, 4 microbatches: the layers run 4 + 1 ticks for 4 microbatches' work
-    _, piped = expected("model.remat=none", "mesh.pipeline=2", "pipeline.microbatches=4")
+    _, piped = expected("execution.remat=none", "mesh.pipeline=2", "pipeline.microbatches=4")
     assert piped["per_token"] == pytest.approx(6 * output + (6 * layers + 3.5 * a) * 5 / 4)
 
 

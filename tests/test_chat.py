@@ -125,7 +125,7 @@ def test_generate_samples_in_the_dtype_asked_for(run):
     for dtype in (None, "bfloat16"):
         cfg, graphdef, params, step = load_for_inference(run, dtype=dtype,
                                                          devices=jax.devices()[:1])
-        got[dtype] = cfg.model.dtype
+        got[dtype] = cfg.execution.dtype
         assert step == 1 and len(list(generate(cfg, graphdef, params, [5, 6, 7],
                                                max_new_tokens=3))) == 3
     assert got == {None: "float32", "bfloat16": "bfloat16"}  # the run's, then the one asked

@@ -57,7 +57,7 @@ def test_restore_onto_another_mesh_reshards(tmp_path):
     _, abstract, shardings = abstract_train_state(new_cfg, mesh222, make_optimizer(new_cfg))
     with model_context(mesh222):
         got = Checkpointer(tmp_path, new_cfg.checkpoint).restore_latest_good(
-            abstract, model=new_cfg.model)
+            abstract, cfg=new_cfg)
     assert got.step == 7 and int(got.state["step"]) == 0
     assert tree_equal(got.state["params"], state["params"])
     assert tree_equal(got.state["opt_state"], state["opt_state"])
@@ -193,64 +193,92 @@ def test_permanent_checkpoints_survive_keep(tmp_path):
 def test_model_change_names_fields_but_allows_execution_knobs():
     cfg = small_config()
     saved = cfg.to_dict()
-    check_same_model(saved, apply_overrides(cfg, {"model.attention_impl": "cudnn",
-                                                  "model.remat": "full"}).model, source="x")
+    check_same_model(saved, apply_overrides(cfg, {"execution.attention_impl": "cudnn",
+                                                  "execution.remat": "full"}), source="x")
     with pytest.raises(ConfigError, match=r"model.vocab_size: 512 -> 1024"):
-        check_same_model(saved, apply_overrides(cfg, {"model.vocab_size": 1024}).model,
-                         source="x")
+        check_same_model(saved, apply_overrides(cfg, {"model.vocab_size": 1024}), source="x")
     # The amax history length is state only under fp8_delayed (a checkpoint saved with the
     # old default of 16 resumes a bf16 run); MX scale rounding is numerics, not state.
-    old16 = apply_overrides(cfg, {"model.fp8_amax_history": 16})
+    old16 = apply_overrides(cfg, {"execution.fp8_amax_history": 16})
     check_same_model(old16.to_dict(), apply_overrides(cfg, {
-        "model.fp8_amax_history": 1024, "model.mxfp8_scale_rounding": "floor"}).model,
+        "execution.fp8_amax_history": 1024, "execution.mxfp8_scale_rounding": "floor"}),
         source="x")
-    delayed = {"model.matmul_precision": "fp8_delayed"}
-    with pytest.raises(ConfigError, match=r"model.fp8_amax_history: 16 -> 1024"):
+    delayed = {"execution.matmul_precision": "fp8_delayed"}
+    with pytest.raises(ConfigError, match=r"execution.fp8_amax_history: 16 -> 1024"):
         check_same_model(apply_overrides(old16, delayed).to_dict(), apply_overrides(
-            cfg, {**delayed, "model.fp8_amax_history": 1024}).model, source="x")
+            cfg, {**delayed, "execution.fp8_amax_history": 1024}), source="x")
+    with pytest.raises(ConfigError, match=r"execution.matmul_precision: 'default' -> "
+                                          r"'fp8_delayed' \(fp8_delayed keeps amax"):
+        check_same_model(saved, apply_overrides(cfg, delayed), source="x")
 
 
-# Another valid value of every ModelConfig field. A new field must be added here, and so be
-# classified: an execution field (config/model.py _execution) resumes with the other value, an
-# architecture field is refused by name.
-OTHER_VALUES = {
+def test_a_checkpoint_config_of_before_the_execution_section_resumes():
+    """Checkpoints written before the split keep the execution fields in their model
+    section: they compare on the model fields alone, the execution ones move over."""
+    cfg = small_config()
+    old = cfg.to_dict()
+    old["model"].update(old.pop("execution"), remat="full", attention_impl="cudnn")
+    check_same_model(old, cfg, source="x")
+    with pytest.raises(ConfigError, match=r"model.d_model: 128 -> 96"):
+        check_same_model(old, apply_overrides(cfg, {"model.d_model": 96}), source="x")
+
+
+# Another valid value of every field of the model section (Mistral's own included) and of the
+# execution section. A new field must be added here, and so be classified: a model field is
+# refused by name on resume, an execution field resumes with the other value.
+OTHER_MODEL_VALUES = {
     "arch": "qwen3", "vocab_size": 1024, "d_model": 96, "n_layers": 3, "n_heads": 8,
     "n_kv_heads": 4, "head_dim": 32, "ffn_dim": 192, "rope_theta": 10000.0,
     "rope_scaling": "none", "rope_factor": 4.0, "rope_low_freq_factor": 2.0,
     "rope_high_freq_factor": 8.0, "rope_original_max_seq_len": 4096, "max_seq_len": 4096,
     "norm_eps": 1e-6, "tie_embeddings": True, "param_dtype": "bfloat16",
-    # execution
+    "sliding_window": 100000}
+OTHER_EXECUTION_VALUES = {
     "init_std": 0.01, "attention_impl": "cudnn", "context_strategy": "all_gather",
     "tp_overlap": True, "matmul_precision": "highest", "fp8_amax_history": 16,
     "mxfp8_scale_rounding": "floor", "dtype": "bfloat16", "remat": "full",
     "grad_reduce_dtype": "float32"}
 
 
-@pytest.mark.parametrize("name", sorted(OTHER_VALUES))
-def test_each_model_field_is_architecture_or_may_change_on_resume(name):
+def _mistral_small():
+    return small_config(**{"model.arch": "mistral"})
+
+
+@pytest.mark.parametrize("name", sorted(OTHER_MODEL_VALUES))
+def test_each_model_field_is_refused_by_name_on_resume(name):
     import dataclasses
 
-    from titanax.config import ModelConfig
+    from titanax.archs import ARCHS
+    from titanax.config.model import model_field_names
 
-    assert set(OTHER_VALUES) == {f.name for f in dataclasses.fields(ModelConfig)}
-    cfg = small_config()
-    assert getattr(cfg.model, name) != OTHER_VALUES[name]
-    changed = dataclasses.replace(cfg.model, **{name: OTHER_VALUES[name]})
-    if name in ModelConfig.execution_fields():
+    assert set(OTHER_MODEL_VALUES) == {n for arch in ARCHS for n in model_field_names(arch)}
+    cfg = _mistral_small() if name == "sliding_window" else small_config()
+    assert getattr(cfg.model, name) != OTHER_MODEL_VALUES[name]
+    changed = apply_overrides(cfg, {f"model.{name}": OTHER_MODEL_VALUES[name]})
+    with pytest.raises(ConfigError, match=rf"model\.{name}: "):
         check_same_model(cfg.to_dict(), changed, source="x")
-    else:
-        with pytest.raises(ConfigError, match=rf"model\.{name}: "):
-            check_same_model(cfg.to_dict(), changed, source="x")
+    assert dataclasses.fields(type(changed.model))  # (each architecture's own class)
+
+
+@pytest.mark.parametrize("name", sorted(OTHER_EXECUTION_VALUES))
+def test_each_execution_field_may_change_on_resume(name):
+    import dataclasses
+
+    from titanax.config import ExecutionConfig
+
+    assert set(OTHER_EXECUTION_VALUES) == {f.name for f in dataclasses.fields(ExecutionConfig)}
+    cfg = small_config()
+    assert getattr(cfg.execution, name) != OTHER_EXECUTION_VALUES[name]
+    check_same_model(cfg.to_dict(), apply_overrides(
+        cfg, {f"execution.{name}": OTHER_EXECUTION_VALUES[name]}), source="x")
 
 
 def test_resume_with_every_execution_field_changed(tmp_path):
     """A run resumes its checkpoint with all of them changed at once (as a resume onto a GPU
     with the planner's suggestions would), and trains on from its step."""
-    from titanax.config import ModelConfig
-
     first, _ = run_small(tmp_path, 1, **{"checkpoint.every_steps": 1})
-    changed = {f"model.{n}": OTHER_VALUES[n] for n in ModelConfig.execution_fields()}
-    changed["model.attention_impl"] = "auto"  # (cudnn needs a GPU; auto is xla on a CPU)
+    changed = {f"execution.{n}": v for n, v in OTHER_EXECUTION_VALUES.items()}
+    changed["execution.attention_impl"] = "auto"  # (cudnn needs a GPU; auto is xla on a CPU)
     resumed, log = run_small(tmp_path, 2, **changed, **{"checkpoint.every_steps": 1})
     assert "resumed" in log.lower() and resumed.final_step == 2
     assert sorted(resumed.losses) == [2] and np.isfinite(resumed.losses[2]), log

@@ -1,11 +1,14 @@
+import json
 import pathlib
 import re
 
 import pytest
 
 from titanax.config import (
+    EXECUTION_FIELDS,
     Config,
     ConfigError,
+    ExecutionConfig,
     ModelConfig,
     TrainConfig,
     apply_overrides,
@@ -22,10 +25,10 @@ def test_gin_and_py_build_the_same_config(name):
 
 def test_set_overrides_coerce_types():
     cfg = load_config(CONFIGS / "tiny.py", ["train.steps=7", "optim.lr=1e-4",
-                                            "data.shuffle=false", "model.attention_impl=cudnn",
+                                            "data.shuffle=false", "execution.attention_impl=cudnn",
                                             "train.batch_size=4_096"])
     assert cfg.train.steps == 7 and cfg.optim.lr == 1e-4 and cfg.data.shuffle is False
-    assert cfg.model.attention_impl == "cudnn" and cfg.train.batch_size == 4096
+    assert cfg.execution.attention_impl == "cudnn" and cfg.train.batch_size == 4096
     # Untouched fields keep the file's values.
     assert cfg.model.d_model == load_config(CONFIGS / "tiny.py").model.d_model
 
@@ -44,8 +47,8 @@ def test_overrides_apply_to_gin_configs_too():
     ("train.steps", "expected section.field=value"),
     ("model.n_kv_heads=3", "multiple of model.n_kv_heads=3"),
     ("model.d_model=100", "not divisible by model.n_heads"),
-    ("model.attention_impl=flash", "not one of"),
-    ("model.dtype=bfloat61", "Did you mean 'bfloat16'"),
+    ("execution.attention_impl=flash", "not one of"),
+    ("execution.dtype=bfloat61", "Did you mean 'bfloat16'"),
     ("train.seq_len=4096", "exceeds model.max_seq_len"),
     ("train.grad_accum=3", "divisible by train.grad_accum=3"),
     ("optim.min_lr_ratio=2", "optim.min_lr_ratio: must lie in [0, 1]"),
@@ -131,3 +134,61 @@ def test_non_finite_numbers_and_raising_python_configs_are_one_line(tmp_path):
     syntax.write_text("def config(:\n    pass\n")
     with pytest.raises(ConfigError, match=rf"^{re.escape(str(syntax))}:1: SyntaxError"):
         load_config(syntax)
+
+
+# DESIGN.md's model.* --set names: what users' scripts pass, whatever section holds the field.
+DESIGN_MODEL_NAMES = {
+    "arch": "qwen3", "rope_scaling": "none", "vocab_size": 1024, "d_model": 512,
+    "n_layers": 3, "n_heads": 16, "n_kv_heads": 8, "ffn_dim": 1024, "rope_theta": 1e4,
+    "max_seq_len": 4096, "attention_impl": "cudnn", "matmul_precision": "highest",
+    "dtype": "bfloat16", "param_dtype": "bfloat16", "remat": "full", "tp_overlap": True,
+    "context_strategy": "all_gather"}
+
+
+@pytest.mark.filterwarnings("error::FutureWarning")  # an alias, not the old spelling
+@pytest.mark.parametrize("name", sorted(DESIGN_MODEL_NAMES))
+def test_every_design_model_name_still_sets_its_field(name):
+    value = DESIGN_MODEL_NAMES[name]
+    cfg = load_config(CONFIGS / "tiny.py", [f"model.{name}={value}"])
+    section = cfg.execution if name in EXECUTION_FIELDS else cfg.model
+    assert getattr(section, name) == value
+
+
+def test_model_section_is_the_architectures_class_and_its_fields_are_its_own():
+    from titanax.models.mistral.config import MistralConfig
+
+    cfg = load_config(CONFIGS / "tiny.py", ["model.arch=mistral", "model.sliding_window=4096"])
+    assert type(cfg.model) is MistralConfig and cfg.model.sliding_window == 4096
+    assert type(Config(model=ModelConfig(arch="mistral")).model) is MistralConfig
+    with pytest.raises(ConfigError, match=r"'model.sliding_window' \(llama3 has no such field\)"):
+        load_config(CONFIGS / "tiny.py", ["model.sliding_window=4096"])
+    with pytest.raises(ConfigError, match=r"model.sliding_window: 1024 \(below model.max_seq_len"
+                                          r"=2048\) is not supported"):
+        load_config(CONFIGS / "tiny.py", ["model.arch=mistral", "model.sliding_window=1024"])
+    # Switching back drops a field the other class lacks only when it holds its default.
+    with pytest.raises(ConfigError, match=r"model.sliding_window: llama3 has no such field"):
+        apply_overrides(cfg, {"model.arch": "llama3"})
+
+
+def test_configs_of_before_the_execution_section_still_load(tmp_path):
+    """Python configs passing execution fields to the model section (with a FutureWarning
+    naming the new spelling), gin files binding them under model, and a run's config.json
+    holding them there all give the same Config as the new spelling."""
+    want = load_config(CONFIGS / "tiny.py", ["execution.remat=full"])
+    py = tmp_path / "old.py"
+    py.write_text(CONFIGS.joinpath("tiny.py").read_text().replace(
+        'model=preset("tiny"),', 'model=preset("tiny", dtype="float32", remat="full"),').replace(
+        'execution=ExecutionConfig(dtype="float32"),', ""))
+    with pytest.warns(FutureWarning, match=r"ExecutionConfig\(dtype=..., remat=...\)"):
+        assert load_config(py) == want
+    gin = tmp_path / "old.gin"
+    gin.write_text(CONFIGS.joinpath("tiny.gin").read_text().replace("execution.", "model.")
+                   + "model.remat = 'full'\n")
+    assert load_config(gin) == want
+    old = want.to_dict()
+    old["model"].update(old.pop("execution"))
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    assert load_config(tmp_path / "config.json") == want
+    with pytest.raises(ConfigError, match=r"set twice, differently: model.remat='full' vs "
+                                          r"execution.remat='dots'"), pytest.warns(FutureWarning):
+        Config(model=ModelConfig(remat="full"), execution=ExecutionConfig(remat="dots"))

@@ -29,7 +29,7 @@ LAYOUTS = {
     "cp2_tp2_fsdp2": {"mesh.data": 1, "mesh.fsdp": 2, "mesh.context": 2, "mesh.tensor": 2},
     "cp4_tp2": {"mesh.data": 1, "mesh.context": 4, "mesh.tensor": 2},
     "cp4_fsdp2_all_gather": {"mesh.data": 1, "mesh.fsdp": 2, "mesh.context": 4,
-                             "model.context_strategy": "all_gather"},
+                             "execution.context_strategy": "all_gather"},
     "cp2_tp2_pp2": {"mesh.data": 1, "mesh.context": 2, "mesh.tensor": 2, "mesh.pipeline": 2,
                     "pipeline.microbatches": 2},
 }
@@ -60,7 +60,7 @@ def test_layout_matches_one_device(name, packed, one_device):
 
 def test_triton_kernel_blocks_match_one_device(one_device):
     """The model with the Triton flash kernel (interpreted) as the ring's blocks."""
-    cfg = tiny_config(**{"mesh.data": 2, "mesh.context": 4, "model.attention_impl": "triton"})
+    cfg = tiny_config(**{"mesh.data": 2, "mesh.context": 4, "execution.attention_impl": "triton"})
     assert_matches(loss_and_grads(cfg, jax.devices())[:2], one_device[True])
 
 
@@ -123,7 +123,7 @@ def test_scoring_logits_come_back_in_sequence_order():
                                     ("cp", cfg.mesh, jax.devices())):
         mesh = build_mesh(mesh_cfg, devices)
         with model_context(mesh):
-            model = model_spec(cfg.model).build(cfg.model, rngs=nnx.Rngs(0))
+            model = model_spec(cfg.model).build(cfg.model, cfg.execution, rngs=nnx.Rngs(0))
             logits[name] = np.asarray(jax.jit(lambda m, t: m(t)[0])(model, tokens))
     np.testing.assert_allclose(logits["cp"], logits["one"], rtol=0,
                                atol=1e-5 * np.abs(logits["one"]).max())
@@ -141,8 +141,8 @@ def test_mesh_puts_context_inside_the_domain_after_tensor():
     ({"mesh.context": 4, "train.seq_len": 12}, ["train.seq_len", "multiple of 8"]),
     ({"mesh.context": 2, "mesh.tensor": 4, "train.seq_len": 12, "model.n_heads": 4,
       "model.n_kv_heads": 4}, ["train.seq_len", "mesh.tensor=4", "multiple of 8"]),
-    ({"mesh.context": 2, "model.attention_impl": "cudnn"}, ["cudnn", "shard_map"]),
-    ({"model.context_strategy": "allgather"}, ["model.context_strategy", "all_gather"]),
+    ({"mesh.context": 2, "execution.attention_impl": "cudnn"}, ["cudnn", "shard_map"]),
+    ({"execution.context_strategy": "allgather"}, ["execution.context_strategy", "all_gather"]),
 ])
 def test_bad_context_layouts_fail_clearly(over, words):
     with pytest.raises(ConfigError) as err:

@@ -24,8 +24,8 @@ TASKS = ["titanax_tiny_mc", "titanax_tiny_ppl", "titanax_tiny_gen"]
 # init_std 0.2 makes the logits O(1), so a 1e-4 agreement means something.
 SMALL = {"model.vocab_size": 320, "model.d_model": 64, "model.n_layers": 2, "model.n_heads": 4,
          "model.n_kv_heads": 2, "model.ffn_dim": 160, "model.max_seq_len": 64,
-         "model.init_std": 0.2, "model.dtype": "float32", "model.param_dtype": "float32",
-         "model.matmul_precision": "highest", "train.seq_len": 32, "data.source": "synthetic",
+         "execution.init_std": 0.2, "execution.dtype": "float32", "model.param_dtype": "float32",
+         "execution.matmul_precision": "highest", "train.seq_len": 32, "data.source": "synthetic",
          "mesh.data": 1, "checkpoint.async_save": False}
 DOCS = ["def main():\n    return sorted(range(10))\n" * 3, "import os\nprint(os.getcwd())\n" * 5,
         "class A:\n    pass\n" * 4, "Which keyword defines a function in Python? def\n" * 3]

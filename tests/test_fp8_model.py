@@ -28,12 +28,12 @@ count_params = model_spec("llama3").count_params
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SMALL = {"model.d_model": 64, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2,
          "model.ffn_dim": 128, "model.vocab_size": 256, "train.batch_size": 4,
-         "train.seq_len": 32, "mesh.data": 1, "model.fp8_amax_history": 4}
+         "train.seq_len": 32, "mesh.data": 1, "execution.fp8_amax_history": 4}
 
 
 def _cfg(precision, **extra):
     return apply_overrides(load_config(ROOT / "configs" / "tiny.py"),
-                           {**SMALL, "model.matmul_precision": precision, **extra})
+                           {**SMALL, "execution.matmul_precision": precision, **extra})
 
 
 def _batch(cfg, seed=0):
@@ -47,16 +47,16 @@ def _batch(cfg, seed=0):
 
 def test_config_accepts_the_recipes():
     for p in ("fp8_tensorwise", "fp8_delayed", "mxfp8"):
-        assert _cfg(p).model.matmul_precision == p
+        assert _cfg(p).execution.matmul_precision == p
     with pytest.raises(ConfigError, match="matmul_precision"):
         _cfg("fp8")
-    model = load_config(ROOT / "configs" / "tiny.py").model
-    assert model.fp8_amax_history == 1024  # Transformer Engine's DelayedScaling default
-    assert model.mxfp8_scale_rounding == "up"
-    assert _cfg("mxfp8", **{"model.mxfp8_scale_rounding": "floor"}).model.mxfp8_scale_rounding \
-        == "floor"
+    execution = load_config(ROOT / "configs" / "tiny.py").execution
+    assert execution.fp8_amax_history == 1024  # Transformer Engine's DelayedScaling default
+    assert execution.mxfp8_scale_rounding == "up"
+    floor = _cfg("mxfp8", **{"execution.mxfp8_scale_rounding": "floor"})
+    assert floor.execution.mxfp8_scale_rounding == "floor"
     with pytest.raises(ConfigError, match="mxfp8_scale_rounding.*Did you mean 'up'"):
-        _cfg("mxfp8", **{"model.mxfp8_scale_rounding": "upp"})
+        _cfg("mxfp8", **{"execution.mxfp8_scale_rounding": "upp"})
 
 
 def test_linear_passes_the_mxfp8_scale_rounding():
@@ -82,7 +82,7 @@ def test_projections_and_mlp_run_fp8_output_layer_does_not(precision, monkeypatc
     monkeypatch.setattr(fp8_linear_mod, "fp8_matmul", spy)
     cfg = _cfg(precision)
     with model_context(build_mesh(cfg.mesh, jax.devices()[:1])):
-        graphdef, params = nnx.split(Llama(cfg.model, rngs=nnx.Rngs(0)))
+        graphdef, params = nnx.split(Llama(cfg.model, cfg.execution, rngs=nnx.Rngs(0)))
         toks = jnp.asarray(_batch(cfg)["inputs"])
         fwd = lambda p: nnx.merge(graphdef, p)(toks)[0]  # noqa: E731
         jaxpr = jax.make_jaxpr(fwd)(params)
@@ -96,7 +96,7 @@ def test_projections_and_mlp_run_fp8_output_layer_does_not(precision, monkeypatc
         assert out_dot and str(out_dot[-1].invars[1].aval.dtype) == "float32"
         if precision == "mxfp8":  # numbers: close to the float32 model
             logits = jax.jit(fwd)(params)
-            ref = nnx.merge(nnx.split(Llama(_cfg("default").model, rngs=nnx.Rngs(0)))[0],
+            ref = nnx.merge(nnx.split(Llama(cfg.model, _cfg("default").execution, rngs=nnx.Rngs(0)))[0],
                             params)(toks)[0]
             err = float(jnp.linalg.norm(logits - ref) / jnp.linalg.norm(ref))
             assert err < 0.1, err
@@ -150,9 +150,9 @@ def test_model_config_mxfp8_scale_rounding_reaches_the_model():
     toks = jnp.asarray(_batch(_cfg("mxfp8"))["inputs"])
     logits = {}
     for rounding in ("up", "floor"):
-        cfg = _cfg("mxfp8", **{"model.mxfp8_scale_rounding": rounding})
+        cfg = _cfg("mxfp8", **{"execution.mxfp8_scale_rounding": rounding})
         with model_context(build_mesh(cfg.mesh, jax.devices()[:1])):
-            logits[rounding] = np.asarray(Llama(cfg.model, rngs=nnx.Rngs(0))(toks)[0])
+            logits[rounding] = np.asarray(Llama(cfg.model, cfg.execution, rngs=nnx.Rngs(0))(toks)[0])
     assert not np.array_equal(logits["up"], logits["floor"])
 
 

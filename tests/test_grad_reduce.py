@@ -1,4 +1,4 @@
-"""model.grad_reduce_dtype: weight gradients summed and reduce-scattered in the compute dtype
+"""execution.grad_reduce_dtype: weight gradients summed and reduce-scattered in the compute dtype
 (default) or in float32."""
 
 import jax
@@ -35,9 +35,9 @@ def test_float32_weight_gradient_is_accumulated_in_float32(spec, w_shape):
 
 def test_config_choice():
     cfg = load_config(ROOT / "configs" / "tiny.py")
-    assert cfg.model.grad_reduce_dtype == "compute"
-    with pytest.raises(ConfigError, match="model.grad_reduce_dtype"):
-        apply_overrides(cfg, {"model.grad_reduce_dtype": "fp32"})
+    assert cfg.execution.grad_reduce_dtype == "compute"
+    with pytest.raises(ConfigError, match="execution.grad_reduce_dtype"):
+        apply_overrides(cfg, {"execution.grad_reduce_dtype": "fp32"})
 
 
 @pytest.mark.skipif(not aot.plugin_available(), reason="needs the CUDA plugin "
@@ -45,14 +45,14 @@ def test_config_choice():
 def test_fsdp_reduce_scatters_in_the_configured_dtype():
     """Llama 3 8B's preset made small (2 layers of width 1024, 2048-token sequences) on 8
     H100s, FSDP, bf16 compute: the weight gradients' reduce-scatters are bf16 by default and
-    float32 with model.grad_reduce_dtype=float32 (two deviceless compiles in one process)."""
+    float32 with execution.grad_reduce_dtype=float32 (two deviceless compiles in one process)."""
     cluster = Cluster("h100", 1)
     modes = ("compute", "float32")
     small = {"train.batch_size": 8, "model.n_layers": 2, "model.d_model": 1024,
              "model.n_heads": 8, "model.n_kv_heads": 4, "model.ffn_dim": 2048,
              "model.vocab_size": 8192, "train.seq_len": 2048}
     cfgs = [plan_config(load_config(ROOT / "configs" / "llama3_8b.py", {
-        **small, "model.grad_reduce_dtype": mode}), cluster) for mode in modes]
+        **small, "execution.grad_reduce_dtype": mode}), cluster) for mode in modes]
     seen = {}
     for mode, result in zip(modes, compile_all_in_subprocess(cfgs, cluster, timeout_s=300)):
         assert result["ok"] and result["target"] == "gpu", result

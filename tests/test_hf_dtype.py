@@ -17,13 +17,13 @@ pytestmark = pytest.mark.usefixtures("devices8")
     ({"torch_dtype": "float32"}, [], "float32"),
     ({"dtype": "bfloat16", "torch_dtype": "float32"}, [], "bfloat16"),  # 5.x's key first
     ({"dtype": "float16"}, [], "float16"),
-    ({"torch_dtype": "float32"}, ["model.dtype=bfloat16"], "bfloat16"),  # --set wins
+    ({"torch_dtype": "float32"}, ["execution.dtype=bfloat16"], "bfloat16"),  # --set wins
     ({}, [], "bfloat16"),  # none named: titanax's default
 ])
 def test_import_computes_in_the_published_dtype(tmp_path, keys, overrides, want):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **HF_CONFIG,
                                                       **keys}))
-    assert import_config(tmp_path, None, overrides).model.dtype == want
+    assert import_config(tmp_path, None, overrides).execution.dtype == want
 
 
 def test_import_without_a_config_is_a_fine_tuning_recipe_that_asks_for_data(tmp_path):
@@ -37,7 +37,7 @@ def test_import_without_a_config_is_a_fine_tuning_recipe_that_asks_for_data(tmp_
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **HF_CONFIG}))
     cfg = import_config(tmp_path, None, ["train.steps=200"])
     assert (cfg.optim.lr, cfg.optim.schedule, cfg.optim.min_lr_ratio) == (2e-5, "cosine", 0.0)
-    assert (cfg.mesh.data, cfg.mesh.fsdp, cfg.model.remat) == (1, -1, "full")
+    assert (cfg.mesh.data, cfg.mesh.fsdp, cfg.execution.remat) == (1, -1, "full")
     assert cfg.train.seq_len == 64 and cfg.data.source == SOURCE_UNSET  # the model's 64
     lr = lr_schedule(cfg)
     assert float(lr(5)) < 2e-5 and float(lr(6)) == pytest.approx(2e-5)  # 3% of 200: 6

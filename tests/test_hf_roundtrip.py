@@ -73,8 +73,8 @@ def folders(tmp_path_factory):
 
 def _import_train_export(src: pathlib.Path, tmp: pathlib.Path, capsys):
     work, out = tmp / f"{src.name}_run", tmp / f"{src.name}_export"
-    _cli("import_hf", "--hf", src, "--workdir", work, "--set=model.dtype=float32",
-         "--set=model.matmul_precision=highest", "--set=train.seq_len=32",
+    _cli("import_hf", "--hf", src, "--workdir", work, "--set=execution.dtype=float32",
+         "--set=execution.matmul_precision=highest", "--set=train.seq_len=32",
          "--set=train.batch_size=8")
     _cli("train", "--workdir", work, *TRAIN)
     _cli("export_hf", "--workdir", work, "--out", out, "--dtype", "float32")

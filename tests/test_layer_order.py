@@ -18,7 +18,7 @@ from titanax.train.state import create_train_state
 
 pytestmark = pytest.mark.usefixtures("devices8")  # meshes over 8 simulated devices
 
-LAYOUT = {"model.n_layers": 4, "model.dtype": "float32", "train.batch_size": 8}
+LAYOUT = {"model.n_layers": 4, "execution.dtype": "float32", "train.batch_size": 8}
 CIRCULAR = {"mesh.data": 1, "mesh.pipeline": 2, "mesh.fsdp": 4, "pipeline.schedule": "circular",
             "pipeline.microbatches": 2}
 

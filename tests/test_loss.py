@@ -6,7 +6,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from titanax.config import Config, MeshConfig, ModelConfig, TrainConfig, apply_overrides
+from titanax.config import (
+    Config,
+    ExecutionConfig,
+    MeshConfig,
+    ModelConfig,
+    TrainConfig,
+    apply_overrides,
+)
 from titanax.ops.cross_entropy import (
     chunk_positions,
     dense_cross_entropy_sum,
@@ -82,19 +89,21 @@ def test_chunk_positions():
 
 def _step_cfg(**train) -> Config:
     model = ModelConfig(vocab_size=512, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                        ffn_dim=64, dtype="float32", max_seq_len=64)
-    return Config(model=model, mesh=MeshConfig(data=1),
-                  train=TrainConfig(batch_size=4, seq_len=64, **train))
+                        ffn_dim=64, max_seq_len=64)
+    return Config(model=model, execution=ExecutionConfig(dtype="float32"),
+                  mesh=MeshConfig(data=1), train=TrainConfig(batch_size=4, seq_len=64, **train))
 
 
-def _loss_and_grads(cfg: Config, devices):
+def _loss_and_grads(cfg: Config, devices, accum: bool = False):
+    """(loss, gradients, compiled HLO, parameters) of make_loss_fn on a fixed batch; accum: through the
+    train step's microbatch sum (train.grad_accum) instead."""
     from flax import nnx
 
     from titanax.parallel.mesh import build_mesh
     from titanax.parallel.rules import model_context
     from titanax.train.optim import make_optimizer
     from titanax.train.state import create_train_state
-    from titanax.train.step import make_loss_fn
+    from titanax.train.step import _grads, make_loss_fn
 
     mesh = build_mesh(cfg.mesh, devices)
     graphdef, state, _ = create_train_state(cfg, mesh, make_optimizer(cfg))
@@ -105,17 +114,19 @@ def _loss_and_grads(cfg: Config, devices):
              "positions": np.broadcast_to(np.arange(64, dtype=np.int32), (4, 64)).copy()}
     with model_context(mesh):
         fn = jax.jit(jax.value_and_grad(make_loss_fn(cfg, graphdef)))
+        if accum:
+            fn = jax.jit(lambda p, b: _grads(cfg, make_loss_fn(cfg, graphdef), p, None, b)[:2])
         loss, grads = fn(state["params"], batch)
         hlo = fn.lower(state["params"], batch).compile().as_text()
-    del nnx
-    return float(loss), jax.tree.map(np.asarray, grads), hlo
+    pure = lambda t: nnx.to_pure_dict(jax.tree.map(np.asarray, t))  # noqa: E731
+    return float(loss), pure(grads), hlo, pure(state["params"])
 
 
 def test_train_step_loss_is_chunked_and_equals_one_chunk():
     """The model's loss with 4 chunks equals one chunk (what the dense path computed) to 1e-6,
     gradients included, and the compiled 4-chunk step holds no [B, S, V] float32 buffer."""
-    one, g_one, _ = _loss_and_grads(_step_cfg(loss_chunk=0), jax.devices()[:1])
-    four, g_four, hlo = _loss_and_grads(_step_cfg(loss_chunk=64), jax.devices()[:1])  # 16 pos.
+    one, g_one, _, _ = _loss_and_grads(_step_cfg(loss_chunk=0), jax.devices()[:1])
+    four, g_four, hlo, _ = _loss_and_grads(_step_cfg(loss_chunk=64), jax.devices()[:1])  # 16 pos.
     np.testing.assert_allclose(four, one, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(g_four), jax.tree.leaves(g_one)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
@@ -126,9 +137,36 @@ def test_sharded_loss_matches_one_device():
     """fsdp 2 x tensor 2 x data 2 (vocab split over tensor, weight gathered over fsdp) gives the
     single-device loss and gradients."""
     base = _step_cfg(loss_chunk=64)
-    one, g_one, _ = _loss_and_grads(base, jax.devices()[:1])
+    one, g_one, _, _ = _loss_and_grads(base, jax.devices()[:1])
     cfg = apply_overrides(base, {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2})
-    eight, g_eight, _ = _loss_and_grads(cfg, jax.devices()[:8])
+    eight, g_eight, _, _ = _loss_and_grads(cfg, jax.devices()[:8])
     np.testing.assert_allclose(eight, one, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(g_eight), jax.tree.leaves(g_one)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_an_architectures_aux_losses_join_the_step_loss_and_gradients(monkeypatch):
+    """ModelSpec.aux_losses: its terms (here 1e-3 x the embedding's squared norm) add to the
+    step's mean loss and their gradients to the parameters', and split over microbatches
+    (train.grad_accum=2) they still sum to one term."""
+    import dataclasses
+
+    from titanax.models import model_spec
+    from titanax.train import step as step_mod
+
+    base_cfg = _step_cfg(loss_chunk=0)
+    dense, g_dense, _, params = _loss_and_grads(base_cfg, jax.devices()[:1])
+    l2 = lambda m: {"l2": 1e-3 * jnp.sum(jnp.square(m.embed[...]))}  # noqa: E731
+    spec = dataclasses.replace(model_spec(base_cfg.model), aux_losses=l2)
+    monkeypatch.setattr(step_mod, "model_spec", lambda _: spec)
+    with_aux, g_aux, _, _ = _loss_and_grads(base_cfg, jax.devices()[:1])
+    # (the same initial weights: create_train_state is seeded by train.seed)
+    embed = params["embed"]
+    np.testing.assert_allclose(with_aux - dense, 1e-3 * np.sum(np.square(embed)), rtol=1e-4)
+    np.testing.assert_allclose(g_aux["embed"] - g_dense["embed"], 2e-3 * embed, rtol=1e-3,
+                               atol=1e-8)
+    np.testing.assert_array_equal(g_aux["output"], g_dense["output"])
+    accum2, g_accum2, _, _ = _loss_and_grads(_step_cfg(loss_chunk=0, grad_accum=2),
+                                          jax.devices()[:1], accum=True)
+    np.testing.assert_allclose(accum2, with_aux, rtol=1e-5)
+    np.testing.assert_allclose(g_accum2["embed"], g_aux["embed"], rtol=1e-4, atol=1e-7)

@@ -85,10 +85,10 @@ def _step_loss_and_grads(cfg, devices, batch):
 
 LAYOUTS = {
     "one device, grad_accum 1": ({}, 1),
-    "one device, grad_accum 4 (in place)": ({"train.grad_accum": 4, "model.remat": "full"}, 1),
+    "one device, grad_accum 4 (in place)": ({"train.grad_accum": 4, "execution.remat": "full"}, 1),
     "one device, grad_accum 4 (plain sum)": ({"train.grad_accum": 4}, 1),
     "fsdp 2 x tensor 2, grad_accum 2": ({"mesh.fsdp": 2, "mesh.tensor": 2,
-                                         "train.grad_accum": 2, "model.remat": "full"}, 4),
+                                         "train.grad_accum": 2, "execution.remat": "full"}, 4),
 }
 
 

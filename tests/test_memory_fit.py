@@ -99,22 +99,22 @@ def test_auto_without_a_limit_on_cpu_is_one(devices8):
 
 
 def test_candidates_grad_accum_first_then_more_frugal_remat():
-    cfg = load_config(ROOT / "configs/tiny.py", {**SMALL, "model.remat": "dots"})
+    cfg = load_config(ROOT / "configs/tiny.py", {**SMALL, "execution.remat": "dots"})
     got = list(candidates(cfg, batch_ways=2))  # 4 sequences per device
     assert got == [{"train.grad_accum": 2}, {"train.grad_accum": 4},
-                   *({"model.remat": r, "train.grad_accum": k}
+                   *({"execution.remat": r, "train.grad_accum": k}
                      for r in ("full", "full_offload") for k in (1, 2, 4))]
     # With the optimizer in host memory the master weights may follow, summed in place.
-    off = apply_overrides(cfg, {"train.offload_optimizer": True, "model.remat": "full"})
+    off = apply_overrides(cfg, {"train.offload_optimizer": True, "execution.remat": "full"})
     got = list(candidates(off, batch_ways=2))
-    assert got[-6:] == [{"train.offload_params": True, "model.remat": r, "train.grad_accum": k}
+    assert got[-6:] == [{"train.offload_params": True, "execution.remat": r, "train.grad_accum": k}
                         for r in ("full", "full_offload") for k in (1, 2, 4)]
 
 
 def _fake_memory(cfg: Config) -> int:
     """A step's bytes as a function of the settings the search changes: activations shrink
     with grad_accum, more frugal remat and the master weights in host memory save more."""
-    saved = {"dots": 0, "full": 10, "full_offload": 30}[cfg.model.remat]
+    saved = {"dots": 0, "full": 10, "full_offload": 30}[cfg.execution.remat]
     return 100 + 640 // cfg.train.grad_accum - saved - (60 if cfg.train.offload_params else 0)
 
 
@@ -135,24 +135,24 @@ def test_search_compiles_each_groups_largest_count_then_bisects(capacity, want, 
     whose most microbatches do not fit is skipped after one compile, and the smallest count
     that fits is found by bisection: 5-7 compiles of the 29 candidates here."""
     cfg = load_config(ROOT / "configs/tiny.py", {**SMALL, "train.batch_size": 64,
-                                                 "model.remat": "dots",
+                                                 "execution.remat": "dots",
                                                  "train.offload_optimizer": True})
     assert len(list(candidates(cfg, batch_ways=2))) == 29  # 32 sequences per device
     seen = []
 
     def measure(c):
-        seen.append((c.model.remat, c.train.offload_params, c.train.grad_accum))
+        seen.append((c.execution.remat, c.train.offload_params, c.train.grad_accum))
         return {"memory": {"total": _fake_memory(c)}}
 
     need = {"arguments": 1, "outputs": 0, "aliased": 0, "total": 1000}
     answer = search_fit(cfg, measure, capacity, "a test", 2, need=need)
     assert seen == compiled
     if want is None:
-        assert answer.overrides is None and "no train.grad_accum or model.remat" in answer.line()
+        assert answer.overrides is None and "no train.grad_accum or execution.remat" in answer.line()
     else:
         remat, offload, k = want
         assert answer.overrides == {**({"train.offload_params": True} if offload else {}),
-                                    "model.remat": remat, "train.grad_accum": k}
+                                    "execution.remat": remat, "train.grad_accum": k}
         assert answer.fit_bytes == _fake_memory(apply_overrides(cfg, answer.overrides))
 
 
@@ -161,17 +161,17 @@ def test_auto_takes_a_change_beyond_grad_accum_and_says_so(devices8, monkeypatch
     host memory and another remat policy (8x H100, 70B, the optimizer offloaded), and its
     line names every setting it changed."""
     cfg = load_config(ROOT / "configs/tiny.py", {
-        **SMALL, "train.batch_size": 64, "model.remat": "full", "train.offload_optimizer": True,
+        **SMALL, "train.batch_size": 64, "execution.remat": "full", "train.offload_optimizer": True,
         "train.grad_accum": "auto", "train.device_memory_limit": "45MB"})
     monkeypatch.setattr(memory_fit, "compile_train_step", lambda c, mesh: c)
     monkeypatch.setattr(memory_fit, "compiled_memory", lambda c: {
         "arguments": 1, "outputs": 0, "aliased": 0, "total": _fake_memory(c) * 10**6})
     lines = []
     got, compiled = fit_to_devices(cfg, build_mesh(cfg.mesh, devices8[:2]), lines.append)
-    assert (got.model.remat, got.train.offload_params, got.train.grad_accum) == (
+    assert (got.execution.remat, got.train.offload_params, got.train.grad_accum) == (
         "full_offload", True, 32) and compiled == got
     assert lines[-1] == ("train.grad_accum=auto -> 32, with train.offload_params=true "
-                         "model.remat=full_offload (30.0 MB of 45.0 MB)"), lines
+                         "execution.remat=full_offload (30.0 MB of 45.0 MB)"), lines
 
 
 def test_answer_without_a_fit_says_why():
@@ -203,7 +203,7 @@ def test_launch_plan_with_auto_plans_the_change_it_takes(monkeypatch, tmp_path, 
     from launch import plan as launch_plan
     from titanax.plan import compile as plan_compile
 
-    change = {"train.offload_params": True, "model.remat": "full", "train.grad_accum": 16}
+    change = {"train.offload_params": True, "execution.remat": "full", "train.grad_accum": 16}
     memory = lambda total: dict(arguments=1e9, temporaries=total - 1e9, outputs=0, aliased=0,
                                 total=total)
 
@@ -221,7 +221,7 @@ def test_launch_plan_with_auto_plans_the_change_it_takes(monkeypatch, tmp_path, 
                       "--nodes", "1", "--set", "train.offload_optimizer=true", "--set",
                       "train.grad_accum=auto", "--out", str(tmp_path)])
     out = capsys.readouterr().out
-    assert ("=> train.grad_accum=auto -> 16, with train.offload_params=true model.remat=full "
+    assert ("=> train.grad_accum=auto -> 16, with train.offload_params=true execution.remat=full "
             "(70.6 GB, where grad_accum 1 needs 529.9 GB)") in out
     assert "the train step needs" not in out and "FITS with 5.4 GB to spare" in out
     assert "host offload costs" in out

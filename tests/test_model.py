@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from titanax.config import ModelConfig
+from titanax.config import ExecutionConfig, ModelConfig
 from titanax.models import model_spec, preset
 from titanax.models.common.decoder import init_cache
 from titanax.models.common.layers import RMSNorm, apply_rope, rope_inv_freq
@@ -132,14 +132,17 @@ def test_chunked_causal_xla_attention_matches_naive(seq):
                                rtol=2e-5, atol=2e-5)
 
 
-def _tiny(**kw) -> ModelConfig:
-    return preset("tiny", dtype="float32", n_layers=2, **kw)
+def _tiny() -> ModelConfig:
+    return preset("tiny", n_layers=2)
+
+
+F32 = ExecutionConfig(dtype="float32")
 
 
 def test_loss_at_init_is_near_ln_vocab():
     cfg = _tiny()
     with model_context(single_device_mesh()):
-        model = Llama(cfg, rngs=nnx.Rngs(0))
+        model = Llama(cfg, F32, rngs=nnx.Rngs(0))
     toks = jax.random.randint(jax.random.key(1), (4, 64), 0, cfg.vocab_size)
     logits, _ = model(toks)
     logp = jax.nn.log_softmax(logits, axis=-1)
@@ -150,10 +153,10 @@ def test_loss_at_init_is_near_ln_vocab():
 def test_kv_cache_decoding_matches_full_forward():
     cfg = _tiny()
     with model_context(single_device_mesh()):
-        model = Llama(cfg, rngs=nnx.Rngs(0))
+        model = Llama(cfg, F32, rngs=nnx.Rngs(0))
     toks = jax.random.randint(jax.random.key(2), (2, 12), 0, cfg.vocab_size)
     full, _ = model(toks)
-    cache = init_cache(cfg, 2, 16)
+    cache = init_cache(cfg, 2, 16, "float32")
     pieces = []
     logits, cache = model(toks[:, :5], cache=cache, cache_index=0)  # prefill
     pieces.append(logits)
@@ -168,7 +171,7 @@ def test_segment_ids_isolate_packed_documents():
     """A document's logits do not depend on the document packed before it."""
     cfg = _tiny()
     with model_context(single_device_mesh()):
-        model = Llama(cfg, rngs=nnx.Rngs(0))
+        model = Llama(cfg, F32, rngs=nnx.Rngs(0))
     doc = jnp.arange(1, 7)[None]
     packed_a = jnp.concatenate([jnp.full((1, 5), 9), doc], 1)
     packed_b = jnp.concatenate([jnp.full((1, 5), 33), doc], 1)
@@ -186,20 +189,20 @@ def test_remat_does_not_change_gradients(remat):
     cfg = _tiny()
     toks = jax.random.randint(jax.random.key(3), (2, 16), 0, cfg.vocab_size)
 
-    def grads(c):
+    def grads(execution):
         with model_context(single_device_mesh()):
-            model = Llama(c, rngs=nnx.Rngs(0))
+            model = Llama(cfg, execution, rngs=nnx.Rngs(0))
         g, p = nnx.split(model, nnx.Param)
         return jax.grad(lambda p: nnx.merge(g, p)(toks)[0].mean())(p)
 
-    base, other = grads(cfg), grads(_tiny(remat=remat))
+    base, other = grads(F32), grads(ExecutionConfig(dtype="float32", remat=remat))
     for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(other)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
 
 
 def test_parameters_carry_logical_axis_names():
     with model_context(single_device_mesh()):
-        model = Llama(_tiny(), rngs=nnx.Rngs(0))
+        model = Llama(_tiny(), F32, rngs=nnx.Rngs(0))
     assert model.layers.wq.get_metadata()["out_sharding"] == ("layers", "embed", "heads", "head_dim")
     assert model.embed.get_metadata()["out_sharding"] == ("vocab", "embed")
     assert model.layers.wq.shape[0] == 2  # stacked over layers, run with scan

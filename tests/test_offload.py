@@ -1,5 +1,5 @@
 """Host offload (train/offload.py): train.offload_optimizer, train.offload_params and
-model.remat=full_offload train exactly as without them, keep their leaves in pinned host memory
+execution.remat=full_offload train exactly as without them, keep their leaves in pinned host memory
 between steps, checkpoint and restore there, and (deviceless H100 compile) move bytes from HBM
 to host memory."""
 
@@ -23,8 +23,8 @@ from titanax.train.state import abstract_train_state, create_train_state, jit_tr
 pytestmark = pytest.mark.usefixtures("devices8")  # meshes over 8 simulated devices
 
 TINY = {"model.d_model": 64, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2,
-        "model.ffn_dim": 128, "model.vocab_size": 256, "model.dtype": "float32",
-        "model.remat": "full", "train.batch_size": 8, "train.seq_len": 32, "mesh.data": 1,
+        "model.ffn_dim": 128, "model.vocab_size": 256, "execution.dtype": "float32",
+        "execution.remat": "full", "train.batch_size": 8, "train.seq_len": 32, "mesh.data": 1,
         "optim.warmup_steps": 1,
         # AdamW's early steps move each weight by about lr x sign(gradient): a gradient at
         # rounding-noise level, which two programs (offloaded or not) may round to either
@@ -92,7 +92,7 @@ def reference():
     return _train(tiny())
 
 
-@pytest.mark.parametrize("extra", [OPT, PARAMS, {"model.remat": "full_offload"}],
+@pytest.mark.parametrize("extra", [OPT, PARAMS, {"execution.remat": "full_offload"}],
                          ids=["optimizer", "params", "full_offload"])
 def test_offload_trains_as_without(reference, extra):
     losses, state = _train(tiny(**extra))
@@ -139,7 +139,7 @@ def test_streamed_update_is_optax_update(clip_norm, finite, layout):
     a non-finite step; and on a pipeline layout (mesh.pipeline=2, the stack stored stage-major
     by the circular schedule: offload_optimizer only), where each stage scans its own layers
     and nothing is gathered."""
-    cfg = tiny(**{**BOTH, "model.matmul_precision": "fp8_delayed",
+    cfg = tiny(**{**BOTH, "execution.matmul_precision": "fp8_delayed",
                   "optim.clip_norm": clip_norm, **layout})
     mesh = build_mesh(cfg.mesh, devices=jax.devices()[:8 if layout else 1])
     tx = make_optimizer(cfg)
@@ -219,18 +219,18 @@ def test_checkpoints_restore_into_host_memory_either_way(tmp_path):
 
 
 def test_config_errors_name_the_fix():
-    with pytest.raises(ConfigError, match="train.offload_params.*model.remat=full"):
-        tiny(**PARAMS, **{"model.remat": "none"})
-    with pytest.raises(ConfigError, match="train.offload_params.*model.remat=full or "
+    with pytest.raises(ConfigError, match="train.offload_params.*execution.remat=full"):
+        tiny(**PARAMS, **{"execution.remat": "none"})
+    with pytest.raises(ConfigError, match="train.offload_params.*execution.remat=full or "
                        "full_offload.*train.grad_accum=1"):
-        tiny(**PARAMS, **{"train.grad_accum": 2, "model.remat": "dots"})
+        tiny(**PARAMS, **{"train.grad_accum": 2, "execution.remat": "dots"})
     with pytest.raises(ConfigError, match="train.offload_params.*grad_accum_in_place=true"):
         tiny(**PARAMS, **{"train.grad_accum": 2, "train.grad_accum_in_place": False})
     tiny(**PARAMS, **{"train.grad_accum": "auto"})  # summed in place
     with pytest.raises(ConfigError, match="train.offload_params.*mesh.pipeline=1"):
         tiny(**PARAMS, **{"mesh.pipeline": 2, "model.n_layers": 4, "mesh.data": 1})
     tiny(**OPT, **{"mesh.pipeline": 2, "model.n_layers": 4, "train.grad_accum": 2,
-                   "model.remat": "none"})  # the optimizer offload alone has no such limits
+                   "execution.remat": "none"})  # the optimizer offload alone has no such limits
 
 
 
@@ -243,11 +243,11 @@ def test_deviceless_h100_compile_moves_state_and_activations_to_host():
     temporaries, and the device holds only the rest of the state."""
     d, L, F, V, B, S = 512, 4, 2048, 4096, 8, 1024
     cfg = {"model.d_model": d, "model.n_layers": L, "model.n_heads": 8, "model.n_kv_heads": 8,
-           "model.ffn_dim": F, "model.vocab_size": V, "model.dtype": "bfloat16",
-           "model.remat": "full_offload", "train.batch_size": B, "train.seq_len": S,
+           "model.ffn_dim": F, "model.vocab_size": V, "execution.dtype": "bfloat16",
+           "execution.remat": "full_offload", "train.batch_size": B, "train.seq_len": S,
            "mesh.data": 1, "mesh.fsdp": 8, **BOTH,
-           "model.attention_impl": "cudnn"}  # (XLA's attention compiles 3x slower here)
-    plain = {**cfg, "model.remat": "full", "train.offload_optimizer": False,
+           "execution.attention_impl": "cudnn"}  # (XLA's attention compiles 3x slower here)
+    plain = {**cfg, "execution.remat": "full", "train.offload_optimizer": False,
              "train.offload_params": False}
     mem = {}
     results = compile_all_in_subprocess([tiny(**plain), tiny(**cfg)], Cluster("h100", 1),

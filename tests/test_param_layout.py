@@ -72,9 +72,10 @@ def test_linear_rejects_other_specs():
 
 
 def test_wo_and_w_down_are_stored_embed_first():
-    cfg = small_config().model
+    run = small_config()
+    cfg = run.model
     with model_context(single_device_mesh()):
-        model = Llama(cfg, rngs=nnx.Rngs(0))
+        model = Llama(cfg, run.execution, rngs=nnx.Rngs(0))
     L, d, F, H, hd = cfg.n_layers, cfg.d_model, cfg.ffn_dim, cfg.n_heads, cfg.resolved_head_dim
     assert model.layers.wo.shape == (L, d, H, hd)
     assert model.layers.wo.get_metadata()["out_sharding"] == ("layers", "embed", "heads",
@@ -82,7 +83,7 @@ def test_wo_and_w_down_are_stored_embed_first():
     assert model.layers.w_down.shape == (L, d, F)
     assert model.layers.w_down.get_metadata()["out_sharding"] == ("layers", "embed", "mlp")
     # out_std = init_std / sqrt(2 L), as before
-    want = cfg.init_std / np.sqrt(2 * L)
+    want = run.execution.init_std / np.sqrt(2 * L)
     for w in (model.layers.wo, model.layers.w_down):
         assert abs(float(jnp.std(w[...])) / want - 1) < 0.05
 
@@ -141,7 +142,7 @@ def test_old_layout_checkpoint_restores_resharded(tmp_path, monkeypatch, ffn_dim
         source = Checkpointer(tmp_path / folder, cfg.checkpoint, read_only=True)
         assert source.param_layout(5) == (None if folder == "old" else 2)
         with model_context(mesh):
-            got = source.restore_latest_good(abstract, model=cfg.model)
+            got = source.restore_latest_good(abstract, cfg=cfg)
             restored, _, _ = source.restore(5, abstract)  # checkpoint.restore's path
         source.close()
         for tree in (got.state, restored):

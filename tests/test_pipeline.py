@@ -82,7 +82,7 @@ def test_train_with_tensor_data_pipeline_checkpoints_and_resumes(tmp_path):
     from titanax.train.loop import train
 
     over = {"model.d_model": 32, "model.n_layers": 4, "model.n_heads": 4, "model.n_kv_heads": 2,
-            "model.ffn_dim": 64, "model.vocab_size": 128, "model.dtype": "float32",
+            "model.ffn_dim": 64, "model.vocab_size": 128, "execution.dtype": "float32",
             "train.batch_size": 8, "train.seq_len": 16, "train.eval_batches": 1,
             "train.steps": 2, "train.log_every": 1, "train.eval_every": 0,
             "train.progress_bar": False, "data.source": "synthetic",

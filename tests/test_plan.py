@@ -89,7 +89,7 @@ def test_offload_moves_state_to_host_in_the_model_and_costs_host_time():
     cluster = Cluster("h100", 1)
     base = make_plan(_70b("train.batch_size=8"), cluster, compile_step=False)
     off = make_plan(_70b("train.batch_size=8", "train.offload_optimizer=true",
-                         "model.remat=full_offload"), cluster, compile_step=False)
+                         "execution.remat=full_offload"), cluster, compile_step=False)
     n = 70_553_706_496
     assert off["memory_model_bytes"]["optimizer"] == 0
     host = off["host_memory_model_bytes"]
@@ -157,7 +157,7 @@ def test_pipeline_bubble_and_hand_computed_communication():
     assert fsdp.bytes_per_step == pytest.approx(3 * 0.75 * n_params / (2 * 2) * 2)
     assert fsdp.link == "nvlink"
     assert fsdp.bus_bandwidth == pytest.approx(450e9 * EFFICIENCIES.nvlink)
-    # TP (XLA's collectives, model.tp_overlap off): per layer the forward, the pipeline tick's
+    # TP (XLA's collectives, execution.tp_overlap off): per layer the forward, the pipeline tick's
     # recompute of it and the backward gather twice and reduce twice each, full remat's
     # recompute gathers twice and reduces once (w_down's output is not needed again): 8
     # all-gathers and 7 whole-sequence all-reduces (twice the bytes: XLA all-reduces and

@@ -25,11 +25,11 @@ N_70B = 70_553_706_496
 LONG = ("train.seq_len=65536", "model.max_seq_len=65536")
 NEMO = ("train.batch_size=128", "mesh.tensor=4", "mesh.pipeline=4", "mesh.data=1",
         "pipeline.schedule=circular", "pipeline.virtual_stages=5", "pipeline.microbatches=32",
-        "model.attention_impl=auto")
+        "execution.attention_impl=auto")
 
 
 def _70b(*overrides):
-    return load_config(aot.REPO / CONFIG_70B, ["model.attention_impl=auto", *overrides])
+    return load_config(aot.REPO / CONFIG_70B, ["execution.attention_impl=auto", *overrides])
 
 
 def _deg(**kw):
@@ -71,7 +71,7 @@ def test_context_kv_buffers_per_strategy():
     block = 8192 * 8 * 128
     for strategy, want in (("ring", 2 * 2 * block * (2 + 4)),
                            ("all_gather", 2 * 8 * block * (2 + 4))):
-        cfg = _70b(*LONG, "train.batch_size=8", f"model.context_strategy={strategy}")
+        cfg = _70b(*LONG, "train.batch_size=8", f"execution.context_strategy={strategy}")
         mem, _ = memory_per_device(cfg, _deg(fsdp=8, context=8), N_70B)
         assert mem["context_kv"] == pytest.approx(want)
 
@@ -105,7 +105,7 @@ def test_ring_comm_bytes_and_overlap_per_formula():
 def test_all_gather_comm_bytes_per_formula_and_exposed():
     cluster = Cluster("h100", 1)
     _, est = _estimate(cluster, *LONG, "train.batch_size=1", "mesh.fsdp=-1", "mesh.context=8",
-                       "model.context_strategy=all_gather")
+                       "execution.context_strategy=all_gather")
     c = est.comm["context"]
     kv = 2 * 8192 * 8 * 128 * 2
     # three all-gathers (two forwards, the backward) each receiving 7 blocks of K and V, one
@@ -176,7 +176,7 @@ def test_cli_refuses_an_unsplittable_sequence_with_exit_2(capsys):
 
     with pytest.raises(SystemExit) as e:
         launch_plan.main(["--config", CONFIG_70B, "--gpu", "h100", "--nodes", "1",
-                          "--no-compile", "--set", "model.attention_impl=auto",
+                          "--no-compile", "--set", "execution.attention_impl=auto",
                           "--set", "mesh.context=8", "--set", "mesh.fsdp=1",
                           "--set", "train.seq_len=4100"])
     assert e.value.code == 2
@@ -186,7 +186,7 @@ def test_cli_refuses_an_unsplittable_sequence_with_exit_2(capsys):
 def test_search_tries_context_degrees_within_the_nvlink_domain():
     cluster = Cluster("h100", 8)
     cfg = plan_config(_70b(*LONG, "train.batch_size=32"), cluster)
-    seen = {(o["mesh.tensor"], o["mesh.context"], o["model.context_strategy"])
+    seen = {(o["mesh.tensor"], o["mesh.context"], o["execution.context_strategy"])
             for _, o in plan_search.candidates(cfg, cluster)}
     assert {(1, 8, "ring"), (1, 8, "all_gather"), (2, 4, "ring"), (4, 2, "all_gather")} <= seen
     assert all(tp * cp <= 8 for tp, cp, _ in seen)
@@ -213,7 +213,7 @@ def test_search_finds_a_context_layout_for_70b_at_64k_on_64_h100(monkeypatch):
     assert no_cp[0].estimate.tokens_per_s_per_gpu < best.estimate.tokens_per_s_per_gpu
     flags = overrides_for(best.cfg)
     assert f"mesh.context={best.cfg.mesh.context}" in flags
-    assert f"model.context_strategy={best.cfg.model.context_strategy}" in flags
+    assert f"execution.context_strategy={best.cfg.execution.context_strategy}" in flags
 
 
 def test_whole_64k_sequences_do_not_fit_an_h100_and_context_8_does():

@@ -59,7 +59,7 @@ def test_attention_share_follows_the_kernels_tiles():
     assert share <= 0.5 / 3  # at least 3x below plain causal
     assert causal_tiles(S // 128, 128, 128, S) == 2080
     # cuDNN takes documents as a dense mask: every score.
-    assert attention_share(_70b("data.source=f", "model.attention_impl=cudnn"), 2048) == 1.0
+    assert attention_share(_70b("data.source=f", "execution.attention_impl=cudnn"), 2048) == 1.0
     assert attention_share(_70b(), 2048) == 0.5  # no documents in the step: ignored
 
 

@@ -1,4 +1,4 @@
-"""The planner with tensor-parallel overlap (model.tp_overlap, parallel/collective_matmul.py):
+"""The planner with tensor-parallel overlap (execution.tp_overlap, parallel/collective_matmul.py):
 without it the tensor collectives are XLA's whole all-gathers and whole-sequence all-reduces
 (twice a reduce-scatter's bytes), all exposed; with it each is tp-1 ring sends over NVLink,
 each beside a GEMM step hiding min(1, n BW / R) of it (twice that in the backward), one send
@@ -32,13 +32,13 @@ LAT = EFFICIENCIES.nvlink_latency_s
 # Llama-3-8B: d 4096, 32 heads, 8 kv heads of 128, ffn 14336, 32 layers; 8 GPUs as tensor 4 x
 # fsdp 2, 8 sequences of 8192: 4 per fsdp shard, 32768 tokens of residual stream
 BASE = ("train.batch_size=8", "mesh.tensor=4", "mesh.fsdp=2", "mesh.data=1",
-        "model.remat=full")
+        "execution.remat=full")
 TOKENS, D, TP, LAYERS = 4 * 8192, 4096, 4, 32
 
 
 def _8b(*overrides):
     return plan_config(load_config(aot.REPO / "configs/llama3_8b.py",
-                                   ["model.attention_impl=auto", *BASE, *overrides]), H100)
+                                   ["execution.attention_impl=auto", *BASE, *overrides]), H100)
 
 
 def _tensor(cfg):
@@ -50,7 +50,7 @@ def _tensor(cfg):
 def test_without_overlap_the_row_side_is_a_whole_sequence_all_reduce():
     unit = 3 / 4 * TOKENS * D * 2  # an all-gather of the sequence: (tp-1)/tp of it, bf16
     # no remat: forward and backward gather twice and all-reduce twice per layer
-    c = _tensor(_8b("model.remat=none"))
+    c = _tensor(_8b("execution.remat=none"))
     assert c.bytes_per_step == pytest.approx(LAYERS * (4 + 2 * 4) * unit)
     # full remat adds the recompute: two gathers, one all-reduce (w_down's is not redone)
     c = _tensor(_8b())
@@ -71,7 +71,7 @@ def test_hidden_share_per_formula():
 
 
 def test_overlap_hides_per_formula_and_exposes_less():
-    off, on = _tensor(_8b()), _tensor(_8b("model.tp_overlap=true"))
+    off, on = _tensor(_8b()), _tensor(_8b("execution.tp_overlap=true"))
     # ring sends: every collective moves (tp-1)/tp of the sequence, no all-reduce doubling
     step = TOKENS / TP * D * 2 / BW  # one [M, d] chunk over NVLink
     assert on.bytes_per_step == pytest.approx(LAYERS * 11 * 3 * step * BW)
@@ -90,19 +90,19 @@ def test_overlap_hides_per_formula_and_exposes_less():
     assert 0 < h(wo) < h(qkv) < 1  # the 8B's narrow projections do not hide all of it
     assert on.exposed_s < off.exposed_s
     est_off = estimate(_8b(), H100, layout_for(_8b(), H100))
-    est_on = estimate(_8b("model.tp_overlap=true"), H100,
-                      layout_for(_8b("model.tp_overlap=true"), H100))
+    est_on = estimate(_8b("execution.tp_overlap=true"), H100,
+                      layout_for(_8b("execution.tp_overlap=true"), H100))
     assert est_on.breakdown_s["exposed_comm"] == pytest.approx(on.exposed_s)
     assert est_on.tokens_per_s_per_gpu > est_off.tokens_per_s_per_gpu
 
 
 def test_fp8_and_1f1b_get_no_overlap():
     # the config refuses them (config.tp_overlap_unsupported) ...
-    with pytest.raises(ConfigError, match="model.tp_overlap"):
-        _8b("model.tp_overlap=true", "model.matmul_precision=fp8_tensorwise")
+    with pytest.raises(ConfigError, match="execution.tp_overlap"):
+        _8b("execution.tp_overlap=true", "execution.matmul_precision=fp8_tensorwise")
     # ... and the model counts none where it meets them anyway (mesh degrees given apart
     # from the config, as the search's estimates see them)
-    plain = _8b("mesh.tensor=1", "mesh.fsdp=8", "model.tp_overlap=true")
+    plain = _8b("mesh.tensor=1", "mesh.fsdp=8", "execution.tp_overlap=true")
     fp8 = dataclasses.replace(plain, model=dataclasses.replace(
         plain.model, matmul_precision="fp8_tensorwise"))
     deg = {"pipeline": 1, "data": 1, "fsdp": 2, "context": 1, "tensor": 4}
@@ -123,14 +123,14 @@ def test_search_turns_overlap_on_where_the_config_takes_it():
     for label, o in plan_search.candidates(cfg, Cluster("h100", 2), max_context=1):
         want = o["mesh.tensor"] > 1 and not (o["mesh.pipeline"] > 1
                                              and o["pipeline.schedule"] == "1f1b")
-        assert o["model.tp_overlap"] is want, label
+        assert o["execution.tp_overlap"] is want, label
         assert ("tp_overlap" in label) is want
         seen[want] = seen.get(want, 0) + 1
     assert seen[True] and seen[False]
     fp8 = load_config(aot.REPO / "configs/llama3_8b.py",
-                      ["train.batch_size=8", "model.matmul_precision=fp8_tensorwise"])
-    assert not any(o["model.tp_overlap"] for _, o in
+                      ["train.batch_size=8", "execution.matmul_precision=fp8_tensorwise"])
+    assert not any(o["execution.tp_overlap"] for _, o in
                    plan_search.candidates(fp8, Cluster("h100", 1), max_context=1))
-    assert "model.tp_overlap=True" in overrides_for(_8b("model.tp_overlap=true"))
-    assert not any(f.startswith("model.tp_overlap") for f in overrides_for(
+    assert "execution.tp_overlap=True" in overrides_for(_8b("execution.tp_overlap=true"))
+    assert not any(f.startswith("execution.tp_overlap") for f in overrides_for(
         _8b("mesh.tensor=1", "mesh.fsdp=8")))

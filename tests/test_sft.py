@@ -92,7 +92,7 @@ def sft(tmp_path_factory):
 
 def test_the_import_recipe_asks_for_examples(sft):
     # an Instruct model (a chat template) is fine-tuned on examples, in its config.json's dtype
-    assert sft.cfg.data.format == "examples" and sft.cfg.model.dtype == "float32"
+    assert sft.cfg.data.format == "examples" and sft.cfg.execution.dtype == "float32"
     assert sft.cfg.train.seq_len == 128
 
 

@@ -1,7 +1,7 @@
 """Tensor-parallel communication overlapped with the GEMMs (docs/parallelism.md, "Tensor-parallel
 overlap"): the collective matmul (parallel/collective_matmul.py) equals XLA's partitioned
 matmul in values and gradients, alone (with and without context parallelism) and through the
-train step with model.tp_overlap=true against one device on simulated CPU devices (with
+train step with execution.tp_overlap=true against one device on simulated CPU devices (with
 context 2 too); titanax.config refuses what it cannot do; the HLO reader (perf/hlo_text.py) finds
 mesh axes in every replica-group format; the XLA flag names exist in this jaxlib; and the
 deviceless H100 compile of the Llama-3-8B-wide step on TP4 x DP2 and TP4 x CP2
@@ -148,7 +148,7 @@ def test_collective_matmul_equals_xla_values_and_gradients(dtype, grad_reduce, t
         np.testing.assert_allclose(got, ref, rtol=tol, atol=tol * np.abs(ref).max())
 
 
-# The train step with model.tp_overlap=true against one device (tests/test_parallel.py's
+# The train step with execution.tp_overlap=true against one device (tests/test_parallel.py's
 # loss_and_grads): remat, the layer scan, a gpipe stage and context parallelism's
 # load-balanced sequence, split over ('context', 'tensor'), all go through the rings.
 OVERLAP_LAYOUTS = {
@@ -181,7 +181,7 @@ def one_device_by_kv_heads():
 def test_train_step_with_tp_overlap_matches_one_device(name, one_device_by_kv_heads):
     from tests.helpers.layouts import loss_and_grads, tiny_config
 
-    cfg = tiny_config(**OVERLAP_LAYOUTS[name], **{"model.tp_overlap": True})
+    cfg = tiny_config(**OVERLAP_LAYOUTS[name], **{"execution.tp_overlap": True})
     loss, grads, jaxpr = loss_and_grads(cfg, jax.devices())
     ref_loss, ref_grads = one_device_by_kv_heads(cfg.model.n_kv_heads)
     assert _permute_axes(jaxpr) >= {"('tensor',)"}  # the tensor rings run
@@ -200,8 +200,8 @@ def test_context_shards_each_run_their_own_tensor_ring():
     from tests.helpers.layouts import tiny_config
 
     over = {"mesh.data": 1, "mesh.fsdp": 2, "mesh.context": 2, "mesh.tensor": 2,
-            "model.context_strategy": "all_gather"}
-    texts = {on: _step_jaxpr(tiny_config(**over, **{"model.tp_overlap": on}))
+            "execution.context_strategy": "all_gather"}
+    texts = {on: _step_jaxpr(tiny_config(**over, **{"execution.tp_overlap": on}))
              for on in (False, True)}
     assert "ppermute" not in texts[False]
     assert _permute_axes(texts[True]) == {"('tensor',)"}
@@ -242,20 +242,20 @@ def test_not_under_the_1f1b_schedule():
 
 @pytest.mark.parametrize("over, words", [
     ({"mesh.pipeline": 2, "pipeline.schedule": "1f1b", "pipeline.microbatches": 2},
-     ["1f1b", "gpipe", "model.tp_overlap=false"]),
-    ({"model.matmul_precision": "fp8_tensorwise"}, ["FP8", "matmul_precision=default"]),
+     ["1f1b", "gpipe", "execution.tp_overlap=false"]),
+    ({"execution.matmul_precision": "fp8_tensorwise"}, ["FP8", "matmul_precision=default"]),
 ])
 def test_config_refuses_what_the_collective_matmul_cannot_do(over, words):
     from tests.helpers.layouts import tiny_config
 
     layout = {"mesh.data": 2, "mesh.tensor": 2, **over}
     tiny_config(**layout)  # fine without the overlap
-    with pytest.raises(ConfigError, match="model.tp_overlap") as err:
-        tiny_config(**layout, **{"model.tp_overlap": True})
+    with pytest.raises(ConfigError, match="execution.tp_overlap") as err:
+        tiny_config(**layout, **{"execution.tp_overlap": True})
     for word in words:
         assert word in str(err.value)
     # no tensor ring, nothing to refuse: tp_overlap is then a no-op
-    tiny_config(**{**layout, "mesh.data": 4, "mesh.tensor": 1, "model.tp_overlap": True})
+    tiny_config(**{**layout, "mesh.data": 4, "mesh.tensor": 1, "execution.tp_overlap": True})
 
 
 # --- the deviceless H100 compile: the evidence ------------------------------------------------

@@ -73,7 +73,7 @@ def test_gradient_accumulation_matches_one_big_batch():
     term, checked at 1e-5 of each tensor's largest gradient."""
     from titanax.train import step as train_step
 
-    base = small_config(**{"model.dtype": "float32"})
+    base = small_config(**{"execution.dtype": "float32"})
     mesh = build_mesh(base.mesh, devices=jax.devices()[:1])
     graphdef, state, _ = create_train_state(base, mesh, make_optimizer(base))
     batch = _random_batch(base)

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 def _warn_dense_mask() -> None:
     log.warning("attention_impl=cudnn with packed documents (segment ids): cuDNN takes them as "
                 "a dense [S, S] mask, so it computes every score (twice the causal work) and "
-                "streams an S^2 bias per head; model.attention_impl=auto runs our kernels, "
+                "streams an S^2 bias per head; execution.attention_impl=auto runs our kernels, "
                 "which skip the tiles of other documents (or set data.document_masking=false)")
 
 

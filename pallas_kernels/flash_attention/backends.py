@@ -1,7 +1,7 @@
 """THE table of flash attention backends: name -> implementation and what it needs.
 
 Everything that names an attention backend reads this table: the dispatch (api.py), `auto`
-(resolve.py), titanax's config validation (model.attention_impl), titanax.ops.attention, the
+(resolve.py), titanax's config validation (execution.attention_impl), titanax.ops.attention, the
 planner and the backend suite (backend_suite_test.py). Adding a backend is one file plus one
 entry in BACKENDS: a `backend_<name>.py` whose function has Backend.run's signature
 (backend_xla.py, backend_cudnn.py), or a Pallas kernel file with flash_fwd, flash_bwd and
@@ -130,7 +130,7 @@ GPU_VENDOR = "cudnn"  # the GPU default until measured.py records ours faster
 GPU_FALLBACK = "triton"  # where the vendor path cannot go and no generation kernel fits
 GENERAL = "xla"  # any Mask (decoding) that the chosen backend cannot take; the reference
 
-IMPLS = ("auto", *BACKENDS)  # what flash_attention(impl=...) and model.attention_impl take
+IMPLS = ("auto", *BACKENDS)  # what flash_attention(impl=...) and execution.attention_impl take
 KERNEL_IMPLS = tuple(n for n, b in BACKENDS.items() if b.is_kernel)
 assert {CPU_DEFAULT, INTERPRET_DEFAULT, GPU_VENDOR, GPU_FALLBACK, GENERAL} <= set(BACKENDS)
 assert BACKENDS[GENERAL].general_masks

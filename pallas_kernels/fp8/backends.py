@@ -1,4 +1,4 @@
-"""THE tables of FP8 training: the recipes (what model.matmul_precision names) and the
+"""THE tables of FP8 training: the recipes (what execution.matmul_precision names) and the
 fp8_matmul implementations (name -> kernel and what it needs).
 
 Everything that names an FP8 recipe or matmul impl reads these: fp8_matmul's dispatch
@@ -72,7 +72,7 @@ def mx_refusal(cc: tuple[int, int] | None) -> str | None:
     name = " (Hopper)" if cc[0] == 9 else ""
     return (f"mxfp8 (MX block scales) needs Blackwell's block-scaled MMA (compute capability "
             f"{BLOCK_SCALED_MMA_CC}.0+) and the target GPU is {cc[0]}.{cc[1]}{name}: use "
-            "model.matmul_precision=fp8_tensorwise or fp8_delayed there")
+            "execution.matmul_precision=fp8_tensorwise or fp8_delayed there")
 
 
 @dataclasses.dataclass(frozen=True)

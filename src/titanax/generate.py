@@ -27,7 +27,7 @@ def load_for_inference(workdir, step: int | None = None, devices=None, dtype: st
     """(config, graphdef, params, step) from a run folder's latest (or given) checkpoint: the
     parameters only (checkpoint/params_only.py), sharded over `devices` by the training rules
     (default: the first device; launch.generate passes all local ones); computing in `dtype`
-    (default: the run's model.dtype). Raises
+    (default: the run's execution.dtype). Raises
     FileNotFoundError when the run has no such checkpoint, UnreadableCheckpoint when it does not
     read back; creates nothing."""
     ckpt, step = open_checkpoints(pathlib.Path(workdir) / "checkpoints", step)
@@ -40,7 +40,7 @@ def load_for_inference(workdir, step: int | None = None, devices=None, dtype: st
                                   train=dataclasses.replace(run_cfg.train, offload_optimizer=False,
                                                             offload_params=False))
         if dtype is not None:
-            cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=dtype))
+            cfg = dataclasses.replace(cfg, execution=dataclasses.replace(cfg.execution, dtype=dtype))
         mesh = sampling_mesh(cfg, jax.devices()[:1] if devices is None else devices)
         graphdef, abstract = abstract_params(cfg, mesh)
         params = restore_params(ckpt, step, abstract)
@@ -117,7 +117,7 @@ def generate(cfg: Config, graphdef, params, prompt_ids: list[int], *, max_new_to
     if total > cfg.model.max_seq_len:
         raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens "
                          f"({max_new_tokens}) exceeds model.max_seq_len={cfg.model.max_seq_len}")
-    cache = model_spec(cfg.model).init_cache(cfg.model, 1, total)
+    cache = model_spec(cfg.model).init_cache(cfg.model, 1, total, cfg.execution.dtype)
     key = jax.random.key(seed)
     logits, cache = _forward(graphdef, params, jnp.asarray([prompt_ids], jnp.int32), cache,
                              jnp.int32(0))

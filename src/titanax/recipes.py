@@ -6,6 +6,7 @@ from titanax.config import (
     CheckpointConfig,
     Config,
     DataConfig,
+    ExecutionConfig,
     MeshConfig,
     OptimConfig,
     TrainConfig,
@@ -19,8 +20,8 @@ def llama3_gpu_config(name: str, *, batch_size: int, lr: float) -> Config:
     Attention 'auto': cuDNN's causal kernel without packed documents, our kernels (which skip
     other documents' tiles) with them; resolve.py logs which and why."""
     return Config(
-        model=preset(name, dtype="bfloat16", param_dtype="float32", remat="full",
-                     attention_impl="auto"),
+        model=preset(name, param_dtype="float32"),
+        execution=ExecutionConfig(dtype="bfloat16", remat="full", attention_impl="auto"),
         mesh=MeshConfig(data=1, fsdp=-1, tensor=1, pipeline=1),
         train=TrainConfig(steps=1000, batch_size=batch_size, seq_len=8192, log_every=10,
                           eval_every=500, eval_batches=4),

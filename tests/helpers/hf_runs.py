@@ -25,9 +25,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 HF_SMALL = {"model.vocab_size": 384, "model.d_model": 64, "model.n_layers": 2,
             "model.n_heads": 4, "model.n_kv_heads": 2, "model.ffn_dim": 160, "model.max_seq_len": 64,
             "model.rope_theta": 10000.0, "model.rope_scaling": "llama3", "model.rope_factor": 8.0,
-            "model.rope_original_max_seq_len": 32, "model.norm_eps": 1e-5, "model.init_std": 0.2,
-            "model.dtype": "float32", "model.param_dtype": "float32",
-            "model.matmul_precision": "highest", "train.seq_len": 32, "train.batch_size": 4,
+            "model.rope_original_max_seq_len": 32, "model.norm_eps": 1e-5, "execution.init_std": 0.2,
+            "execution.dtype": "float32", "model.param_dtype": "float32",
+            "execution.matmul_precision": "highest", "train.seq_len": 32, "train.batch_size": 4,
             "train.eval_batches": 1, "train.progress_bar": False, "data.source": "synthetic",
             "mesh.data": 1, "checkpoint.async_save": False}
 

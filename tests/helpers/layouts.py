@@ -18,7 +18,7 @@ from titanax.train.step import make_loss_fn
 # 8 layers so that PP4 x 2 virtual stages has a chunk of one layer each; float32 throughout.
 TINY = {"model.d_model": 32, "model.n_layers": 8, "model.n_heads": 4, "model.n_kv_heads": 2,
         "model.ffn_dim": 64, "model.vocab_size": 128, "model.max_seq_len": 64,
-        "model.dtype": "float32", "train.batch_size": 16, "train.seq_len": 16}
+        "execution.dtype": "float32", "train.batch_size": 16, "train.seq_len": 16}
 
 
 def tiny_config(**over) -> Config:

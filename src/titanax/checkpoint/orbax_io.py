@@ -366,7 +366,7 @@ class Checkpointer:
                         f"checkpoint {self.step_dir(step)} holds no '{k}' state (looked for "
                         f"{k}.{'.'.join(map(str, path))}, and at params.{'.'.join(map(str, path))} "
                         f"where older steps kept it): it was written by a run whose model has "
-                        f"none (model.matmul_precision other than fp8_delayed?); restore it "
+                        f"none (execution.matmul_precision other than fp8_delayed?); restore it "
                         f"with that run's model settings, or start the new model in a new "
                         f"--workdir")
         return moved
@@ -398,7 +398,7 @@ class Checkpointer:
         return self.manager.restore(step, args=ocp.args.Composite(
             config=ocp.args.JsonRestore()))["config"]
 
-    def restore_latest_good(self, abstract_state, *, model: ModelConfig | None = None,
+    def restore_latest_good(self, abstract_state, *, cfg: Config | None = None,
                             step: int | None = None, log=print) -> Restored | None:
         """Restores the newest step that is intact (or only `step`); None if there is no step.
 
@@ -407,7 +407,7 @@ class Checkpointer:
         `<step>.corrupt` in a writable directory, so they are never restored, overwritten or
         counted by `keep` (which would collect good steps in their place); nothing is deleted.
         If no step restores, this raises instead of letting the run start from scratch.
-        model: refuse (ConfigError) a checkpoint of a different architecture, naming fields.
+        cfg: refuse (ConfigError) a checkpoint of a different model, naming fields.
         """
         bad: list[tuple[int, str]] = []
         candidates = [step] if step is not None else list(reversed(self.all_steps()))
@@ -421,8 +421,8 @@ class Checkpointer:
                 except Exception as e:  # noqa: BLE001 - any failure to read means unusable
                     damage = f"its config does not read ({type(e).__name__}: {e})"
                 damage = _agreed(damage)
-            if damage is None and model is not None:
-                check_same_model(config, model, source=self.step_dir(step))
+            if damage is None and cfg is not None:
+                check_same_model(config, cfg, source=self.step_dir(step))
             if damage is None:
                 try:
                     restored = self._restore(step, abstract_state)
@@ -568,25 +568,25 @@ def _all_finite(x):
     return jnp.all(jnp.isfinite(x))
 
 
-def check_same_model(saved_config: dict, model: ModelConfig, *, source) -> None:
-    """ConfigError naming every architecture field that differs between a checkpoint's config
-    and the current one. The execution fields (ModelConfig.execution_fields: say a GPU
-    attention kernel after a CPU run, or the tensor-parallel overlap the planner suggests) may
-    differ, except where they change what the state holds."""
-    saved = Config.from_dict(saved_config).model
-    execution = ModelConfig.execution_fields()
-
-    def differs(name: str) -> bool:
-        old, new = getattr(saved, name), getattr(model, name)
-        if name == "matmul_precision":  # fp8_delayed keeps amax histories in the state
-            return old != new and "fp8_delayed" in (old, new)
-        if name == "fp8_amax_history":  # their length, in the state only under fp8_delayed
-            return old != new and saved.matmul_precision == model.matmul_precision \
-                == "fp8_delayed"
-        return old != new and name not in execution
-
-    diffs = [f"model.{f.name}: {getattr(saved, f.name)!r} -> {getattr(model, f.name)!r}"
-             for f in dataclasses.fields(ModelConfig) if differs(f.name)]
+def check_same_model(saved_config: dict, cfg: Config, *, source) -> None:
+    """ConfigError naming every field of the model section that differs between a checkpoint's
+    config and cfg: the section is compared whole (its class is the architecture's). The
+    execution section may differ (say a GPU attention kernel after a CPU run, or the
+    tensor-parallel overlap the planner suggests), except where it changes what the state
+    holds: fp8_delayed's amax histories."""
+    saved = Config.from_dict(saved_config)
+    old, new = saved.model, cfg.model
+    names = dict.fromkeys(f.name for m in (old, new) for f in dataclasses.fields(m))
+    diffs = [f"model.{n}: {getattr(old, n, None)!r} -> {getattr(new, n, None)!r}"
+             for n in names if getattr(old, n, None) != getattr(new, n, None)]
+    was, now = saved.execution, cfg.execution
+    delayed = (was.matmul_precision, now.matmul_precision).count("fp8_delayed")
+    if delayed == 1:
+        diffs.append(f"execution.matmul_precision: {was.matmul_precision!r} -> "
+                     f"{now.matmul_precision!r} (fp8_delayed keeps amax histories in the state)")
+    if delayed == 2 and was.fp8_amax_history != now.fp8_amax_history:
+        diffs.append(f"execution.fp8_amax_history: {was.fp8_amax_history!r} -> "
+                     f"{now.fp8_amax_history!r} (the length of fp8_delayed's histories)")
     if diffs:
         raise ConfigError(
             f"the checkpoint {source} holds a different model than this config asks for "

@@ -177,7 +177,7 @@ def abstract_params(cfg: Config, mesh):
 
     def init():
         box["graphdef"], params = nnx.split(
-            model_spec(cfg.model).build(cfg.model, rngs=nnx.Rngs(params=0)),
+            model_spec(cfg.model).build(cfg.model, cfg.execution, rngs=nnx.Rngs(params=0)),
             nnx.Any(nnx.Param, Fp8Meta))
         return params
 

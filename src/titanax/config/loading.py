@@ -14,8 +14,18 @@ import typing
 import warnings
 
 from titanax.config.errors import ConfigError
+from titanax.config.execution import ExecutionConfig
+from titanax.config.model import EXECUTION_FIELDS, ModelConfig, as_arch_class, model_field_names
 from titanax.config.overrides import apply_overrides, closest_key
-from titanax.config.rules import SECTIONS, Config
+from titanax.config.rules import SECTIONS, Config, sections_of_old_dict
+
+# Sections whose gin bindings are collected as keyword arguments and applied like --set: the
+# model section's fields depend on model.arch, and model.<execution field> is an alias.
+_GIN_AS_OVERRIDES = ("model", "execution")
+
+
+def _collect(**kwargs) -> dict:
+    return kwargs
 
 
 def _load_py(path: pathlib.Path) -> Config:
@@ -58,7 +68,8 @@ def _load_gin(path: pathlib.Path) -> Config:
     gin.clear_config()
     configurables = {}
     for name, cls in SECTIONS.items():
-        configurables[name] = gin.external_configurable(cls, name=name, module="titanax")
+        target = _collect if name in _GIN_AS_OVERRIDES else cls
+        configurables[name] = gin.external_configurable(target, name=name, module="titanax")
     try:
         gin.parse_config_file(str(path), skip_unknown=False)
     except SyntaxError as e:  # gin's parser: a malformed statement or value
@@ -77,7 +88,14 @@ def _load_gin(path: pathlib.Path) -> Config:
             hint = f" Sections are {list(SECTIONS)}." + (f" Did you mean {close[0]!r}?" if close else "")
         raise ConfigError(f"{path}: {msg.splitlines()[0]}{hint}") from None
     try:
-        return Config(**{name: make() for name, make in configurables.items()})
+        made = {name: make() for name, make in configurables.items()}
+        bound = sections_of_old_dict({name: made.pop(name) for name in _GIN_AS_OVERRIDES})
+        unknown = [k for k in bound["execution"] if k not in EXECUTION_FIELDS]
+        if unknown:
+            raise ConfigError(f"unknown config key 'execution.{unknown[0]}'."
+                              f"{closest_key('execution.' + unknown[0])}")
+        return Config(model=as_arch_class(ModelConfig(), **bound["model"]),
+                      execution=ExecutionConfig(**bound["execution"]), **made)
     except ConfigError as e:  # gin appends "In call to configurable ..." lines; keep ours
         raise ConfigError(f"{path}: {str(e).splitlines()[0]}") from None
     finally:
@@ -96,9 +114,13 @@ def _load_json(p: pathlib.Path) -> Config:
         extra = sorted(set(d) - set(SECTIONS)) if isinstance(d, dict) else type(d).__name__
         raise ConfigError(f"config file {str(p)!r}: expected a run's config.json, an object "
                           f"of the sections {', '.join(SECTIONS)}; got {extra or 'nothing'}")
-    unknown = [f"{name}.{k}" for name, section_cls in SECTIONS.items()
-               for k in (d.get(name) or {})
-               if k not in {f.name for f in dataclasses.fields(section_cls)}]
+    d = sections_of_old_dict(d)
+    arch = (d.get("model") or {}).get("arch", "llama3")
+    known = {name: (model_field_names(arch) if name == "model" else
+                    [f.name for f in dataclasses.fields(section_cls)])
+             for name, section_cls in SECTIONS.items()}
+    unknown = [f"{name}.{k}" for name in SECTIONS for k in (d.get(name) or {})
+               if k not in known[name]]
     if unknown:
         warnings.warn(f"{p}: fields this titanax does not have, left out: {', '.join(unknown)}",
                       stacklevel=3)

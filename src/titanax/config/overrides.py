@@ -1,5 +1,7 @@
 """--set section.field=value: each value coerced to its field's type (strings from the command
-line, Python values from code), unknown keys answered with the closest one."""
+line, Python values from code), unknown keys answered with the closest one. model.* keys are
+the fields of model.arch's class (set model.arch in the same call to switch architecture);
+model.<execution field> is an alias of execution.<field> (DESIGN.md's names)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,11 @@ import types
 import typing
 
 from titanax.config.errors import ConfigError, type_hints, type_name
+from titanax.config.model import EXECUTION_FIELDS, arch_config_class, as_arch_class
 from titanax.config.rules import SECTIONS, Config
+
+# Written before the execution section existed, and still what users type.
+EXECUTION_ALIASES = {f"model.{name}": f"execution.{name}" for name in EXECUTION_FIELDS}
 
 
 def _field_types(cls) -> dict[str, type]:
@@ -18,10 +24,12 @@ def _field_types(cls) -> dict[str, type]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
-def closest_key(key: str) -> str:
+def closest_key(key: str, model_cls: type | None = None) -> str:
     section, _, name = key.partition(".")
     if section in SECTIONS:  # a known section: the field is the likely typo
-        names = [f.name for f in dataclasses.fields(SECTIONS[section])]
+        cls = model_cls if section == "model" and model_cls else SECTIONS[section]
+        names = [f.name for f in dataclasses.fields(cls)]
+        names += list(EXECUTION_FIELDS) if section == "model" else []  # the aliases
         close = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
         if close:
             return f" Did you mean '{section}.{close[0]}'?"
@@ -93,16 +101,21 @@ def apply_overrides(cfg: Config, overrides: typing.Mapping[str, typing.Any] | ty
     """Applies {'train.steps': '300'} or ['train.steps=300'] to cfg; validates the result."""
     if not isinstance(overrides, typing.Mapping):
         overrides = dict(parse_override(o) for o in overrides)
+    overrides = {EXECUTION_ALIASES.get(k.strip(), k.strip()): v for k, v in overrides.items()}
+    arch = overrides.get("model.arch", cfg.model.arch)
+    model_cls = arch_config_class(arch.strip() if isinstance(arch, str) else arch)
     per_section: dict[str, dict] = {}
     for key, raw in overrides.items():
         parts = key.split(".")
         if len(parts) != 2 or parts[0] not in SECTIONS:
             raise ConfigError(f"unknown config key {key!r}: keys look like section.field with "
-                              f"section one of {list(SECTIONS)}.{closest_key(key)}")
+                              f"section one of {list(SECTIONS)}.{closest_key(key, model_cls)}")
         section, name = parts
-        types_ = _field_types(SECTIONS[section])
+        types_ = _field_types(model_cls if section == "model" else SECTIONS[section])
         if name not in types_:
-            raise ConfigError(f"unknown config key {key!r}.{closest_key(key)}")
+            where = f" ({model_cls.arch} has no such field)" if section == "model" else ""
+            raise ConfigError(f"unknown config key {key!r}{where}.{closest_key(key, model_cls)}")
         per_section.setdefault(section, {})[name] = _coerce(key, raw, types_[name])
-    sections = {s: dataclasses.replace(getattr(cfg, s), **v) for s, v in per_section.items()}
+    sections = {s: as_arch_class(cfg.model, **v) if s == "model" else
+                dataclasses.replace(getattr(cfg, s), **v) for s, v in per_section.items()}
     return dataclasses.replace(cfg, **sections)

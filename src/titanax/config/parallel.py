@@ -20,7 +20,7 @@ class MeshConfig:
     pipeline: int = 1
     # Context parallelism: each sequence split over this many devices (load-balanced causal
     # chunks; parallel/context.py), attention exchanging K/V between them.
-    # (model.context_strategy picks how attention exchanges K/V over it.)
+    # (execution.context_strategy picks how attention exchanges K/V over it.)
     context: int = 1
     nvlink_domain: int = 0  # GPUs per NVLink domain; 0: devices per process
 

@@ -13,13 +13,22 @@ from pallas_kernels.flash_attention.backends import BACKENDS as ATTENTION_BACKEN
 from titanax.config.checkpoint import CheckpointConfig
 from titanax.config.data import DataConfig
 from titanax.config.errors import fail
-from titanax.config.model import FP8_RECIPES, ModelConfig
+from titanax.config.execution import FP8_RECIPES, ExecutionConfig
+from titanax.config.model import (
+    EXECUTION_FIELDS,
+    ModelConfig,
+    arch_config_class,
+    as_arch_class,
+    model_field_names,
+    old_execution_values,
+)
 from titanax.config.optim import OptimConfig
 from titanax.config.parallel import MeshConfig, PipelineConfig
 from titanax.config.train import TrainConfig
 
 SECTIONS: dict[str, type] = {
-    "model": ModelConfig,
+    "model": ModelConfig,  # an instance of the architecture's subclass (model.arch)
+    "execution": ExecutionConfig,
     "mesh": MeshConfig,
     "pipeline": PipelineConfig,
     "train": TrainConfig,
@@ -38,21 +47,23 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    execution: ExecutionConfig = field(default_factory=ExecutionConfig)
 
     def __post_init__(self):
         for name, cls in SECTIONS.items():
             if not isinstance(getattr(self, name), cls):
                 fail(name, f"must be a {cls.__name__}, got {type(getattr(self, name)).__name__}")
+        _settle_model_and_execution(self)
         if self.train.seq_len > self.model.max_seq_len:
             fail("train.seq_len", f"{self.train.seq_len} exceeds model.max_seq_len="
                  f"{self.model.max_seq_len}; raise model.max_seq_len or shorten the sequence")
         if self.train.epochs and self.data.source == "synthetic":
             fail("train.epochs", "data.source=synthetic has no end to count passes over; "
                  "set train.steps instead (and train.epochs=0)")
-        if self.train.offload_params and self.model.remat == "none":
-            fail("train.offload_params", "needs a model.remat policy: without one the "
+        if self.train.offload_params and self.execution.remat == "none":
+            fail("train.offload_params", "needs a execution.remat policy: without one the "
                  "backward pass keeps every layer's weights on the device, the very copy "
-                 "offloading avoids; set model.remat=full (or full_offload, dots, "
+                 "offloading avoids; set execution.remat=full (or full_offload, dots, "
                  "dots_no_batch)")
         t = self.train
         if t.offload_params and (t.grad_accum_auto or t.grad_accum > 1):
@@ -62,24 +73,58 @@ class Config:
                 fail("train.offload_params", f"with train.grad_accum={t.grad_accum} needs "
                      "train.grad_accum_in_place=true: the plain sum would add the offloaded "
                      "layers' gradients in host memory, where it cannot run")
-            if self.model.remat not in ("full", "full_offload"):
+            if self.execution.remat not in ("full", "full_offload"):
                 fail("train.offload_params", f"with train.grad_accum={t.grad_accum} needs "
-                     f"model.remat=full or full_offload (got {self.model.remat!r}): the "
+                     f"execution.remat=full or full_offload (got {self.execution.remat!r}): the "
                      "gradients are summed in place only under those; or set "
                      "train.grad_accum=1")
         check_parallel_layout(self, self.mesh.degrees())
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
 
     @classmethod
     def from_dict(cls, d: dict) -> Config:
+        """A Config from to_dict()'s sections; fields this version does not have are left out
+        (config/loading.py warns about them). Written before the execution section existed,
+        a dict carries its fields under model: they move to execution."""
+        d = sections_of_old_dict(d)
+        arch = (d.get("model") or {}).get("arch", ModelConfig.arch)
         kwargs = {}
         for name, section_cls in SECTIONS.items():
-            values = dict(d.get(name, {}))
-            known = {f.name for f in dataclasses.fields(section_cls)}
-            kwargs[name] = section_cls(**{k: v for k, v in values.items() if k in known})
-        return cls(**kwargs)
+            values = dict(d.get(name) or {})
+            known = (model_field_names(arch) if name == "model" else
+                     {f.name for f in dataclasses.fields(section_cls)})
+            kwargs[name] = {k: v for k, v in values.items() if k in known}
+        model_cls = arch_config_class(arch)
+        return cls(**{name: (model_cls if name == "model" else SECTIONS[name])(**values)
+                      for name, values in kwargs.items()})
+
+
+def sections_of_old_dict(d: dict) -> dict:
+    """d with execution fields found under model (configs written before the execution
+    section) moved to execution; a value execution also sets wins."""
+    model = dict(d.get("model") or {})
+    moved = {k: model.pop(k) for k in EXECUTION_FIELDS if k in model}
+    return {**d, "model": model, "execution": {**moved, **(d.get("execution") or {})}}
+
+
+def _settle_model_and_execution(cfg: Config) -> None:
+    """The model section as its architecture's class (ModelConfig(arch='mistral') becomes a
+    MistralConfig), and execution values an old-style model section carried moved into the
+    execution section (a conflicting value set there too is refused)."""
+    old = old_execution_values(cfg.model)
+    if old:
+        default = ExecutionConfig()
+        clash = [f"model.{k}={v!r} vs execution.{k}={getattr(cfg.execution, k)!r}"
+                 for k, v in old.items() if getattr(cfg.execution, k) != getattr(default, k)
+                 and getattr(cfg.execution, k) != v]
+        if clash:
+            fail("execution", f"set twice, differently: {'; '.join(clash)}; keep the "
+                 "execution section's")
+        object.__setattr__(cfg, "execution", dataclasses.replace(cfg.execution, **old))
+    if old or type(cfg.model) is not arch_config_class(cfg.model.arch):
+        object.__setattr__(cfg, "model", as_arch_class(cfg.model))
 
 
 def check_parallel_layout(cfg: Config, degrees: dict[str, int]) -> None:
@@ -103,10 +148,10 @@ def check_parallel_layout(cfg: Config, degrees: dict[str, int]) -> None:
             fail("train.seq_len", f"{cfg.train.seq_len} is not divisible by mesh.tensor="
                  f"{tensor} (sequence parallelism splits the norm regions along the sequence)")
     _check_context(cfg, degrees.get("context", 1), max(tensor, 1), pp)
-    if cfg.model.tp_overlap:
+    if cfg.execution.tp_overlap:
         why = tp_overlap_unsupported(cfg, degrees)
         if why:
-            fail("model.tp_overlap", why)
+            fail("execution.tp_overlap", why)
     if pp > 1 and cfg.train.offload_params:
         fail("train.offload_params", f"does not work with mesh.pipeline={pp}: the pipeline "
              "schedules pick each stage's layer chunk with a traced index, which XLA cannot "
@@ -126,10 +171,10 @@ def check_parallel_layout(cfg: Config, degrees: dict[str, int]) -> None:
         if cfg.pipeline.schedule == "circular" and micro < pp:
             fail("pipeline.microbatches", f"the circular schedule needs at least as many "
                  f"microbatches as stages (mesh.pipeline={pp}), got {micro}")
-        if cfg.pipeline.schedule == "1f1b" and m.matmul_precision == "fp8_delayed":
+        if cfg.pipeline.schedule == "1f1b" and cfg.execution.matmul_precision == "fp8_delayed":
             fail("pipeline.schedule", "1f1b computes gradients inside its schedule, where "
                  "fp8_delayed's amax histories (carried as gradients) cannot pass; use "
-                 "model.matmul_precision=fp8_tensorwise or pipeline.schedule=gpipe")
+                 "execution.matmul_precision=fp8_tensorwise or pipeline.schedule=gpipe")
     if degrees["data"] > 0 and degrees["fsdp"] > 0:
         ways = degrees["data"] * degrees["fsdp"]
         micro = cfg.pipeline.microbatches if pp > 1 else 1
@@ -149,16 +194,16 @@ def grad_accum_in_place_unsupported(cfg: Config) -> str | None:
         return "train.grad_accum=1: nothing to accumulate"
     if not t.grad_accum_in_place:
         return "train.grad_accum_in_place=False"
-    if cfg.model.remat not in ("full", "full_offload"):
-        return (f"model.remat={cfg.model.remat!r}: the in-place backward recomputes each layer "
-                "from its input, which is model.remat='full' (or 'full_offload')")
+    if cfg.execution.remat not in ("full", "full_offload"):
+        return (f"execution.remat={cfg.execution.remat!r}: the in-place backward recomputes each layer "
+                "from its input, which is execution.remat='full' (or 'full_offload')")
     if cfg.mesh.pipeline > 1:
         return "pipeline parallelism: the stages run their own backward schedule"
     return None
 
 
 def tp_overlap_unsupported(cfg: Config, degrees: dict[str, int]) -> str | None:
-    """Why model.tp_overlap cannot run on cfg with these mesh degrees, or None. Shared with
+    """Why execution.tp_overlap cannot run on cfg with these mesh degrees, or None. Shared with
     parallel/collective_matmul.unsupported (this module imports no jax). mesh.tensor=1 (or
     not known yet: checked again once resolved) has no tensor ring, so nothing to refuse."""
     if degrees["tensor"] in (1, -1):
@@ -167,13 +212,13 @@ def tp_overlap_unsupported(cfg: Config, degrees: dict[str, int]) -> str | None:
         return ("pipeline.schedule=1f1b runs each stage's layers under lax.cond, so a ring's "
                 "collective-permutes would run on some stages only (XLA:CPU's permute waits for "
                 "every device and mixes up ticks; on GPU the communicator set-up is collective "
-                "too); use pipeline.schedule=gpipe or circular, or set model.tp_overlap=false")
-    if cfg.model.matmul_precision in FP8_RECIPES:
-        return (f"model.matmul_precision={cfg.model.matmul_precision} runs the projections as "
+                "too); use pipeline.schedule=gpipe or circular, or set execution.tp_overlap=false")
+    if cfg.execution.matmul_precision in FP8_RECIPES:
+        return (f"execution.matmul_precision={cfg.execution.matmul_precision} runs the projections as "
                 "FP8 GEMMs (pallas_kernels/fp8), which the collective matmul does not cut into "
                 "ring steps: the tensor-parallel collectives would stay whole and exposed; "
-                "use model.matmul_precision=default (or highest), or set "
-                "model.tp_overlap=false")
+                "use execution.matmul_precision=default (or highest), or set "
+                "execution.tp_overlap=false")
     return None
 
 
@@ -192,9 +237,9 @@ def _check_context(cfg: Config, cp: int, tensor: int, pp: int) -> None:
              "backward ticks under stage-dependent branches, and the K/V exchange of "
              "context parallelism cannot sit inside them (the collectives of different "
              "branches would meet); use pipeline.schedule=gpipe or circular")
-    impl = cfg.model.attention_impl
+    impl = cfg.execution.attention_impl
     if impl in ATTENTION_BACKENDS and ATTENTION_BACKENDS[impl].block_fwd is None:
         usable = [n for n, b in ATTENTION_BACKENDS.items() if b.block_fwd is not None]
-        fail("model.attention_impl", f"{impl} cannot run context parallelism (it has no "
+        fail("execution.attention_impl", f"{impl} cannot run context parallelism (it has no "
              "block form: its attention does not compile inside the shard_map the K/V "
              f"exchange runs in); use auto or one of {usable}")

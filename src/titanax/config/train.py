@@ -29,10 +29,10 @@ class TrainConfig:
     # the step for its devices and takes the smallest count whose memory fits them (the same
     # result: the step's gradient is the mean over the whole batch either way), and logs it;
     # when no count fits, the smallest change that does among those that keep the result
-    # (titanax/plan/fit.py: a model.remat that saves more, and for a run whose optimizer is
+    # (titanax/plan/fit.py: a execution.remat that saves more, and for a run whose optimizer is
     # in host memory the master weights too, train.offload_params), logged by name.
     grad_accum: int | str = 1
-    # With grad_accum > 1 and model.remat='full'/'full_offload' (no pipeline): one float32
+    # With grad_accum > 1 and execution.remat='full'/'full_offload' (no pipeline): one float32
     # gradient buffer for all microbatches, each layer's gradients added into it by the
     # backward pass (models/accumulate.py). False: the plain sum (the sum beside each
     # microbatch's fresh gradients), for comparison.

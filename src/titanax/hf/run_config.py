@@ -36,7 +36,7 @@ def _derived_model(hf_dir: pathlib.Path, arch: str) -> dict[str, object]:
     # tokens. (transformers 5 writes 'dtype', 4.x 'torch_dtype'.)
     hf_dtype = hf_cfg.get("dtype") or hf_cfg.get("torch_dtype")
     if hf_dtype in DTYPES:
-        derived["model.dtype"] = hf_dtype
+        derived["execution.dtype"] = hf_dtype
     return derived
 
 
@@ -66,7 +66,7 @@ def _has_chat_template(hf_dir: pathlib.Path) -> bool:
 # the embedded corpus by default). The compute dtype is the one config.json names.
 FINETUNE = {"optim.lr": 2e-5, "optim.schedule": "cosine", "optim.warmup_fraction": 0.03,
             "optim.min_lr_ratio": 0.0, "optim.weight_decay": 0.0, "mesh.data": 1,
-            "mesh.fsdp": -1, "model.remat": "full", "data.source": SOURCE_UNSET}
+            "mesh.fsdp": -1, "execution.remat": "full", "data.source": SOURCE_UNSET}
 FINETUNE_SEQ_LEN = 8192
 
 

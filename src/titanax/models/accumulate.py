@@ -18,7 +18,7 @@ microbatch's gradients:
 The microbatch scan carries the sum, so XLA updates one buffer in place from the first
 microbatch to the last.
 
-The layers' backward recomputes each layer from its saved input (what model.remat='full'
+The layers' backward recomputes each layer from its saved input (what execution.remat='full'
 keeps: the same memory and FLOPs; 'full_offload' keeps it in pinned host memory), so it applies
 where the step runs the layers as one scan under those; `unsupported` names the layouts that
 keep the plain path and why.
@@ -118,7 +118,7 @@ def scan_layers_into(slot: _Slot, one_layer, layer_state, x, extras, *,
     """x after every layer: one_layer(x, state_l, *extras) -> x over layer_state's leading
     axis, as jax.lax.scan would, with the backward adding the weight gradients into
     slot.acc[LAYERS] in place (module docstring). Other state of the layers (fp8_delayed's
-    amax histories) gets its per-layer cotangents as usual. offload_inputs (model.remat=
+    amax histories) gets its per-layer cotangents as usual. offload_inputs (execution.remat=
     'full_offload'): each layer's saved input goes to pinned host memory in the forward and
     comes back for its layer's backward."""
     params, rest = nnx.split_state(layer_state, nnx.Param, ...)

@@ -1,31 +1,21 @@
-"""model.arch -> the architecture's ModelSpec. One line per architecture; the package named
-here defines SPEC. Imported lazily, so the names can be listed without importing any model
-code."""
+"""model.arch -> the architecture's ModelSpec (SPEC in PACKAGE.spec, PACKAGE from
+titanax/archs.py's one line per architecture). Imported lazily, so the names can be listed
+without importing any model code."""
 
 from __future__ import annotations
 
-import difflib
 import importlib
 
-ARCHS: dict[str, str] = {
-    "llama3": "titanax.models.llama3",
-    "qwen3": "titanax.models.qwen3",
-    "mistral": "titanax.models.mistral",
-}
+from titanax.archs import ARCHS
+from titanax.config.model import arch_config_class
 
 
 def model_spec(arch_or_cfg):
     """The ModelSpec for an arch name or a ModelConfig (its model.arch); a ConfigError naming
     the field for an unknown one."""
     arch = arch_or_cfg if isinstance(arch_or_cfg, str) else getattr(arch_or_cfg, "arch", "llama3")
-    if arch not in ARCHS:
-        from titanax.config import ConfigError
-
-        close = difflib.get_close_matches(arch, ARCHS, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise ConfigError(f"model.arch: {arch!r} is not one of {sorted(ARCHS)} (registered in "
-                          f"models/registry.py).{hint}")
-    return importlib.import_module(ARCHS[arch]).SPEC
+    arch_config_class(arch)  # a ConfigError naming model.arch for an unknown one
+    return importlib.import_module(f"{ARCHS[arch]}.spec").SPEC
 
 
 def spec_for_hf(model_type: str | None):
@@ -37,4 +27,4 @@ def spec_for_hf(model_type: str | None):
             return spec
     known = sorted(s.hf.model_type for s in specs if s.hf is not None)
     raise ValueError(f"model_type {model_type!r} is not supported; titanax imports {known} "
-                     "(models/registry.py)")
+                     "(titanax/archs.py)")

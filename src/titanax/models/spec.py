@@ -1,5 +1,5 @@
 """What the rest of titanax asks of a model architecture: one ModelSpec per folder under
-models/, registered by name in models/registry.py and chosen by `model.arch`.
+models/ (its spec.py), registered by name in titanax/archs.py and chosen by `model.arch`.
 
 State creation, the train loop, sampling, HF import/export, the planner and the FLOP formula
 ask the spec; none of them imports a model class. Hooks (flops, activation_elems, aux_losses,
@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from titanax.config import ModelConfig
+from titanax.config import ExecutionConfig, ModelConfig
 
 FLOP_FORMULA = ("FLOPs/token = 6*N + 12*L*d*S (N: params without input embedding; "
                 "d: attention width n_heads*head_dim, = d_model for Llama)")
@@ -47,11 +47,15 @@ def no_aux_losses(model) -> dict:
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
     arch: str  # the model.arch value
-    # build(cfg, rngs) -> an nnx.Module with __call__(tokens_BS, positions_BS, segment_ids_BS,
+    # The model section's class (a frozen ModelConfig subclass in the folder's config.py, which
+    # imports no jax): the architecture's fields, compared whole when a checkpoint resumes.
+    config: type[ModelConfig]
+    # build(cfg, execution, rngs) -> an nnx.Module (cfg: the model section, execution: the
+    # ExecutionConfig) with __call__(tokens_BS, positions_BS, segment_ids_BS,
     # cache, cache_index, pipeline) -> (logits_BSV, cache) and loss_sum(tokens_BS, targets_BS,
     # positions_BS, segment_ids_BS, *, pipeline, loss_chunk) -> float32 sum of token NLLs.
     build: Callable[..., Any]
-    # init_cache(cfg, batch, max_len, dtype=None) -> the KV cache __call__ takes
+    # init_cache(cfg, batch, max_len, dtype) -> the KV cache __call__ takes
     init_cache: Callable[..., Any]
     presets: Mapping[str, dict]  # preset name -> ModelConfig fields
     # The model's HF interop (models/common/hf_interop.HFInterop: tensor table, config.json both ways);
@@ -66,7 +70,9 @@ class ModelSpec:
     # (plan/memory_model.py saved_elems_per_token).
     activation_elems: Callable[[ModelConfig, str], float] | None = None
     # aux_losses(model) -> {name: float32 scalar} of extra loss terms (e.g. an MoE's load
-    # balancing) added to the token NLL sum; {} for a dense model.
+    # balancing), each a mean over the batch, already weighted: train/step.py adds them to
+    # the step's mean token NLL (a microbatch its token share); read from the model after
+    # its forward pass (values it sowed); {} for a dense model.
     aux_losses: Callable[[Any], Mapping[str, Any]] = no_aux_losses
     # no_decay(path) -> True for a parameter (path like ('layers', 'attn_norm', 'scale'))
     # that gets no weight decay.
@@ -86,7 +92,7 @@ class ModelSpec:
         from titanax.parallel.rules import model_context
 
         with model_context(single_device_mesh()):
-            abstract = nnx.eval_shape(lambda: self.build(cfg, rngs=nnx.Rngs(0)))
+            abstract = nnx.eval_shape(lambda: self.build(cfg, ExecutionConfig(), rngs=nnx.Rngs(0)))
         state = nnx.state(abstract, nnx.Param)  # (ops.Fp8Meta is a Variable of its own)
         total = sum(math.prod(x.shape) for x in jax.tree.leaves(state))
         if exclude_embedding and not getattr(cfg, "tie_embeddings", False):

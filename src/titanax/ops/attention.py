@@ -1,6 +1,6 @@
 """Attention as the model calls it: q [B, S, H, K], k/v [B, T, N, K] -> [B, S, H, K].
 
-`impl` (model.attention_impl) names an entry of pallas_kernels/flash_attention/backends.py's
+`impl` (execution.attention_impl) names an entry of pallas_kernels/flash_attention/backends.py's
 table or 'auto'; pallas_kernels.flash_attention runs it (the backends, `auto` and the
 mask are there). What is left here is titanax's side: where the call runs on the mesh.
 - Context parallelism (the sequence split over the 'seq' rule's axes): blocks of the chosen

@@ -149,7 +149,7 @@ def _ce_sum_fwd(h_BSD, w_DV, targets_BS, c, precision, rows):
         dlogits_BcV = dlogits_BcV.astype(dt)
         dh_BcD = jnp.dot(dlogits_BcV, w_g_DV.T, precision=_PRECISION[precision])
         # The chunk's partial weight gradient leaves the matmul in the weight's dtype, the
-        # dtype FSDP reduces gradients in (model.grad_reduce_dtype: float32 only when the
+        # dtype FSDP reduces gradients in (execution.grad_reduce_dtype: float32 only when the
         # weight came in as float32): under FSDP this [d, vocab] partial is reduce-scattered
         # every chunk, and a float32 one doubled both that traffic and its buffer (4.2 GB for
         # 70B, the peak of the 8x H100 offload step). The running sum stays float32.

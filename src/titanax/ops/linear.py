@@ -1,12 +1,12 @@
 """Matmuls as the model calls them: parameters stay in param_dtype, compute runs in dtype.
 
-`precision` comes from model.matmul_precision: 'default' multiplies in the compute dtype with
+`precision` comes from execution.matmul_precision: 'default' multiplies in the compute dtype with
 float32 accumulation where the backend does so; 'highest' asks for full-precision passes;
 'fp8_tensorwise', 'fp8_delayed' and 'mxfp8' run the product as FP8 GEMMs through
 pallas_kernels.fp8.fp8_linear (e4m3 forward; gradients e5m2 for the tensorwise recipes, e4m3
 for mxfp8), flattened to one 2-D matmul [tokens, in] x [in, out]. Call sites that must stay in
 the compute dtype whatever the recipe (the output layer) pass fp8=False.
-`mxfp8_scale_rounding` (model.mxfp8_scale_rounding) picks mxfp8's scale exponents: 'up' never
+`mxfp8_scale_rounding` (execution.mxfp8_scale_rounding) picks mxfp8's scale exponents: 'up' never
 clips a block's max, 'floor' is the OCP rule (pallas_kernels/fp8/quant.py). On a GPU the FP8
 GEMMs are cuBLASLt's (tensorwise; forward with fast accumulation, dgrad and wgrad without:
 pallas_kernels/fp8/accumulation.py) or cuDNN's block-scaled GEMM (mxfp8, Blackwell only).
@@ -35,14 +35,14 @@ _PRECISION = {"default": None, "highest": jax.lax.Precision.HIGHEST}
 
 
 def precision_refusal(matmul_precision: str) -> str | None:
-    """Why the GPU this process runs on cannot run model.matmul_precision (mxfp8 before
+    """Why the GPU this process runs on cannot run execution.matmul_precision (mxfp8 before
     Blackwell: no block-scaled MMA), or None. Checked before anything is built, so the run
     stops with one line instead of a traceback from inside the first trace."""
     recipe = RECIPES_TABLE.get(matmul_precision)
     if recipe is None or recipe.scaling != "mx":
         return None
     why = mx_refusal(compute_capability())
-    return f"model.matmul_precision={matmul_precision}: {why}" if why else None
+    return f"execution.matmul_precision={matmul_precision}: {why}" if why else None
 
 
 def _split_spec(spec: str) -> tuple[str, str, str, bool]:
@@ -159,7 +159,7 @@ def _dot(x2, w2, w_last: bool, precision: str, **kw):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def _dot_f32_wgrad(x2, w2, w_last, precision, dtype):
     """x2 @ w2 in the compute dtype whose weight gradient is accumulated and returned in
-    float32 (model.grad_reduce_dtype=float32): the partial sums that FSDP reduce-scatters are
+    float32 (execution.grad_reduce_dtype=float32): the partial sums that FSDP reduce-scatters are
     float32, where autodiff's compute-dtype dot makes XLA reduce them in the compute dtype."""
     return _dot(x2, w2.astype(dtype), w_last, precision)
 

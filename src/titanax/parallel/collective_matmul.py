@@ -35,11 +35,11 @@ differentiate a shard_map nested in a pipeline stage's (parallel/per_shard.py sa
 and they run without its varying-axes check (`_like` says why).
 
 `use_collective_matmul()` turns it on for the model code traced inside it (ops.linear asks
-`active()`; model.tp_overlap enters it for the train step's loss, train/step.py); it applies
+`active()`; execution.tp_overlap enters it for the train step's loss, train/step.py); it applies
 to sequence-parallel layouts (mesh 'tensor' > 1, the sequence divisible by context x tp; a
 decoding step falls back to XLA's partitioning), with or without context parallelism, in gpipe
 and circular pipeline stages too, but not under the 1f1b schedule nor with the FP8 recipes
-(`unsupported`; titanax.config refuses model.tp_overlap there).
+(`unsupported`; titanax.config refuses execution.tp_overlap there).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def active() -> bool:
 def unsupported(cfg) -> str | None:
     """Why a run of config cfg must not trace its model inside use_collective_matmul(), or
     None. (Layouts the ring does not handle fall back by themselves: see `applies`.) The
-    reasons live in config/rules.py, which refuses model.tp_overlap with them (it imports no jax)."""
+    reasons live in config/rules.py, which refuses execution.tp_overlap with them (it imports no jax)."""
     return tp_overlap_unsupported(cfg, cfg.mesh.degrees())
 
 

@@ -15,7 +15,7 @@ Each block returns its output and log-sum-exp; blocks merge exactly by their log
 The backward recomputes each block's probabilities against the merged log-sum-exp
 (FlashAttention-2), so the blocks' gradients add up to the exact gradient.
 
-Two ways to reach the other devices' keys (model.context_strategy):
+Two ways to reach the other devices' keys (execution.context_strategy):
   - 'ring': K/V pass around the ring with ppermute, the transfer of the next block issued
     before the attention of the current one so XLA overlaps them; the backward passes K/V
     and their float32 gradient accumulators the same way, the gradients arriving home after

@@ -238,7 +238,7 @@ def device_groups(ins: Instr) -> list[list[int]] | None:
 
 def collective_dtypes(hlo_text: str) -> dict[str, dict[str, int]]:
     """{collective: {element type: instructions carrying it}} in compiled HLO text, e.g. which
-    dtype FSDP reduce-scatters gradients in (model.grad_reduce_dtype). A combined collective
+    dtype FSDP reduce-scatters gradients in (execution.grad_reduce_dtype). A combined collective
     (the GPU flags' combiners) is one instruction over a tuple of arrays, maybe of several
     types, with /*index=5*/ comments in its shape."""
     out: dict[str, dict[str, int]] = {}

@@ -6,7 +6,7 @@ tensor x data (or tensor x context x data: `StepShape.context`) mesh of compile-
 compiles it deviceless, each variant in its own subprocess (the CUDA plugin,
 pallas_kernels.aot; XLA reads its flags once per process): 'xla' (titanax.xla_flags.GPU_FLAGS),
 'xla+windowed_einsum' (plus WINDOWED_EINSUM_FLAGS) and 'collective_matmul' (GPU_FLAGS and
-model.tp_overlap=true: the train step traces its model inside parallel.collective_matmul's
+execution.tp_overlap=true: the train step traces its model inside parallel.collective_matmul's
 use_collective_matmul(), as launch.train does). From each scheduled HLO (perf/hlo_text.py):
 
 - the collectives whose groups span exactly the 'tensor' axis, by kind, with the bytes one
@@ -194,16 +194,16 @@ VARIANTS = {
 
 def step_config(shape: StepShape, collective_matmul: bool = False):
     """The GPU recipe's Llama-3-8B config cut to `shape` (layers, batch, sequence, mesh), with
-    model.tp_overlap=collective_matmul."""
+    execution.tp_overlap=collective_matmul."""
     from titanax.config import MeshConfig
     from titanax.recipes import llama3_gpu_config
 
     cfg = llama3_gpu_config("llama3_8b", batch_size=shape.batch, lr=3e-4)
-    attention = cfg.model.attention_impl if shape.context == 1 else "auto"
+    attention = cfg.execution.attention_impl if shape.context == 1 else "auto"
     return dataclasses.replace(
-        cfg, model=dataclasses.replace(cfg.model, n_layers=shape.layers,
-                                       attention_impl=attention,
-                                       tp_overlap=collective_matmul),
+        cfg, model=dataclasses.replace(cfg.model, n_layers=shape.layers),
+        execution=dataclasses.replace(cfg.execution, attention_impl=attention,
+                                      tp_overlap=collective_matmul),
         mesh=MeshConfig(data=shape.data, fsdp=1, tensor=shape.tensor, pipeline=1,
                         context=shape.context),
         train=dataclasses.replace(cfg.train, seq_len=shape.seq))
@@ -220,7 +220,7 @@ def compile_step(shape: StepShape, collective_matmul: bool) -> tuple[str, dict]:
     devices = aot.gpu_topology(shape.gpu, f"1x1x{shape.devices}").devices
     cfg = step_config(shape, collective_matmul)
     mesh = build_mesh(cfg.mesh, devices)
-    lowered = lower_train_step(cfg, mesh)  # model.tp_overlap: traced with the rings
+    lowered = lower_train_step(cfg, mesh)  # execution.tp_overlap: traced with the rings
     with model_context(mesh):
         compiled = lowered.compile()
     return compiled.as_text(), compiled_memory(compiled)

@@ -43,7 +43,7 @@ def _peer_args(cfg: Config, steps: int, warmup: int, peak_gflops: float, compile
             "--batch", t.batch_size, "--seq", t.seq_len, "--steps", steps,
             "--warmup", warmup + (2 if compiled else 0), "--lr", cfg.optim.lr,
             "--weight-decay", cfg.optim.weight_decay, "--peak-gflops", f"{peak_gflops:.1f}",
-            "--threads", os.cpu_count(), "--dtype", "fp32" if m.dtype == "float32" else "bf16"]
+            "--threads", os.cpu_count(), "--dtype", "fp32" if cfg.execution.dtype == "float32" else "bf16"]
     return [str(a) for a in args] + (["--compile"] if compiled else [])
 
 

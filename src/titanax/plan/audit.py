@@ -68,7 +68,7 @@ def expected_flops(cfg, n_devices: int) -> dict:
     n_layers = n - m.vocab_size * m.d_model     # all but the output layer (and the embedding)
     a = 2.0 * m.n_layers * width * s            # attention forward at its causal half
     recompute = {"full": 2.0 * n_layers + a, "full_offload": 2.0 * n_layers + a,
-                 "dots": a, "dots_no_batch": a}.get(m.remat, 0.0)
+                 "dots": a, "dots_no_batch": a}.get(cfg.execution.remat, 0.0)
     p, mb = cfg.mesh.pipeline, cfg.pipeline.microbatches
     idle = 1.0
     if p > 1 and cfg.pipeline.schedule == "1f1b":
@@ -82,7 +82,7 @@ def expected_flops(cfg, n_devices: int) -> dict:
     return {"per_device": per_token * tokens / n_devices, "per_token": per_token,
             "formula_per_token": 6.0 * n + 12.0 * m.n_layers * width * s,
             "terms_per_token": {"6N": 6.0 * n, "attention (causal, FA-2 backward)": 3.5 * a,
-                                f"remat {m.remat} recompute": recompute,
+                                f"remat {cfg.execution.remat} recompute": recompute,
                                 "pipeline idle ticks": (idle - 1) * layers / idle},
             "tokens_per_step": tokens, "devices": n_devices}
 

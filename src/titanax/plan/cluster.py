@@ -82,7 +82,7 @@ class Layout:
 def plan_config(cfg: Config, cluster: Cluster) -> Config:
     """cfg with mesh.nvlink_domain set to the cluster's (unless the config pins one); a
     recipe the GPU cannot run (mxfp8 before Blackwell) is refused before anything compiles."""
-    recipe, target = RECIPES_TABLE.get(cfg.model.matmul_precision), aot.TARGETS[cluster.gpu]
+    recipe, target = RECIPES_TABLE.get(cfg.execution.matmul_precision), aot.TARGETS[cluster.gpu]
     if recipe is not None and recipe.scaling == "mx" and (
             why := mx_refusal((target["major"], target["minor"]))):
         raise PlanError(f"--gpu {cluster.gpu}: {why}")

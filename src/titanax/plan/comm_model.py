@@ -99,8 +99,8 @@ class Network:
 
 
 def _grad_bytes(cfg: Config, shape: StepShape) -> int:
-    # Gradients are reduced in the compute dtype, or float32 by model.grad_reduce_dtype.
-    return 4 if cfg.model.grad_reduce_dtype == "float32" else shape.act_bytes
+    # Gradients are reduced in the compute dtype, or float32 by execution.grad_reduce_dtype.
+    return 4 if cfg.execution.grad_reduce_dtype == "float32" else shape.act_bytes
 
 
 def fsdp_comm(cfg: Config, shape: StepShape, n_params: int, net: Network) -> AxisComm | None:
@@ -149,7 +149,7 @@ def tp_layer_collectives(cfg: Config, shape: StepShape) -> list[TPCollective]:
     (the column matmuls reduce-scatter dx, the row ones gather dy)."""
     m, tp = cfg.model, shape.deg["tensor"]
     forwards = [TP_FORWARD] * (2 if shape.deg["pipeline"] > 1 else 1)
-    if m.remat in RECOMPUTING_REMATS:
+    if cfg.execution.remat in RECOMPUTING_REMATS:
         forwards.append(TP_RECOMPUTED)
     out = [TPCollective(mm, mm in ("wo", "w_down"), _tp_width(m, tp, mm), False)
            for names in forwards for mm in names]
@@ -163,7 +163,7 @@ def tp_overlap_applies(cfg: Config, shape: StepShape) -> bool:
     runtime's own check), and the sequence cut into context x tensor chunks (else the runtime
     falls back to XLA's collectives)."""
     tp = shape.deg["tensor"]
-    return (cfg.model.tp_overlap and tp > 1 and tp_overlap_unsupported(cfg, shape.deg) is None
+    return (cfg.execution.tp_overlap and tp > 1 and tp_overlap_unsupported(cfg, shape.deg) is None
             and cfg.train.seq_len % (shape.context * tp) == 0)
 
 
@@ -259,7 +259,7 @@ def context_comm(cfg: Config, shape: StepShape, net: Network) -> AxisComm | None
     dkv = kv * 4 / shape.act_bytes  # their float32 gradients
     forwards = attention_passes(cfg, shape) - 2  # the backward counts two passes
     layer_runs = m.n_layers / pp * shape.accum * shape.micro
-    if cfg.model.context_strategy == "all_gather":
+    if cfg.execution.context_strategy == "all_gather":
         return net.ring("context", layer_runs * (c - 1) * ((forwards + 1) * kv + dkv),
                         int(layer_runs * (forwards + 2)), overlapped=False)
     link, bw, lat = net.point_to_point("context")
@@ -291,7 +291,7 @@ def host_link_seconds(cfg: Config, shape: StepShape, n_params: int,
     split = param_split(m, n_params, shape.deg)
     pbytes = 4 if m.param_dtype == "float32" else 2
     hidden = 0.0
-    if m.remat == "full_offload":  # layer inputs out in the forward, back in the backward
+    if cfg.execution.remat == "full_offload":  # layer inputs out in the forward, back in the backward
         hidden += host_memory.get("saved_activations", 0.0) * shape.accum / host_bw
     host_grads = t.offload_params and t.grad_accum == 1
     if t.offload_params and host_grads:

@@ -32,14 +32,14 @@ PIPELINE_ATTN_PASSES = {"full": 5.0, "full_offload": 5.0, "dots": 5.0, "dots_no_
 
 
 def _gemm_passes(cfg: Config, shape: StepShape) -> float:
-    return (PIPELINE_GEMM_PASSES if shape.deg["pipeline"] > 1 else GEMM_PASSES)[cfg.model.remat]
+    return (PIPELINE_GEMM_PASSES if shape.deg["pipeline"] > 1 else GEMM_PASSES)[cfg.execution.remat]
 
 
 def gemm_seconds(cfg: Config, shape: StepShape, cluster: Cluster, n_no_embed: int,
                  eff: Efficiencies) -> float:
     m, hw, pp, tokens = cfg.model, cluster.hardware, shape.deg["pipeline"], shape.tokens
     d, V = m.d_model, m.vocab_size
-    peak = hw.fp8_flops if m.matmul_precision in FP8_RECIPES else hw.bf16_flops
+    peak = hw.fp8_flops if cfg.execution.matmul_precision in FP8_RECIPES else hw.bf16_flops
     # The decoder layers' matmuls are rematerialised per the policy; the output layer is not.
     output_flops = 6.0 * d * V * tokens
     layer_gemm_flops = 6.0 * n_no_embed * tokens - output_flops
@@ -56,7 +56,7 @@ def gemm_seconds(cfg: Config, shape: StepShape, cluster: Cluster, n_no_embed: in
 
 def attention_passes(cfg: Config, shape: StepShape) -> float:
     """Attention's passes per step in units of one forward (the backward counts two)."""
-    return (PIPELINE_ATTN_PASSES if shape.deg["pipeline"] > 1 else ATTN_PASSES)[cfg.model.remat]
+    return (PIPELINE_ATTN_PASSES if shape.deg["pipeline"] > 1 else ATTN_PASSES)[cfg.execution.remat]
 
 
 def attention_seconds(cfg: Config, shape: StepShape, cluster: Cluster,

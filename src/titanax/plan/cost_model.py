@@ -20,7 +20,7 @@ Step time, per device (everything below is per GPU):
 FSDP all-gathers / reduce-scatters and the data-parallel gradient all-reduce are asynchronous
 in XLA's GPU schedule and overlap the layers' compute; tensor-parallel collectives sit between
 dependent matmuls and are exposed, but for the share the GEMM steps beside them hide when
-model.tp_overlap runs them as a collective matmul (comm_model.tensor_comm).
+execution.tp_overlap runs them as a collective matmul (comm_model.tensor_comm).
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ def attention_share(cfg: Config, doc_tokens: float | None) -> float:
     causal = 0.5
     if doc_tokens is None or not cfg.data.masks_documents:
         return causal
-    if cfg.model.attention_impl == "cudnn":
+    if cfg.execution.attention_impl == "cudnn":
         return 1.0
     return min(causal, (doc_tokens / 2 + TILE) / cfg.train.seq_len)
 

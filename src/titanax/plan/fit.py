@@ -1,6 +1,6 @@
 """The smallest change that makes a train step fit its devices' memory, among the changes that
 leave the run's result as it is: train.grad_accum (the step's gradient is still the mean over
-the same global batch), model.remat (the same math, recomputed or moved to host memory) and,
+the same global batch), execution.remat (the same math, recomputed or moved to host memory) and,
 for a run that already keeps its optimizer in host memory, train.offload_params (the master
 weights join it there). Layout and batch changes, and host offload for a run that asked for
 none, are launch.plan --search's business.
@@ -69,9 +69,9 @@ class FitAnswer:
         state = state_bytes(self.need)
         if state >= self.capacity:
             why = (f"{size(state)} of it is the train state and batch, which no "
-                   "train.grad_accum or model.remat shrinks")
+                   "train.grad_accum or execution.remat shrinks")
         else:
-            why = f"no train.grad_accum or model.remat setting fits ({len(self.tried)} compiled)"
+            why = f"no train.grad_accum or execution.remat setting fits ({len(self.tried)} compiled)"
         return (f"{head}; {why}: see python -m launch.plan --search for host offload "
                 "(train.offload_optimizer), other layouts (mesh.context splits long "
                 "sequences), or more GPUs")
@@ -84,7 +84,7 @@ def _value(v) -> str:
 
 def auto_choice(overrides: dict, memory: str) -> str:
     """The line train.grad_accum=auto logs for the change it takes, e.g.
-    'train.grad_accum=auto -> 16, with model.remat=full train.offload_params=true (70.6 GB of
+    'train.grad_accum=auto -> 16, with execution.remat=full train.offload_params=true (70.6 GB of
     76.0 GB)': the other settings it changed are named, so the log says what runs."""
     others = " ".join(f"{k}={_value(v)}" for k, v in overrides.items()
                       if k != "train.grad_accum")
@@ -111,16 +111,16 @@ def candidate_groups(cfg: Config, batch_ways: int) -> Iterator[tuple[dict, list[
     ladder = [k for k in _divisors(max(per_device, 1)) if k >= start]
     if ladder[1:]:
         yield {}, ladder[1:]
-    remat = "dots" if cfg.model.remat == "dots_no_batch" else cfg.model.remat
+    remat = "dots" if cfg.execution.remat == "dots_no_batch" else cfg.execution.remat
     for policy in REMATS[REMATS.index(remat) + 1:]:
-        yield {"model.remat": policy}, ladder
+        yield {"execution.remat": policy}, ladder
     # The optimizer already in host memory: the layers' fp32 master weights may follow it (the
     # same math and result; each microbatch reads them over the host link, which the plan
     # prices). With several microbatches that needs the sum in place: full or full_offload.
     t = cfg.train
     if t.offload_optimizer and not t.offload_params and cfg.mesh.pipeline <= 1:
         for policy in REMATS[max(REMATS.index(remat), REMATS.index("full")):]:
-            yield {"train.offload_params": True, "model.remat": policy}, ladder
+            yield {"train.offload_params": True, "execution.remat": policy}, ladder
 
 
 def candidates(cfg: Config, batch_ways: int) -> Iterator[dict]:

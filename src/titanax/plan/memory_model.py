@@ -90,7 +90,7 @@ def memory_per_device(cfg: Config, deg: dict[str, int], n_params: int
     tokens = t.batch_size * t.seq_len / (t.grad_accum * dp * fsdp * cp)
     device, host = _state_bytes(cfg, deg, n_params)
     saved = _saved_activation_bytes(cfg, deg, tokens)
-    if cfg.model.remat == "full_offload":  # the layer inputs wait in pinned host memory
+    if cfg.execution.remat == "full_offload":  # the layer inputs wait in pinned host memory
         host["saved_activations"], saved = saved, 0.0
     device["saved_activations"] = saved
     device["transient"] = _transient_bytes(cfg, deg, tokens, device["gradients"])
@@ -143,7 +143,7 @@ def _saved_activation_bytes(cfg: Config, deg: dict[str, int], tokens: float) -> 
     """The layer inputs (or more, by remat policy) of this
     stage's layers for every token it holds; sequence- or head-sharded over tensor."""
     m, tp, pp = cfg.model, deg["tensor"], deg["pipeline"]
-    d, abytes = m.d_model, 4 if m.dtype == "float32" else 2
+    d, abytes = m.d_model, 4 if cfg.execution.dtype == "float32" else 2
     if pp > 1:
         tokens_micro = tokens / _micro(cfg, deg)  # one pipeline microbatch
         # Inside the pipeline a tick keeps each layer's input only (its own checkpoint).
@@ -156,7 +156,7 @@ def _saved_activation_bytes(cfg: Config, deg: dict[str, int], tokens: float) -> 
         saved += (3 if cfg.pipeline.schedule == "1f1b" else 7) * tokens * d * abytes / tp
     else:  # the architecture's own count when its spec has one (models/spec.py)
         per_token = model_spec(m).activation_elems or saved_elems_per_token
-        saved = m.n_layers * tokens * per_token(m, m.remat) * abytes / tp
+        saved = m.n_layers * tokens * per_token(m, cfg.execution.remat) * abytes / tp
     return saved
 
 
@@ -167,7 +167,7 @@ def _in_place_loop_bytes(cfg: Config, deg: dict[str, int]) -> float:
     backward, and the zero-initialised float32 sums of the embedding and output layer kept
     beside their loop carries."""
     m, tp = cfg.model, deg["tensor"]
-    d, V, abytes = m.d_model, m.vocab_size, 4 if m.dtype == "float32" else 2
+    d, V, abytes = m.d_model, m.vocab_size, 4 if cfg.execution.dtype == "float32" else 2
     tables = 1 if m.tie_embeddings else 2
     return d * V / tp * abytes + tables * d * V / (tp * param_shards(deg)) * 4
 
@@ -176,7 +176,7 @@ def _transient_bytes(cfg: Config, deg: dict[str, int], tokens: float,
                      gradient_bytes: float) -> float:
     """The largest buffers live for a moment: one layer's backward or the loss."""
     m, t, tp, pp = cfg.model, cfg.train, deg["tensor"], deg["pipeline"]
-    d, V, abytes = m.d_model, m.vocab_size, 4 if m.dtype == "float32" else 2
+    d, V, abytes = m.d_model, m.vocab_size, 4 if cfg.execution.dtype == "float32" else 2
     micro = _micro(cfg, deg)
     tokens_micro = tokens / micro
     # One layer's backward, at its largest point (the MLP, measured in the compiled buffers,
@@ -218,9 +218,9 @@ def context_kv_bytes(cfg: Config, deg: dict[str, int], tokens: float) -> float:
     float32 gradients for the whole sequence before the reduce-scatter. Counted on top of the
     MLP transient, which is an upper bound: the two are live one after the other."""
     m, cp = cfg.model, deg.get("context", 1)
-    abytes = 4 if m.dtype == "float32" else 2
+    abytes = 4 if cfg.execution.dtype == "float32" else 2
     # one K (or V) block: this device's tokens of one pipeline microbatch, its kv heads
     block = (tokens / _micro(cfg, deg) * m.n_kv_heads * m.resolved_head_dim / deg["tensor"])
-    if cfg.model.context_strategy == "all_gather":
+    if cfg.execution.context_strategy == "all_gather":
         return 2 * cp * block * (abytes + 4)
     return 2 * 2 * block * (abytes + 4)

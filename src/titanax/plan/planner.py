@@ -110,14 +110,14 @@ def _plan_dict(cfg: Config, cluster: Cluster, layout: Layout, est: Estimate,
         "hardware": dataclasses.asdict(hw),
         "layout": _layout_json(layout),
         "settings": {"batch_size": cfg.train.batch_size, "seq_len": cfg.train.seq_len,
-                     "grad_accum": cfg.train.grad_accum, "remat": cfg.model.remat,
-                     "attention_impl": cfg.model.attention_impl,
-                     "matmul_precision": cfg.model.matmul_precision,
+                     "grad_accum": cfg.train.grad_accum, "remat": cfg.execution.remat,
+                     "attention_impl": cfg.execution.attention_impl,
+                     "matmul_precision": cfg.execution.matmul_precision,
                      "loss_chunk": cfg.train.loss_chunk,
                      "offload_optimizer": cfg.train.offload_optimizer,
                      "offload_params": cfg.train.offload_params,
-                     "context_strategy": cfg.model.context_strategy,
-                     "tp_overlap": cfg.model.tp_overlap,
+                     "context_strategy": cfg.execution.context_strategy,
+                     "tp_overlap": cfg.execution.tp_overlap,
                      "pipeline": dataclasses.asdict(cfg.pipeline)},
         "documents": documents_summary(cfg),
         "compiled_for": _compiled_for(compiled, cluster),
@@ -204,14 +204,14 @@ def run_search(cfg: Config, cluster: Cluster, *, verify: int, top: int = 10,
 def overrides_for(cfg: Config) -> list[str]:
     """The --set flags that turn the searched config's knobs into this candidate."""
     vals = {f"mesh.{a}": getattr(cfg.mesh, a) for a in MESH_AXES}
-    vals.update({"model.remat": cfg.model.remat, "train.grad_accum": cfg.train.grad_accum,
-                 "model.attention_impl": cfg.model.attention_impl,
+    vals.update({"execution.remat": cfg.execution.remat, "train.grad_accum": cfg.train.grad_accum,
+                 "execution.attention_impl": cfg.execution.attention_impl,
                  "train.offload_optimizer": cfg.train.offload_optimizer,
                  "train.offload_params": cfg.train.offload_params})
     if cfg.mesh.context > 1:
-        vals["model.context_strategy"] = cfg.model.context_strategy
+        vals["execution.context_strategy"] = cfg.execution.context_strategy
     if cfg.mesh.tensor > 1:
-        vals["model.tp_overlap"] = cfg.model.tp_overlap
+        vals["execution.tp_overlap"] = cfg.execution.tp_overlap
     if cfg.mesh.pipeline > 1:
         vals.update({"pipeline.schedule": cfg.pipeline.schedule,
                      "pipeline.microbatches": cfg.pipeline.microbatches,

@@ -57,7 +57,7 @@ def full_matrix(presets=PRESETS, gpus=tuple(PRECISIONS)) -> list[Cell]:
 def cell_config(cell: Cell) -> Config:
     overrides = [f"model.n_layers={LAYERS}", f"train.seq_len={SEQ_LEN}",
                  f"model.max_seq_len={SEQ_LEN}", f"train.batch_size={GPUS}",
-                 "train.grad_accum=1", f"model.matmul_precision={cell.precision}"]
+                 "train.grad_accum=1", f"execution.matmul_precision={cell.precision}"]
     if cell.documents:
         overrides.append(f"data.source={DOC_SOURCE}")
     return load_config(aot.REPO / "configs" / f"{cell.preset}.py", overrides)

@@ -32,8 +32,8 @@ PUBLISHED = (
     Published("NeMo, 64x H100 BF16 (TP 4, PP 4, CP 2, VP 5, GBS 128)", "h100", 8, 1113.0, (
         "train.batch_size=128", "mesh.tensor=4", "mesh.pipeline=4", "mesh.fsdp=2",
         "mesh.context=2", "mesh.data=1", "pipeline.schedule=circular",
-        "pipeline.virtual_stages=5", "pipeline.microbatches=32", "model.attention_impl=auto",
-        "model.tp_overlap=true")),
+        "pipeline.virtual_stages=5", "pipeline.microbatches=32", "execution.attention_impl=auto",
+        "execution.tp_overlap=true")),
     Published("MaxText, 128x H100 BF16 (FSDP 128, GBS 256)", "h100", 16, 1052.0, ()),
     Published("Together AI (TorchTitan, FSDP), 8x B200 BF16", "b200", 1, 1908.0,
               ("train.batch_size=16",)),

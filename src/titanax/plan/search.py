@@ -8,7 +8,7 @@ exchange runs inside every attention), with both strategies (ring, all_gather); 
 that does not split into 2 x context chunks per tensor shard is dropped by the config's own
 check (config.check_parallel_layout), with its message.
 
-Tensor-parallel overlap (model.tp_overlap, the collective matmul): on for every tensor > 1
+Tensor-parallel overlap (execution.tp_overlap, the collective matmul): on for every tensor > 1
 candidate the config accepts it for. Off is not tried beside it: the cost model never ranks it
 faster (its collectives are the ring's bytes or more, all exposed) and the memory model does
 not tell them apart. Where the config refuses it (FP8 recipes, 1f1b) the candidate runs without.
@@ -113,24 +113,24 @@ def candidates(cfg: Config, cluster: Cluster, max_context: int = 0):
                 overlap = _tp_overlap(cfg, tp, pp, pipe["pipeline.schedule"])
                 label = _label(tp, pp, rest // fsdp, fsdp, remat, accum, pipe, offload, context,
                                overlap)
-                overrides = {"model.tp_overlap": overlap, "mesh.tensor": tp, "mesh.pipeline": pp, "mesh.fsdp": fsdp,
+                overrides = {"execution.tp_overlap": overlap, "mesh.tensor": tp, "mesh.pipeline": pp, "mesh.fsdp": fsdp,
                              "mesh.data": rest // fsdp, "mesh.context": context[0],
-                             "model.context_strategy": context[1], "model.remat": remat,
+                             "execution.context_strategy": context[1], "execution.remat": remat,
                              "train.grad_accum": accum, "train.offload_optimizer": offload[0],
                              "train.offload_params": offload[1], **pipe}
                 if (pp > 1 or context[0] > 1) and not _runs_in_shard_map(
-                        cfg.model.attention_impl):
+                        cfg.execution.attention_impl):
                     # e.g. JAX's cuDNN attention cannot be partitioned inside the shard_map
                     # of a pipeline stage or of the context K/V exchange (custom_partitioning
                     # fails to compile); 'auto' picks a flash kernel there and is what such a
                     # run would use.
-                    overrides["model.attention_impl"] = "auto"
+                    overrides["execution.attention_impl"] = "auto"
                     label += " attention=auto"
                 yield label, overrides
 
 
 def _tp_overlap(cfg: Config, tp: int, pp: int, schedule: str) -> bool:
-    """model.tp_overlap for a candidate: on wherever there is a tensor ring and the config
+    """execution.tp_overlap for a candidate: on wherever there is a tensor ring and the config
     accepts it. The config's refusals that do not depend on the candidate's schedule (FP8
     recipes) come from config.tp_overlap_unsupported itself; the 1f1b one is the schedule's."""
     if tp == 1 or (pp > 1 and schedule == "1f1b"):

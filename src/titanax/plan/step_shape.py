@@ -30,7 +30,7 @@ class StepShape:
                    micro=cfg.pipeline.microbatches if pp > 1 else 1,
                    virtual=cfg.pipeline.resolved_virtual_stages if pp > 1 else 1,
                    tokens=cfg.train.batch_size * cfg.train.seq_len,
-                   act_bytes=4 if cfg.model.dtype == "float32" else 2, doc_tokens=doc_tokens)
+                   act_bytes=4 if cfg.execution.dtype == "float32" else 2, doc_tokens=doc_tokens)
 
     @property
     def context(self) -> int:

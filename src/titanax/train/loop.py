@@ -126,7 +126,7 @@ class Trainer:
         if cfg.train.batch_size % batch_ways:
             raise ConfigError(f"train.batch_size={cfg.train.batch_size} must be divisible by "
                               f"mesh data x fsdp = {batch_ways}")
-        if why := precision_refusal(cfg.model.matmul_precision):  # e.g. mxfp8 on Hopper
+        if why := precision_refusal(cfg.execution.matmul_precision):  # e.g. mxfp8 on Hopper
             raise ConfigError(why)
         # Before any state or data exists: a step that cannot fit stops here, in seconds.
         # The step compiled for the check is the one the first step runs (jax reuses it).
@@ -181,7 +181,7 @@ class Trainer:
         n_params = spec.count_params(cfg.model)
         n_no_embed = spec.count_params(cfg.model, exclude_embedding=True)
         self.flops_per_token = spec.flops(cfg.model, seq_len, n_no_embed)
-        self.peak, peak_src = peak_flops_per_device(cfg.train.peak_flops, cfg.model.dtype)
+        self.peak, peak_src = peak_flops_per_device(cfg.train.peak_flops, cfg.execution.dtype)
         self.log(f"titanax: {n_params:,} parameters ({n_no_embed:,} without the input "
                  f"embedding)\n  {FLOP_FORMULA} = {self.flops_per_token:.4g} at S={seq_len}\n"
                  f"  peak {self.peak / 1e9:.1f} GFLOP/s per device from {peak_src}\n"
@@ -221,12 +221,12 @@ class Trainer:
         """(restored or None, the Checkpointer it came from)."""
         cfg = self.cfg
         with model_context(self.mesh):
-            restored = self.ckpt.restore_latest_good(abstract, model=cfg.model, log=self.log)
+            restored = self.ckpt.restore_latest_good(abstract, cfg=cfg, log=self.log)
             if restored is not None or not cfg.checkpoint.restore:
                 return restored, self.ckpt
             folder, only_step = resolve_restore_source(cfg.checkpoint.restore)
             source = Checkpointer(folder, cfg.checkpoint, read_only=True)
-            restored = source.restore_latest_good(abstract, model=cfg.model, step=only_step,
+            restored = source.restore_latest_good(abstract, cfg=cfg, step=only_step,
                                                   log=self.log)
             source.close()
             if restored is None:
@@ -312,7 +312,7 @@ class Trainer:
                "lr": float(m_host["lr"]), "tokens_per_s": tps, "mfu": mfu,
                "step_time": step_time, "skipped_steps": self.bad_steps.total,
                "mem_in_use": in_use, "mem_peak": peak_mem, "elapsed_s": now - self.t_begin}
-        if self.cfg.model.matmul_precision == "fp8_delayed":  # run total, as skipped_steps
+        if self.cfg.execution.matmul_precision == "fp8_delayed":  # run total, as skipped_steps
             row["fp8_nonfinite_amax"] = self.bad_steps.nonfinite_amax
         self.losses[step] = row["loss"]
         self.writer.write(step, row)

@@ -11,7 +11,7 @@ Options (config/train.py, all off by default):
   device copy of the stack is kept); the gradients of host-resident weights come out of the
   backward scan in host memory too (the transpose of the host-to-device copy), so the
   gradient norm reads them a layer at a time (`global_norm`).
-- model.remat = "full_offload" (models/llama.py): full remat whose saved layer inputs go to
+- execution.remat = "full_offload" (models/llama.py): full remat whose saved layer inputs go to
   host memory.
 
 `place_state` gives the offloaded leaves memory kind 'pinned_host' in the train state's

@@ -33,7 +33,7 @@ def _make_init(cfg: Config, tx: optax.GradientTransformation, mesh):
     stages, virtual = mesh.shape["pipeline"], cfg.pipeline.resolved_virtual_stages
 
     def init():
-        model = model_spec(cfg.model).build(cfg.model, rngs=nnx.Rngs(params=cfg.train.seed))
+        model = model_spec(cfg.model).build(cfg.model, cfg.execution, rngs=nnx.Rngs(params=cfg.train.seed))
         # Split by type: the weights (the optimizer's) and fp8_delayed's amax histories (no
         # one's but the train step's; exhaustive, so any other state would be an error here).
         graphdef, params, fp8 = nnx.split(model, nnx.Param, Fp8Meta)

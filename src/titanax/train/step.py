@@ -10,22 +10,25 @@ from flax import nnx
 from pallas_kernels.target import target_platform
 from titanax import ops
 from titanax.config import Config, ConfigError
-from titanax.models import accumulate
+from titanax.models import accumulate, model_spec
 from titanax.parallel.collective_matmul import use_collective_matmul
 from titanax.parallel.pipeline import PipelineSchedule, pipeline_stages
 from titanax.train import offload
 
 
 def nll_sum(graphdef, params, batch, *, document_masking: bool, loss_chunk: int,
-            pipeline: PipelineSchedule | None = None, fp8=None):
+            pipeline: PipelineSchedule | None = None, fp8=None, aux_losses=None):
     """Sum of the per-token negative log-likelihood over the batch, float32 (the output layer
     and cross-entropy fused and chunked: no [B, S, V] logits). pipeline: stage the layers over
     the mesh's 'pipeline' axis when it is > 1. fp8: the train state's 'fp8' (fp8_delayed's
-    amax histories, ops.Fp8Meta); None when the model has none."""
+    amax histories, ops.Fp8Meta); None when the model has none. aux_losses: the
+    architecture's hook (ModelSpec.aux_losses); given, returns (sum, its terms of this batch,
+    read from the model after the forward pass)."""
     model = nnx.merge(graphdef, params, nnx.State({}) if fp8 is None else fp8)
     segment_ids = batch["segment_ids"] if document_masking else None
-    return model.loss_sum(batch["inputs"], batch["targets"], batch["positions"], segment_ids,
-                          pipeline=pipeline, loss_chunk=loss_chunk)
+    total = model.loss_sum(batch["inputs"], batch["targets"], batch["positions"], segment_ids,
+                           pipeline=pipeline, loss_chunk=loss_chunk)
+    return total if aux_losses is None else (total, dict(aux_losses(model)))
 
 
 def step_loss_tokens(targets):
@@ -40,18 +43,27 @@ def make_loss_fn(cfg: Config, graphdef):
     the summed loss over `tokens`, the loss-bearing targets of the whole step (all of its
     microbatches, all devices; None: this batch's own), so the step's loss is the mean over
     them whatever train.grad_accum and the layout (transformers' loss with labels=-100 on
-    the same examples). model.tp_overlap: the
+    the same examples). execution.tp_overlap: the
     model is traced with its tensor-parallel matmuls as collective matmuls (titanax.config has
     refused the layouts they cannot run; others fall back by themselves). The config decides,
     also against an enclosing use_collective_matmul() block."""
     masking, chunk = cfg.data.masks_documents, cfg.train.loss_chunk
     pipeline = PipelineSchedule.from_config(cfg.pipeline)
+    aux_losses = model_spec(cfg.model).aux_losses
 
     def mean_loss(params, batch, fp8=None, tokens=None):
-        with use_collective_matmul(cfg.model.tp_overlap):  # the context var is read at trace
-            total = nll_sum(graphdef, params, batch, document_masking=masking,
-                            loss_chunk=chunk, pipeline=pipeline, fp8=fp8)
-        return total / (step_loss_tokens(batch["targets"]) if tokens is None else tokens)
+        with use_collective_matmul(cfg.execution.tp_overlap):  # the context var is read at trace
+            total, aux = nll_sum(graphdef, params, batch, document_masking=masking,
+                                 loss_chunk=chunk, pipeline=pipeline, fp8=fp8,
+                                 aux_losses=aux_losses)
+        own = step_loss_tokens(batch["targets"])
+        loss = total / (own if tokens is None else tokens)
+        if not aux:  # a dense model: the step is the token NLL alone
+            return loss
+        # The architecture's auxiliary terms (an MoE's load balancing) are means over a batch;
+        # a microbatch adds its share of the step's tokens of each, so they sum to one mean.
+        share = 1.0 if tokens is None else own / tokens
+        return loss + share * sum(aux.values())
 
     return mean_loss
 
@@ -134,7 +146,7 @@ def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation, sch
         # (offload_params: the layers' gradients are in host memory, read a layer at a time)
         grad_norm = offload.global_norm(grads) if offload_update else optax.tree.norm(grads)
         # A non-finite amax (inf/NaN in an FP8 operand, e.g. an overflowing gradient that the
-        # saturating cast hid from the loss) would sit in its history for model.fp8_amax_history
+        # saturating cast hid from the loss) would sit in its history for execution.fp8_amax_history
         # steps, each of them scaled by 1.0: the step is skipped instead, histories included.
         nonfinite_amax = ops.count_nonfinite_amax(new_fp8)
         # One NaN/inf (an overflow, a broken batch) would poison the weights and Adam's moments

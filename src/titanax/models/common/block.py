@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from titanax import ops
-from titanax.config import ModelConfig
+from titanax.config import ExecutionConfig, ModelConfig
 from titanax.models.common.attention import rope_attention
 from titanax.models.common.layers import RMSNorm, make_param
 from titanax.ops.linear import linears
@@ -45,11 +45,12 @@ class DecoderBlock(nnx.Module):
     """All n_layers decoder layers at once: every parameter has a leading 'layers' axis.
     Called on one layer's slice of the state (see Decoder._layer_fn)."""
 
-    def __init__(self, cfg: ModelConfig, options: BlockOptions, axes, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, execution: ExecutionConfig, options: BlockOptions,
+                 axes, *, rngs: nnx.Rngs):
         L, D, K, F = cfg.n_layers, cfg.d_model, cfg.resolved_head_dim, cfg.ffn_dim
         H, N = cfg.n_heads, cfg.n_kv_heads
         pdt = jnp.dtype(cfg.param_dtype)
-        std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        std, out_std = execution.init_std, execution.init_std / math.sqrt(2 * cfg.n_layers)
         norm = lambda name, dim: RMSNorm(dim, eps=cfg.norm_eps, param_dtype=pdt, stack=L,
                                          axes=axes[name])
         self.attn_norm = norm("attn_norm", D)
@@ -64,10 +65,10 @@ class DecoderBlock(nnx.Module):
         if options.qk_norm:
             self.q_norm = norm("q_norm", K)
             self.k_norm = norm("k_norm", K)
-        if cfg.matmul_precision == "fp8_delayed":  # amax histories per FP8 call site
+        if execution.matmul_precision == "fp8_delayed":  # amax histories per FP8 call site
             for name in FP8_SITES:
-                setattr(self, f"fp8_{name}", ops.make_fp8_meta(L, cfg.fp8_amax_history))
-        self.cfg, self.options = cfg, options
+                setattr(self, f"fp8_{name}", ops.make_fp8_meta(L, execution.fp8_amax_history))
+        self.cfg, self.execution, self.options = cfg, execution, options
 
     def _meta(self, name):
         """This layer's amax histories for weight `name` (fp8_delayed), else None."""
@@ -77,20 +78,20 @@ class DecoderBlock(nnx.Module):
     def lin(self, x, name: str, spec: str):
         """x times weight `name` in the compute dtype or an FP8 recipe, with this call site's
         amax histories."""
-        cfg = self.cfg
-        return ops.linear(x, getattr(self, name)[...], spec, precision=cfg.matmul_precision,
-                          dtype=jnp.dtype(cfg.dtype), fp8_meta=self._meta(name),
-                          grad_reduce=cfg.grad_reduce_dtype,
-                          mxfp8_scale_rounding=cfg.mxfp8_scale_rounding, tp=TP_ROLES.get(name))
+        ex = self.execution
+        return ops.linear(x, getattr(self, name)[...], spec, precision=ex.matmul_precision,
+                          dtype=jnp.dtype(ex.dtype), fp8_meta=self._meta(name),
+                          grad_reduce=ex.grad_reduce_dtype,
+                          mxfp8_scale_rounding=ex.mxfp8_scale_rounding, tp=TP_ROLES.get(name))
 
     def lin_shared(self, x, names: tuple[str, ...], spec: str) -> tuple:
         """lin of one input with several weights (q/k/v, gate/up): under a collective matmul
         (parallel/collective_matmul.py) they share one ring."""
-        cfg = self.cfg
+        ex = self.execution
         return linears(x, [getattr(self, n)[...] for n in names], spec,
-                       precision=cfg.matmul_precision, dtype=jnp.dtype(cfg.dtype),
-                       fp8_metas=[self._meta(n) for n in names], grad_reduce=cfg.grad_reduce_dtype,
-                       mxfp8_scale_rounding=cfg.mxfp8_scale_rounding, tp=TP_ROLES[names[0]])
+                       precision=ex.matmul_precision, dtype=jnp.dtype(ex.dtype),
+                       fp8_metas=[self._meta(n) for n in names], grad_reduce=ex.grad_reduce_dtype,
+                       mxfp8_scale_rounding=ex.mxfp8_scale_rounding, tp=TP_ROLES[names[0]])
 
     def project_qkv(self, h_BSD):
         """q [B, S, H, K], k and v [B, S, N, K] before RoPE; with qk_norm, q and k normalised
@@ -103,7 +104,7 @@ class DecoderBlock(nnx.Module):
     def attention(self, h_BSD, positions_BS, segment_ids_BS, kv, cache_index):
         """The attention sublayer's output [B, S, D] (before the residual) and the new KV."""
         q_BSHK, k_BSNK, v_BSNK = self.project_qkv(h_BSD)
-        out_BSHK, new_kv = rope_attention(self.cfg, q_BSHK, k_BSNK, v_BSNK, positions_BS,
+        out_BSHK, new_kv = rope_attention(self.cfg, self.execution, q_BSHK, k_BSNK, v_BSNK, positions_BS,
                                           segment_ids_BS, kv, cache_index)
         return self.lin(out_BSHK, "wo", "bshk,dhk->bsd"), new_kv
 

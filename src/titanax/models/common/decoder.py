@@ -18,7 +18,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from titanax import ops
-from titanax.config import ModelConfig
+from titanax.config import ExecutionConfig, ModelConfig
 from titanax.models import accumulate
 from titanax.models.common.block import BlockOptions, DecoderBlock
 from titanax.models.common.layers import RMSNorm, make_param, rms_norm
@@ -47,24 +47,25 @@ class Decoder(nnx.Module):
     model.tie_embeddings). An architecture subclasses it with its block_options and
     param_axes (and block_cls when its layer is not the common DecoderBlock, e.g. an MoE)."""
 
-    # block_cls(cfg, block_options, param_axes, rngs=) -> a module called on one layer's slice
+    # block_cls(cfg, execution, block_options, param_axes, rngs=) -> a module called on one
+    # layer's slice
     block_cls: type = DecoderBlock
     block_options: BlockOptions = BlockOptions()
     # Logical axis names of every parameter (common/sharding.py decoder_axes): the block's and
     # 'embed', 'output', 'final_norm'.
     param_axes: Mapping[str, tuple[str, ...]] = {}
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, execution: ExecutionConfig, *, rngs: nnx.Rngs):
         pdt, axes = jnp.dtype(cfg.param_dtype), self.param_axes
-        self.cfg = cfg
+        self.cfg, self.execution = cfg, execution
         self.embed = make_param(rngs, (cfg.vocab_size, cfg.d_model), axes["embed"],
-                                cfg.init_std, pdt)
-        self.layers = self.block_cls(cfg, self.block_options, axes, rngs=rngs)
+                                execution.init_std, pdt)
+        self.layers = self.block_cls(cfg, execution, self.block_options, axes, rngs=rngs)
         self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt,
                                   axes=axes["final_norm"])
         if not cfg.tie_embeddings:  # tied: no parameter, the output layer is embed.T
             self.output = make_param(rngs, (cfg.d_model, cfg.vocab_size), axes["output"],
-                                     cfg.init_std, pdt)
+                                     execution.init_std, pdt)
 
     def output_weight(self):
         """The output layer's weight [d, vocab]: its own, or the input embedding transposed
@@ -81,7 +82,7 @@ class Decoder(nnx.Module):
         training and scoring only) instead of one scan.
         Training does not call this: `loss_sum` never holds the [B, S, vocab] logits.
         """
-        cfg = self.cfg
+        ex = self.execution
         B, S = tokens_BS.shape
         if positions_BS is None:
             start = 0 if cache_index is None else cache_index
@@ -105,7 +106,7 @@ class Decoder(nnx.Module):
         # fp8=False: the output layer stays in the compute dtype under every FP8 recipe (its
         # logits feed the softmax directly; FP8 recipes keep it high precision).
         logits_BSV = ops.linear(h_BSD, self.output_weight(), "bsd,dv->bsv",
-                                precision=cfg.matmul_precision, dtype=jnp.dtype(cfg.dtype),
+                                precision=ex.matmul_precision, dtype=jnp.dtype(ex.dtype),
                                 fp8=False)
         logits_BSV = natural(shard_activation(logits_BSV, ("batch", "seq", "vocab")), C)
         return shard_activation(logits_BSV, ("batch", "seq", "vocab")), new_cache
@@ -131,15 +132,16 @@ class Decoder(nnx.Module):
             from titanax.parallel.pipeline_1f1b import run_1f1b
 
             # Inside the pipeline's shard_map each microbatch's rows follow the 'batch' rule.
-            head = lambda hp, y_bSD, t_bS: head_nll_sum(self.cfg, hp, y_bSD, t_bS,
-                                                        loss_chunk, rows="batch")
+            head = lambda hp, y_bSD, t_bS: head_nll_sum(
+                self.cfg, self.execution, hp, y_bSD, t_bS, loss_chunk, rows="batch")
             return run_1f1b(lambda x, state, ex: one_layer(x, state, None, *ex)[0], head,
                             layer_state, head_params, x_BSD, (positions_BS, segment_ids_BS),
                             targets_BS, pipeline.microbatches)
         x_BSD = self._run_layers(one_layer, layer_state, x_BSD, positions_BS, segment_ids_BS,
                                  pipeline)
         rows = loss_rows(x_BSD.shape[0])
-        return head_nll_sum(self.cfg, head_params, shard_activation(x_BSD, (rows, "seq", "embed")),
+        return head_nll_sum(self.cfg, self.execution, head_params,
+                            shard_activation(x_BSD, (rows, "seq", "embed")),
                             shard_activation(targets_BS, (rows, "seq")), loss_chunk, rows=rows)
 
     def _embed(self, tokens_BS):
@@ -149,16 +151,16 @@ class Decoder(nnx.Module):
             # (batch, seq): XLA cannot turn one into the other without replicating the
             # looked-up [B, S, d], so the table is gathered first (in the compute dtype), as
             # FSDP gathers every weight for its use.
-            table_VD = shard_activation(table_VD.astype(jnp.dtype(self.cfg.dtype)),
+            table_VD = shard_activation(table_VD.astype(jnp.dtype(self.execution.dtype)),
                                         ("vocab", "embed"))
-        x_BSD = jnp.take(table_VD, tokens_BS, axis=0).astype(jnp.dtype(self.cfg.dtype))
+        x_BSD = jnp.take(table_VD, tokens_BS, axis=0).astype(jnp.dtype(self.execution.dtype))
         return shard_activation(x_BSD, ("batch", "norm_seq", "embed"))
 
     def _layer_fn(self, cache_index, remat: str | None = None):
         """(one_layer(x, layer_state, kv, positions, segment_ids) -> (x, kv), the stacked
-        layer state): one decoder layer as a pure function, remat-wrapped per model.remat
+        layer state): one decoder layer as a pure function, remat-wrapped per execution.remat
         (or `remat`)."""
-        remat = remat or self.cfg.remat
+        remat = remat or self.execution.remat
         graphdef, layer_state = nnx.split(self.layers)
         offload_input = remat == "full_offload"
 
@@ -189,35 +191,36 @@ class Decoder(nnx.Module):
             return accumulate.scan_layers_into(
                 slot, lambda x, state, *ex: full(x, state, None, *ex)[0], layer_state,
                 x_BSD, (positions_BS, segment_ids_BS),
-                offload_inputs=self.cfg.remat == "full_offload")
+                offload_inputs=self.execution.remat == "full_offload")
         x_BSD, _ = jax.lax.scan(
             lambda x, state: (one_layer(x, state, None, positions_BS, segment_ids_BS)[0], None),
             x_BSD, layer_state)
         return x_BSD
 
 
-def head_nll_sum(cfg: ModelConfig, head_params, x_BSD, targets_BS, loss_chunk: int, *,
-                 rows: str = "batch"):
+def head_nll_sum(cfg: ModelConfig, execution: ExecutionConfig, head_params, x_BSD, targets_BS,
+                 loss_chunk: int, *, rows: str = "batch"):
     """Final norm, output layer and cross-entropy of the last layer's output: the summed
     float32 loss. head_params = (final norm scale, output weight [d, vocab]); rows: the
     logical name the batch rows are sharded by (see loss_rows)."""
     norm_scale, w_DV = head_params
-    dt = jnp.dtype(cfg.dtype)
+    dt = jnp.dtype(execution.dtype)
     h_BSD = rms_norm(x_BSD, norm_scale, cfg.norm_eps)
     B, S, _ = h_BSD.shape
     chunk = chunk_positions(S // seq_split(S), B // batch_shards(rows), loss_chunk)
     # The output layer stays in the compute dtype under every FP8 recipe (its logits feed the
     # softmax directly); 'highest' keeps its meaning here too.
-    precision = "highest" if cfg.matmul_precision == "highest" else "default"
-    # model.grad_reduce_dtype=float32: the weight enters in its own dtype, and its gradient
+    precision = "highest" if execution.matmul_precision == "highest" else "default"
+    # execution.grad_reduce_dtype=float32: the weight enters in its own dtype, and its gradient
     # (summed in float32 over the chunks) leaves in it, so FSDP reduces it in float32.
-    w_DV = w_DV if cfg.grad_reduce_dtype == "float32" else w_DV.astype(dt)
+    w_DV = w_DV if execution.grad_reduce_dtype == "float32" else w_DV.astype(dt)
     return linear_cross_entropy_sum(h_BSD.astype(dt), w_DV, targets_BS, chunk=chunk,
                                     precision=precision, rows=rows)
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> dict:
-    """An empty KV cache {'k', 'v'}: [layers, batch, max_len, kv_heads, head_dim] each."""
-    dtype = jnp.dtype(dtype or cfg.dtype)
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype) -> dict:
+    """An empty KV cache {'k', 'v'}: [layers, batch, max_len, kv_heads, head_dim] each, in
+    dtype (the compute dtype, execution.dtype)."""
+    dtype = jnp.dtype(dtype)
     shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.resolved_head_dim)
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}

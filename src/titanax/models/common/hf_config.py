@@ -4,7 +4,7 @@ model_type, architectures and own keys."""
 
 from __future__ import annotations
 
-from titanax.config import ModelConfig
+from titanax.config import ExecutionConfig, ModelConfig
 
 
 def common_config(cfg: ModelConfig, *, dtype: str, bos_id, eos_id) -> dict:
@@ -24,7 +24,8 @@ def common_config(cfg: ModelConfig, *, dtype: str, bos_id, eos_id) -> dict:
         "attention_bias": False,
         "attention_dropout": 0.0,
         "tie_word_embeddings": cfg.tie_embeddings,
-        "initializer_range": cfg.init_std,
+        # Read by transformers only to initialise new weights; a run's own is execution.init_std.
+        "initializer_range": ExecutionConfig().init_std,
         "use_cache": True,
         "bos_token_id": bos_id,
         "eos_token_id": eos_id,

@@ -3,8 +3,8 @@
 
 Sliding-window attention is not implemented: a config.json whose sliding_window is set below
 max_position_embeddings (Mistral-7B-v0.1: 4096 of 32768) is refused on import; a window at
-least that long attends to everything a position can see, as v0.2+'s null does. Export writes
-sliding_window null."""
+least that long attends to everything a position can see, as v0.2+'s null does. It is kept as
+model.sliding_window (models/mistral/config.py) and written back on export."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ def hf_config(cfg: ModelConfig, *, dtype: str, bos_id: int | None, eos_id: int |
     """config.json for transformers' MistralForCausalLM (and vLLM): full attention."""
     return {"architectures": ["MistralForCausalLM"], "model_type": "mistral",
             **common_config(cfg, dtype=dtype, bos_id=bos_id, eos_id=eos_id),
-            **plain_rope_config(cfg, "Mistral"), "sliding_window": None}
+            **plain_rope_config(cfg, "Mistral"),
+            "sliding_window": getattr(cfg, "sliding_window", 0) or None}
 
 
 def model_overrides(hf: dict) -> dict[str, object]:
@@ -35,7 +36,7 @@ def model_overrides(hf: dict) -> dict[str, object]:
         raise ValueError(f"config.json: sliding_window={window} (below max_position_embeddings="
                          f"{longest}) is not supported; titanax's Mistral attends to the full "
                          "sequence (sliding_window null)")
-    return common_overrides(hf, "Mistral")
+    return {**common_overrides(hf, "Mistral"), "model.sliding_window": window or 0}
 
 
 HF = HFInterop(model_type="mistral", tensor_table=tensor_table, to_config=hf_config,

@@ -4,7 +4,7 @@ which launch/bench_attention.py and launch/bench_fp8.py run), so gpu_check and
 `python -m launch.bench` report the same numbers for the same case.
 
 Attention times the exact call the model makes (titanax.ops.attention with the shipped
-presets' model.attention_impl, 'auto', causal, Hq 64 / Hkv 8 / D 128, bf16, B = tokens // S),
+presets' execution.attention_impl, 'auto', causal, Hq 64 / Hkv 8 / D 128, bf16, B = tokens // S),
 without documents and with 2,048-token documents packed into each window, against cuDNN's
 causal kernel (CAUSAL mask type, no documents), and our kernel for this GPU named explicitly.
 FLOPs (FlashAttention papers' count): fwd = 4*B*S^2*Hq*D / 2 (causal); with documents only
@@ -29,7 +29,7 @@ from titanax.perf.gpu_check.device import our_attention_impl
 ATTN_PLAN = {False: ((8192, 4096, 16384, 2048), 16384, 10), True: ((256,), 256, 2)}
 # Tokens per packed document in the "documents" rows (the dry run's windows are shorter).
 DOC_TOKENS = {False: 2048, True: 64}
-MODEL_IMPL = "auto"  # configs/llama3_*.py model.attention_impl (titanax/recipes.py)
+MODEL_IMPL = "auto"  # configs/llama3_*.py execution.attention_impl (titanax/recipes.py)
 
 
 def model_attention(impl: str):

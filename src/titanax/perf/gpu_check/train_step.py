@@ -39,8 +39,8 @@ GPU = {"model.n_layers": 1, "train.batch_size": 1, "train.seq_len": 8192, "mesh.
 # The dry run: a model a few MB in size on the tiny config, same step, same FP8 recipes.
 DRY = {"model.d_model": 64, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2,
        "model.ffn_dim": 128, "model.vocab_size": 256, "train.batch_size": 2,
-       "train.seq_len": 64, "mesh.data": 1, "mesh.fsdp": 1, "model.fp8_amax_history": 4,
-       "model.attention_impl": "xla"}
+       "train.seq_len": 64, "mesh.data": 1, "mesh.fsdp": 1, "execution.fp8_amax_history": 4,
+       "execution.attention_impl": "xla"}
 
 
 def layers_that_fit(model, bytes_limit: float) -> tuple[int, dict]:
@@ -62,8 +62,8 @@ def _is_oom(row: dict) -> bool:
 
 def _config(ctx, overrides: dict, precision: str, attention: str):
     return load_config(CONFIGS / ("tiny.py" if ctx.dry_run else "llama3_70b.py"),
-                       {**overrides, "model.matmul_precision": precision,
-                        "model.attention_impl": attention})
+                       {**overrides, "execution.matmul_precision": precision,
+                        "execution.attention_impl": attention})
 
 
 def _one(ctx, overrides: dict, precision: str, attention: str, peak: float) -> dict:
