@@ -1,8 +1,11 @@
 """python -m launch.export_hf --workdir DIR --out DIR [--step N] [--dtype bfloat16|float32]
-                              [--max-shard-size 5GB]
+                              [--max-shard-size 5GB] [--push-to-hub ORG/NAME [--private]
+                              [--revision BRANCH] [--commit-message TEXT]]
 Writes a run's checkpoint as a Hugging Face folder of its model.arch (e.g. LlamaForCausalLM:
 config.json, generation_config.json, safetensors shards + index, tokenizer files), streaming:
-host memory stays near one shard, not the model."""
+host memory stays near one shard, not the model. --push-to-hub then uploads that folder as one
+commit to the hub repository (created when missing), with the token of HF_TOKEN or
+hf auth login, checked before the export starts (docs/hub.md)."""
 
 from __future__ import annotations
 
@@ -25,7 +28,18 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--max-shard-size", default="5GB",
                    help="largest safetensors shard, e.g. 5GB, 500MB, 2GiB (default 5GB)")
+    hub = p.add_argument_group("upload (after the export)")
+    hub.add_argument("--push-to-hub", metavar="ORG/NAME", default=None,
+                     help="upload the exported folder to this hub model repository")
+    hub.add_argument("--private", action="store_true",
+                     help="create the repository private (an existing one keeps its visibility)")
+    hub.add_argument("--revision", default=None, metavar="BRANCH",
+                     help="branch to commit to, created from main when missing (default main)")
+    hub.add_argument("--commit-message", default=None, metavar="TEXT")
     args = p.parse_args(argv)
+    if not args.push_to_hub and (args.private or args.revision or args.commit_message):
+        p.error("--private, --revision and --commit-message go with --push-to-hub ORG/NAME")
+    token = _hub_token(args.push_to_hub) if args.push_to_hub else None
 
     from titanax.checkpoint.params_only import UnreadableCheckpoint
     from titanax.hf.exporter import export_hf, parse_size
@@ -52,6 +66,28 @@ def main(argv=None) -> None:
     tok = f", tokenizer from {r.tokenizer}" if r.tokenizer else ", no tokenizer found for the run"
     print(f"exported step {r.step}: {r.tensors} tensors, {r.bytes / 1e9:.3f} GB {args.dtype} in "
           f"{r.shards} shard(s) to {r.out}{tok}")
+    if args.push_to_hub:
+        _push(args, r.out, token)
+
+
+def _hub_token(repo_id: str) -> str:
+    from titanax.hf.push import HubError, check_push
+
+    try:
+        return check_push(repo_id)
+    except HubError as e:
+        fail(str(e))
+
+
+def _push(args, out, token: str) -> None:
+    from titanax.hf.push import HubError, push_folder
+
+    try:
+        url = push_folder(out, args.push_to_hub, token=token, private=args.private,
+                          revision=args.revision, commit_message=args.commit_message)
+    except HubError as e:
+        fail(str(e))
+    print(f"pushed {out} to {args.push_to_hub}: {url}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
-"""python -m launch.import_hf --hf DIR [--config FILE] [--set section.field=value ...] --workdir DIR
-Reads a local Hugging Face folder (safetensors only; the model_type of any registered
-architecture), checks every tensor, and writes WORKDIR/checkpoints/0 and WORKDIR/config.json,
-which `python -m launch.train --workdir DIR` fine-tunes (published weights).
+"""python -m launch.import_hf --hf DIR|ORG/NAME[@REVISION] [--config FILE]
+                              [--set section.field=value ...] --workdir DIR
+Reads a Hugging Face folder (safetensors only; the model_type of any registered architecture):
+a local folder, or a hub id downloaded into the hub cache (HF_HOME / HF_HUB_CACHE; only the
+files an import reads; HF_HUB_OFFLINE=1 reads the cache alone: docs/hub.md). Checks every
+tensor, and writes WORKDIR/checkpoints/0 and WORKDIR/config.json, which
+`python -m launch.train --workdir DIR` fine-tunes (published weights).
 
 Without --config every model.* field comes from the folder's config.json (the compute dtype
 too) and the rest is a fine-tuning recipe (titanax/hf/run_config.py FINETUNE: lr 2e-5, cosine
@@ -21,25 +24,28 @@ from launch.common import add_config_flags, add_host_devices_flag, fail, setup_j
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m launch.import_hf", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hf", required=True, help="local HF model folder")
+    p.add_argument("--hf", required=True, metavar="DIR|ORG/NAME[@REVISION]",
+                   help="local HF model folder (wins when it exists), or a hub model id")
     add_config_flags(p, default_config=None)
     add_host_devices_flag(p)
     p.add_argument("--workdir", required=True, help="new run folder for the imported checkpoint")
     args = p.parse_args(argv)
 
     from titanax.config import ConfigError
+    from titanax.hf.hub import HubError, resolve_model_folder
     from titanax.hf.run_config import HFImportError, import_config
 
     try:
-        cfg = import_config(args.hf, args.config, args.overrides)
-    except (ConfigError, HFImportError) as e:
+        hf_dir = resolve_model_folder(args.hf)
+        cfg = import_config(hf_dir, args.config, args.overrides)
+    except (ConfigError, HFImportError, HubError) as e:
         fail(str(e))
     setup_jax(args.host_devices)
 
     from titanax.hf.importer import import_hf
 
     try:
-        import_hf(args.hf, cfg, args.workdir)
+        import_hf(hf_dir, cfg, args.workdir)
     except (HFImportError, ConfigError) as e:
         fail(str(e))
 

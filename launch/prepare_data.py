@@ -3,11 +3,19 @@
     python -m launch.prepare_data --tokenizer tok/tokenizer.json --input corpus/ --out shards/
     python -m launch.prepare_data --tokenizer tok/tokenizer.json --input data.jsonl --out shards/
     python -m launch.prepare_data --tokenizer tok/tokenizer.json --input fineweb/ --out web/ --bos
+    python -m launch.prepare_data --tokenizer tok/tokenizer.json \
+        --input 's3://bucket/web/*.jsonl.zst' --out web/
+    python -m launch.prepare_data --tokenizer tok/tokenizer.json \
+        --hf-dataset HuggingFaceFW/fineweb-edu --config sample-10BT --out edu/
 
 --input is one file, a folder, or a Hugging Face dataset saved with `save_to_disk` (read
-with pyarrow; `datasets` is not needed). Files: .jsonl, .jsonl.gz, .jsonl.zst (one JSON
-object per line, the text under --text-key), .parquet and .arrow (the text in column
---text-key), anything else one document per file. A folder: every file under it
+with pyarrow; `datasets` is not needed), or a URL of a file, a folder (ending in /) or a glob
+(s3://, gs://, hf://datasets/ORG/NAME/..., https://; streamed through fsspec with the
+storage's usual credentials: pip install 'titanax[remote]'; docs/data.md). --hf-dataset NAME
+instead streams a dataset by name through `datasets.load_dataset(NAME, --config,
+split=--split, streaming=True)`, its rows read as a .jsonl's lines. Files: .jsonl, .jsonl.gz,
+.jsonl.zst (one JSON object per line, the text under --text-key), .parquet and .arrow (the
+text in column --text-key), anything else one document per file. A folder: every file under it
 (recursively, sorted) ending in .txt .md .rst .py .jsonl .jsonl.gz .jsonl.zst .parquet or
 .arrow, or those matching --glob (e.g. '*.html'). --bos starts each document with the
 tokenizer's BOS token (as in Llama 3 pretraining; train with data.bos=true). Interrupted runs
@@ -32,15 +40,23 @@ import sys
 
 from titanax.config import ConfigError
 from titanax.data.examples import FORMATS, TRAIN_ON
+from titanax.data.hf_stream import HFDataset
 from titanax.data.shards import prepare_shards
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m launch.prepare_data", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokenizer", required=True, help="tokenizer.json (HF tokenizers)")
-    p.add_argument("--input", required=True, help="a file (.jsonl[.gz|.zst], .parquet, .arrow, text), a folder of "
-                   "them, or a saved Hugging Face dataset folder")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--input", help="a file (.jsonl[.gz|.zst], .parquet, .arrow, text), a "
+                        "folder of them, a saved Hugging Face dataset folder, or the URL of a "
+                        "file, a folder or a glob (s3://, gs://, hf://, https://)")
+    source.add_argument("--hf-dataset", metavar="NAME",
+                        help="a Hugging Face dataset by name (or a local folder of data "
+                        "files), streamed through datasets.load_dataset")
+    p.add_argument("--split", default="train", help="--hf-dataset: the split (default train)")
+    p.add_argument("--config", default=None, help="--hf-dataset: the configuration (subset)")
     p.add_argument("--out", required=True, help="output shard folder (resumed if it exists)")
     p.add_argument("--shard-tokens", type=int, default=50_000_000,
                    help="about this many tokens per shard (default 50M)")
@@ -59,9 +75,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--glob", default=None,
                    help="only files matching this pattern (name or relative path)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    source = (HFDataset(args.hf_dataset, args.split, args.config) if args.hf_dataset else
+              args.input)
     try:
-        meta = prepare_shards(args.tokenizer, args.input, args.out,
+        meta = prepare_shards(args.tokenizer, source, args.out,
                               shard_tokens=args.shard_tokens, text_key=args.text_key,
                               glob=args.glob, progress=not args.no_progress, bos=args.bos,
                               fmt=args.format, train_on=args.train_on)

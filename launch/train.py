@@ -1,5 +1,5 @@
 """python -m launch.train [--config FILE.py|FILE.gin] [--set section.field=value ...]
-                          [--workdir DIR] [--host-devices N]
+                          [--workdir DIR] [--host-devices N] [--help-config]
                           [--coordinator HOST:PORT --num-processes N --process-id I]
 
 Without --config: the config saved in WORKDIR/config.json when there is one (an import or an
@@ -52,7 +52,15 @@ def main(argv=None) -> None:
     add_host_devices_flag(p)
     add_distributed_flags(p)
     p.add_argument("--workdir", default=None, help="run folder (default runs/<config name>)")
+    p.add_argument("--help-config", action="store_true",
+                   help="list every config field (section.field = default, one line each) "
+                   "and exit")
     args = p.parse_args(argv)
+    if args.help_config:
+        from titanax.config.describe import describe_config
+
+        print(describe_config())
+        return
 
     from titanax.config import ConfigError
 

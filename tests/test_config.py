@@ -192,3 +192,24 @@ def test_configs_of_before_the_execution_section_still_load(tmp_path):
     with pytest.raises(ConfigError, match=r"set twice, differently: model.remat='full' vs "
                                           r"execution.remat='dots'"), pytest.warns(FutureWarning):
         Config(model=ModelConfig(remat="full"), execution=ExecutionConfig(remat="dots"))
+
+
+def test_help_config_lists_every_field_with_its_default_and_one_line(capsys):
+    """launch.train --help-config: every field of every section (each architecture's own
+    included) as `section.field = default  # what it is`, the line from the field's comment."""
+    import dataclasses
+
+    from launch.train import main
+    from titanax.archs import ARCHS
+    from titanax.config import SECTIONS
+    from titanax.config.model import arch_config_class
+
+    main(["--help-config"])
+    rows = {line.split(" = ")[0].strip(): line for line in capsys.readouterr().out.splitlines()
+            if " = " in line}
+    want = {f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+    want |= {f"model.{f.name}" for arch in ARCHS for f in dataclasses.fields(arch_config_class(arch))}
+    assert set(rows) == want
+    undocumented = sorted(k for k, line in rows.items() if len(line.partition("  # ")[2]) < 8)
+    assert undocumented == []
+    assert rows["train.steps"].startswith("  train.steps = 300  # ")

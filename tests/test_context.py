@@ -233,7 +233,7 @@ def test_checkpoint_restores_across_context_layouts(tmp_path):
         _, abstract, shardings = abstract_train_state(new, mesh, make_optimizer(new))
         with model_context(mesh):
             got = Checkpointer(tmp_path / str(step), new.checkpoint).restore_latest_good(
-                abstract, model=new.model)
+                abstract, cfg=new)
         assert tree_equal(got.state["params"], state["params"])
         assert tree_equal(got.state["opt_state"], state["opt_state"])
         specs = [leaf.sharding.spec for leaf in jax.tree.leaves(got.state)]

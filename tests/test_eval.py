@@ -125,6 +125,25 @@ def test_bad_arguments_fail_in_one_line_before_restoring(tmp_path, capsys):
     assert not (tmp_path / "run").exists()  # nothing was created
 
 
+def test_a_hub_task_offline_without_its_cached_dataset_is_one_line(tmp_path):
+    """lm-eval's hub tasks (arc_easy) load their data with `datasets`; offline with an empty
+    cache that is one error line naming the cache and the variables, not datasets' traceback."""
+    import os
+    import subprocess
+    import sys
+
+    make_run(tmp_path / "run")
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_DATASETS_OFFLINE": "1",
+           "HF_HUB_OFFLINE": "1", "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([sys.executable, "-m", "launch.eval", "--workdir", str(tmp_path / "run"),
+                        "--tasks", "arc_easy", "--limit", "2"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert "task 'arc_easy'" in errors[0] and "HF_DATASETS_OFFLINE=1" in errors[0]
+    assert str(tmp_path / "hf") in errors[0]  # the cache it looked in
+
+
 def test_results_are_written_task_by_task_and_an_unwritable_folder_fails_first(
         tmp_path, monkeypatch, capsys):
     """A read-only results folder fails before any task runs (not after hours, at mkdir), and

@@ -10,6 +10,7 @@ import pytest
 from torch_peer import run_jobs
 
 from tests.helpers import model_suite as suite
+from titanax.config import ConfigError, apply_overrides
 from titanax.models import model_spec, preset
 
 pytestmark = pytest.mark.usefixtures("devices8")  # meshes over 8 simulated devices
@@ -68,4 +69,10 @@ def test_mistral_size_and_refused_sliding_window():
     for refused in (v0_1, {**hf, "sliding_window": 63}):  # max_position_embeddings 64
         with pytest.raises(ValueError, match="sliding_window=.* is not supported"):
             spec.hf.mismatches(refused, cfg.model)
-    assert spec.hf.mismatches({**hf, "sliding_window": 64}, cfg.model) == []
+    # A window that hides nothing (at least max_position_embeddings) is kept as the model's own
+    # field and written back on export.
+    kept = apply_overrides(cfg, {"model.sliding_window": 64}).model
+    assert spec.hf.mismatches({**hf, "sliding_window": 64}, kept) == []
+    assert spec.hf.to_config(kept, dtype="float32", bos_id=0, eos_id=1)["sliding_window"] == 64
+    with pytest.raises(ConfigError, match=r"model.sliding_window: 63 \(below model.max_seq_len"):
+        apply_overrides(cfg, {"model.sliding_window": 63})

@@ -10,8 +10,8 @@ from titanax.config.errors import check_positive, check_types, fail
 @dataclass(frozen=True)
 class CheckpointConfig:
     every_steps: int = 100  # 0: only at the end
-    keep: int = 3
-    async_save: bool = True
+    keep: int = 3  # the newest steps kept (older ones deleted; permanent_every ones stay)
+    async_save: bool = True  # write checkpoints in the background while training goes on
     restore: str = ""  # another run's workdir, checkpoints/ folder or step folder to start from
     permanent_every: int = 0  # also keep every step divisible by this for good; 0: off
 

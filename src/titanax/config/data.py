@@ -27,7 +27,7 @@ class DataConfig:
     val_fraction: float = 0.02
     embedded_max_bytes: int = 24_000_000  # cap on the embedded corpus read from disk
     document_masking: bool = True  # attention never crosses packed document boundaries
-    shuffle: bool = True
+    shuffle: bool = True  # shuffle windows / examples (seeded by train.seed, resumable)
     # Each document starts with the tokenizer's BOS token (as in Llama 3 pretraining); a shard
     # folder records whether it was written with `prepare_data --bos`, and must agree.
     bos: bool = False

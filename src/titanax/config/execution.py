@@ -28,7 +28,7 @@ CONTEXT_STRATEGIES = ("ring", "all_gather")
 
 @dataclass(frozen=True)
 class ExecutionConfig:
-    attention_impl: str = "xla"
+    attention_impl: str = "xla"  # an attention backend (pallas_kernels BACKENDS) or auto
     # With mesh.context > 1, how attention reaches the other devices' keys: 'ring' (K/V
     # blocks passed around with ppermute, each transfer hidden under the attention of the
     # block before) or 'all_gather' (K/V gathered once per layer: one collective instead of
@@ -38,7 +38,7 @@ class ExecutionConfig:
     # mesh.tensor > 1, each sequence-parallel all-gather / reduce-scatter runs as tensor-ring
     # steps beside the column / row matmul's GEMMs (parallel/collective_matmul.py).
     tp_overlap: bool = False
-    matmul_precision: str = "default"
+    matmul_precision: str = "default"  # default (compute dtype), highest, or an FP8 recipe
     # Steps of amax history per tensor for fp8_delayed: Transformer Engine's DelayedScaling
     # default (amax_history_len=1024). Memory: 3 x 1024 float32 per FP8 call site per layer,
     # 7 sites: 84 KiB a layer, 6.7 MiB for Llama-3-70B's 80 layers (replicated, checkpointed;
@@ -49,7 +49,7 @@ class ExecutionConfig:
     # the block max by up to 12.5%).
     mxfp8_scale_rounding: str = "up"
     dtype: str = "bfloat16"  # compute (the master weights' dtype is model.param_dtype)
-    remat: str = "none"
+    remat: str = "none"  # recompute in the backward: none, full, dots, dots_no_batch, full_offload
     # The dtype the weight gradients are summed and reduce-scattered in: 'compute' (the
     # backward's weight-gradient dots run in execution.dtype, and XLA reduce-scatters them in
     # it: half the bytes) or 'float32' (summed and reduced in float32, TorchTitan's default;

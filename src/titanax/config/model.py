@@ -48,23 +48,23 @@ class ModelConfig(metaclass=_TakesOldExecutionFields):
     fields). A preset (titanax.models.preset) sets them all, arch included."""
 
     arch: str = "llama3"  # a key of titanax/archs.py ARCHS
-    vocab_size: int = 4096
-    d_model: int = 256
-    n_layers: int = 4
-    n_heads: int = 8
-    n_kv_heads: int = 4
+    vocab_size: int = 4096  # embedding and output rows; at least the tokenizer's size
+    d_model: int = 256  # residual stream width
+    n_layers: int = 4  # decoder layers
+    n_heads: int = 8  # query heads
+    n_kv_heads: int = 4  # key/value heads (grouped-query attention; divides n_heads)
     head_dim: int = 0  # 0: d_model // n_heads
-    ffn_dim: int = 768
-    rope_theta: float = 500000.0
+    ffn_dim: int = 768  # SwiGLU hidden width
+    rope_theta: float = 500000.0  # RoPE base frequency
     # Llama 3.1 frequency scaling: long wavelengths divided by rope_factor, short ones kept,
     # a smooth blend between (models/common/layers.py rope_inv_freq).
     rope_scaling: str = "llama3"
-    rope_factor: float = 8.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_seq_len: int = 8192
-    max_seq_len: int = 2048
-    norm_eps: float = 1e-5
+    rope_factor: float = 8.0  # llama3 scaling: long wavelengths divided by this
+    rope_low_freq_factor: float = 1.0  # llama3 scaling: wavelengths beyond original/this are scaled
+    rope_high_freq_factor: float = 4.0  # llama3 scaling: wavelengths below original/this are kept
+    rope_original_max_seq_len: int = 8192  # llama3 scaling: the pretraining context length
+    max_seq_len: int = 2048  # the longest sequence trained or sampled (train.seq_len <= it)
+    norm_eps: float = 1e-5  # RMSNorm epsilon
     # The output layer is the input embedding transposed (Llama 3.2 1B/3B): no
     # separate 'output' parameter; HF export writes tie_word_embeddings and no lm_head.
     tie_embeddings: bool = False

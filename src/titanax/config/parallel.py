@@ -15,9 +15,9 @@ PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b")
 class MeshConfig:
     # Degrees of each mesh axis; -1 takes whatever devices are left (at most one axis).
     data: int = -1
-    fsdp: int = 1
-    tensor: int = 1
-    pipeline: int = 1
+    fsdp: int = 1  # parameters, gradients and moments sharded, gathered per layer (ZeRO-3)
+    tensor: int = 1  # Megatron tensor + sequence parallelism; keep within an NVLink domain
+    pipeline: int = 1  # pipeline stages (the layer stack split; pipeline.schedule runs it)
     # Context parallelism: each sequence split over this many devices (load-balanced causal
     # chunks; parallel/context.py), attention exchanging K/V between them.
     # (execution.context_strategy picks how attention exchanges K/V over it.)

@@ -5,26 +5,27 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from titanax.config.errors import check_positive, check_types, fail
+from titanax.config.errors import check_choice, check_positive, check_types, fail
 from titanax.config.sizes import parse_bytes
+from titanax.loggers import DEFAULT_LOGGERS, LOGGERS, REQUIRED_LOGGER
 
 GRAD_ACCUM_AUTO = "auto"  # train.grad_accum: the smallest count that fits (launch.train)
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 300
+    steps: int = 300  # optimizer steps to train (the end of the run)
     # Passes over the training data instead of a step count: > 0 sets train.steps to
     # ceil(epochs x training rows / batch_size) once the data is open (launch.train logs the
     # count; the learning-rate schedule spans it). Fractions allowed (0.5: half the data).
     # 0: train.steps decides. Not for data.source=synthetic (no end).
     epochs: float = 0.0
     batch_size: int = 16  # global, in sequences
-    seq_len: int = 256
-    seed: int = 0
-    log_every: int = 10
+    seq_len: int = 256  # tokens per sequence (<= model.max_seq_len)
+    seed: int = 0  # initial weights and data order
+    log_every: int = 10  # steps between metrics.jsonl rows and log lines
     eval_every: int = 50  # 0: only at the start and end
-    eval_batches: int = 8
+    eval_batches: int = 8  # validation batches per evaluation
     # Microbatches per optimizer step, summed inside the step. 'auto': launch.train compiles
     # the step for its devices and takes the smallest count whose memory fits them (the same
     # result: the step's gradient is the mean over the whole batch either way), and logs it;
@@ -51,7 +52,7 @@ class TrainConfig:
     # Peak FLOP/s per device for MFU. 0: look the device up in hardware.py, or on CPU
     # measure it once with a matmul probe at start.
     peak_flops: float = 0.0
-    progress_bar: bool = True
+    progress_bar: bool = True  # a tqdm bar on a terminal (log lines either way)
     # Steps with a non-finite loss or gradient are skipped (weights and optimizer state kept);
     # this many in a row stop the run: the model has diverged or the data is broken.
     max_bad_steps: int = 5
@@ -60,7 +61,7 @@ class TrainConfig:
     # layers, live in pinned host memory between steps and are streamed through the device
     # one layer at a time (the weights also in the forward and backward passes).
     offload_optimizer: bool = False
-    offload_params: bool = False
+    offload_params: bool = False  # the weights in pinned host memory, fetched per layer
     # Persistent XLA compilation cache: a resumed or requeued run loads its compiled programs
     # instead of compiling them again (minutes at 70B). "{workdir}" is the run folder: there
     # the cache sits with the checkpoints on the file system all nodes share (process 0
@@ -70,6 +71,11 @@ class TrainConfig:
     # "START:END": a jax.profiler trace of the steps after START up to END (END - START
     # steps) in WORKDIR/profile, for TensorBoard's or Perfetto's trace viewer. "": none.
     profile_steps: str = ""
+    # Where the metrics rows go, comma-separated: jsonl (required), tensorboard, wandb, mlflow.
+    # jsonl: WORKDIR/metrics.jsonl; tensorboard: WORKDIR/tb; wandb and mlflow are optional
+    # extras (pip install 'titanax[wandb]') set up by their own environment variables
+    # (docs/monitoring.md). The names and their classes: titanax/loggers.py.
+    loggers: str = DEFAULT_LOGGERS
 
     @property
     def profile_window(self) -> tuple[int, int] | None:
@@ -78,6 +84,11 @@ class TrainConfig:
             return None
         start, end = self.profile_steps.split(":")
         return int(start), int(end)
+
+    @property
+    def logger_names(self) -> tuple[str, ...]:
+        """loggers as a tuple of names, in order."""
+        return tuple(self.loggers.split(","))
 
     @property
     def grad_accum_auto(self) -> bool:
@@ -95,7 +106,10 @@ class TrainConfig:
         return parse_bytes(self.device_memory_limit)
 
     def __post_init__(self):
+        if isinstance(self.loggers, (list, tuple)):  # a Python config may list the names
+            object.__setattr__(self, "loggers", ",".join(map(str, self.loggers)))
         check_types("train", self)
+        self._check_loggers()
         if isinstance(self.grad_accum, str):
             object.__setattr__(self, "grad_accum", self.grad_accum.strip().lower())
             if not self.grad_accum_auto:
@@ -127,3 +141,14 @@ class TrainConfig:
         if self.batch_size % self.known_grad_accum:
             fail("train.grad_accum", f"train.batch_size={self.batch_size} must be divisible "
                  f"by train.grad_accum={self.grad_accum}")
+
+    def _check_loggers(self) -> None:
+        """Known names, jsonl among them; stored normalised ('jsonl,wandb'), each once."""
+        names = [n.strip().lower() for n in self.loggers.split(",") if n.strip()]
+        for name in names:
+            check_choice("train.loggers", name, tuple(LOGGERS))
+        if REQUIRED_LOGGER not in names:
+            fail("train.loggers", f"{self.loggers!r} lacks {REQUIRED_LOGGER!r}: metrics.jsonl "
+                 "is what loss.png, launch.plot_runs and a resume's trimming read; add it "
+                 f"(e.g. '{','.join([REQUIRED_LOGGER, *names])}')")
+        object.__setattr__(self, "loggers", ",".join(dict.fromkeys(names)))

@@ -7,6 +7,9 @@ Formats, by file name:
   anything else                 one document per file (.txt .md .rst .py by default)
 A folder written by Hugging Face `datasets`' `save_to_disk` (state.json lists its .arrow
 files) is read through pyarrow directly: `datasets` is not needed.
+Inputs may also be URLs (s3://, gs://, hf://, https://: data/remote.py, the files streamed
+through fsspec) or a Hugging Face dataset by name (data/hf_stream.py, streamed by `datasets`:
+its rows are records as a table's are); all are counted and resumed alike.
 
 A record is counted from 1 in file order (a line of a .jsonl, a row of a table, the whole of a
 text file); `records(..., skip=k)` resumes after the k-th, which is what meta.json's
@@ -17,11 +20,14 @@ progress bar over the files' sizes (compressed sizes, for compressed files) ends
 from __future__ import annotations
 
 import fnmatch
+import gzip
 import json
 import os
 import pathlib
 
+from titanax.data import remote
 from titanax.data.errors import DataError
+from titanax.data.hf_stream import HFDataset
 
 JSONL = (".jsonl", ".jsonl.gz", ".jsonl.zst")
 TABLES = (".parquet", ".arrow")
@@ -30,10 +36,17 @@ DEFAULT_EXTENSIONS = (".txt", ".md", ".rst", ".py", *JSONL, *TABLES)
 _HF_STATE = "state.json"
 
 
-def list_inputs(input_path: str | pathlib.Path, glob: str | None = None
-                ) -> tuple[pathlib.Path, list[str]]:
+def list_inputs(input_path, glob: str | None = None) -> tuple[pathlib.Path, list[str]]:
     """(root, relative paths in reading order) of the files to tokenize: one file, a saved
-    Hugging Face dataset (its own file order), or a folder (sorted)."""
+    Hugging Face dataset (its own file order), or a folder (sorted). A URL's root is a
+    remote.RemoteRoot; an HFDataset is its own root, with its split as the one input."""
+    if isinstance(input_path, HFDataset):
+        if glob:
+            raise DataError(f"--glob {glob!r} chooses files of --input; {input_path.option()} "
+                            "reads a whole split: leave --glob out")
+        return input_path, [input_path.split]
+    if remote.is_url(input_path):
+        return remote.list_remote(input_path, glob, DEFAULT_EXTENSIONS)
     p = pathlib.Path(input_path)
     if p.is_file():
         return p.parent, [p.name]
@@ -61,6 +74,27 @@ def list_inputs(input_path: str | pathlib.Path, glob: str | None = None
     return p, sorted(rels)
 
 
+def source_name(input_path) -> str:
+    """The input as meta.json records it (a resumed run must name the same one): a local
+    path resolved, a URL or a Hugging Face dataset as given."""
+    if isinstance(input_path, HFDataset) or remote.is_url(input_path):
+        return str(input_path)
+    return str(pathlib.Path(input_path).resolve())
+
+
+def input_label(input_path) -> str:
+    """How messages name the input: the option that gave it."""
+    return input_path.option() if isinstance(input_path, HFDataset) else f"--input {input_path}"
+
+
+def input_size(root, rel: str) -> int | None:
+    """Bytes of one input for the progress bar; None where unknown (a streamed dataset, a
+    server that gives no size)."""
+    if isinstance(root, HFDataset):
+        return None
+    return (root / rel).stat().st_size
+
+
 def _hf_saved_files(folder: pathlib.Path) -> list[str]:
     """The .arrow files of a `save_to_disk` folder, in the dataset's row order."""
     path = folder / _HF_STATE
@@ -82,10 +116,23 @@ def records(root: pathlib.Path, rel: str, text_key: str, skip: int,
     fields: read examples instead of text (prepare_data --format chat|prompt_response): each
     record is then a dict of those fields ({} for a blank line), and plain text files are
     refused."""
+    if isinstance(root, HFDataset):
+        with remote.read_errors(str(root)):
+            yield from _rows(root.rows(skip), str(root), text_key, skip, fields)
+        return
     path = root / rel
-    if rel.endswith(JSONL):
+    if isinstance(path, remote.RemotePath):
+        with remote.read_errors(str(path)):
+            yield from _records(path, text_key, skip, fields)
+    else:
+        yield from _records(path, text_key, skip, fields)
+
+
+def _records(path, text_key: str, skip: int, fields):
+    # By the file's name: a URL's name leaves out its query (remote.RemotePath)
+    if path.name.endswith(JSONL):
         yield from _jsonl(path, text_key, skip, fields)
-    elif rel.endswith(TABLES):
+    elif path.name.endswith(TABLES):
         yield from _table(path, text_key, skip, fields)
     elif fields:
         raise DataError(f"{path}: examples ({', '.join(fields)}) are read from .jsonl, "
@@ -96,12 +143,9 @@ def records(root: pathlib.Path, rel: str, text_key: str, skip: int,
         yield 1, raw.decode("utf-8", errors="replace"), len(raw)
 
 
-def _open_text_lines(raw):
+def _open_text_lines(raw, name: str):
     """A line iterator over a possibly compressed binary file object."""
-    name = raw.name
     if name.endswith(".gz"):
-        import gzip
-
         return gzip.GzipFile(fileobj=raw)
     if name.endswith(".zst"):
         import io
@@ -113,8 +157,8 @@ def _open_text_lines(raw):
 
 
 def _jsonl(path: pathlib.Path, text_key: str, skip: int, fields=None):
-    with open(path, "rb") as raw:
-        lines, seen = _open_text_lines(raw), 0
+    with path.open("rb") as raw:  # a local file, or a remote one streamed in blocks
+        lines, seen = _open_text_lines(raw, path.name), 0
         try:
             for lineno, line in enumerate(lines, 1):
                 pos = raw.tell()  # compressed bytes read so far: the progress bar's unit
@@ -123,6 +167,9 @@ def _jsonl(path: pathlib.Path, text_key: str, skip: int, fields=None):
                     continue
                 yield lineno, _json_record(path, lineno, line, text_key, fields), nbytes
         except (OSError, EOFError) as e:  # gzip/zstd: truncated or corrupt stream
+            if isinstance(path, remote.RemotePath) and \
+                    not isinstance(e, (EOFError, gzip.BadGzipFile)):
+                raise  # a transfer failing, not the data: remote.read_errors words it
             raise DataError(f"{path}: cannot decompress ({e}); download it again") from None
 
 
@@ -134,14 +181,29 @@ def _json_record(path: pathlib.Path, lineno: int, line: bytes, text_key: str, fi
         obj = json.loads(line)
     except ValueError as e:
         raise DataError(f"{path}:{lineno}: not valid JSON ({e})") from None
+    return _object_record(obj, f"{path}:{lineno}", text_key, fields)
+
+
+def _object_record(obj, where: str, text_key: str, fields=None):
+    """A JSON object's (or a streamed dataset row's) text under text_key, or with fields the
+    dict of those fields."""
     for key in fields or (text_key,):
         if not isinstance(obj, dict) or key not in obj:
             keys = list(obj) if isinstance(obj, dict) else type(obj).__name__
             how = "pass --text-key" if not fields else f"--format needs {list(fields)}"
-            raise DataError(f"{path}:{lineno}: no {key!r} field (found {keys}); {how}")
+            raise DataError(f"{where}: no {key!r} field (found {keys}); {how}")
     if fields:
         return {k: obj[k] for k in fields}
-    return text_value(obj[text_key], f"{path}:{lineno}", text_key)
+    return text_value(obj[text_key], where, text_key)
+
+
+def _rows(rows, where: str, text_key: str, skip: int, fields=None):
+    """Records of a streamed dataset: its rows after the first skip, counted from 1. The
+    bytes a row accounts for are its text's (the stream's size is unknown)."""
+    for row, obj in enumerate(rows, skip + 1):
+        record = _object_record(obj, f"{where} row {row}", text_key, fields)
+        size = len(record) if isinstance(record, str) else len(json.dumps(record, default=str))
+        yield row, record, size
 
 
 def text_value(value, where: str, text_key: str) -> str:
@@ -161,7 +223,7 @@ def _table(path: pathlib.Path, text_key: str, skip: int, fields=None):
     """Rows of a parquet or Arrow file, reading only the needed columns, batch by batch."""
     columns = list(fields or (text_key,))
     batches, n_rows = _column_batches(path, columns)
-    size = path.stat().st_size
+    size = path.stat().st_size or 0
     row, accounted = 0, 0
     for batch in batches:
         if row + batch.num_rows <= skip:  # resuming: whole batches before the point skipped
@@ -180,23 +242,28 @@ def _table(path: pathlib.Path, text_key: str, skip: int, fields=None):
 
 
 def _column_batches(path: pathlib.Path, columns: list[str]):
-    """(iterator of record batches holding just these columns, number of rows)."""
+    """(iterator of record batches holding just these columns, number of rows). A remote
+    file is read through its stream: parquet fetches the row groups as they are iterated;
+    an Arrow file is read whole, one file at a time."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    local = isinstance(path, pathlib.Path)
     try:
         if path.name.endswith(".parquet"):
-            pf = pq.ParquetFile(path)
+            pf = pq.ParquetFile(path if local else path.open("rb"))
             names, n_rows = pf.schema_arrow.names, pf.metadata.num_rows
             _need_columns(path, columns, names)
             return pf.iter_batches(columns=columns), n_rows
-        source = pa.memory_map(str(path))
+        source = pa.memory_map(str(path)) if local else pa.PythonFile(path.open("rb"), "r")
         try:
             table = pa.ipc.open_file(source).read_all()
         except pa.ArrowInvalid:  # save_to_disk writes the stream format
             source.seek(0)
             table = pa.ipc.open_stream(source).read_all()  # memory-mapped: no copy
     except (pa.ArrowException, OSError) as e:
+        if not local and not isinstance(e, pa.ArrowException):
+            raise  # a transfer failing, not the data: remote.read_errors words it
         raise DataError(f"{path}: not a readable {path.suffix} file ({e}); check the "
                         "file, or leave it out with --glob") from None
     _need_columns(path, columns, table.schema.names)

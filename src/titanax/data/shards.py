@@ -38,7 +38,7 @@ import numpy as np
 from titanax.data.chat import ChatTemplate
 from titanax.data.errors import DataError
 from titanax.data.examples import FIELDS, FORMATS, ExampleEncoder
-from titanax.data.readers import list_inputs, records
+from titanax.data.readers import input_label, input_size, list_inputs, records, source_name
 
 __all__ = ["DataError", "list_inputs", "prepare_shards", "open_shards", "open_example_arrays",
            "read_meta"]
@@ -221,12 +221,15 @@ def _open_shard(folder: pathlib.Path, entry: dict) -> np.ndarray:
 
 # --- writing (launch/prepare_data.py) ----------------------------------------------------------
 
-def prepare_shards(tokenizer_path: str | pathlib.Path, input_path: str | pathlib.Path,
+def prepare_shards(tokenizer_path: str | pathlib.Path, input_path,
                    out_dir: str | pathlib.Path, shard_tokens: int = 50_000_000,
                    text_key: str = "text", glob: str | None = None, progress: bool = True,
                    batch_chars: int = 4_000_000, bos: bool = False, fmt: str = "text",
                    train_on: str = "assistant") -> dict:
     """Tokenizes input into a shard folder, resuming an interrupted run. Returns meta.
+
+    input_path: a local file or folder, a URL (s3://, gs://, hf://, https://; streamed through
+    fsspec), or a hf_stream.HFDataset (a Hugging Face dataset by name, streamed).
 
     bos: each document starts with the tokenizer's BOS token (meta.json records it).
     fmt: 'text' (documents), or 'chat' / 'prompt_response' (fine-tuning examples, each with
@@ -245,7 +248,7 @@ def prepare_shards(tokenizer_path: str | pathlib.Path, input_path: str | pathlib
         tok.require_bos("--bos")
     root, rels = list_inputs(input_path, glob)
     identity = {"tokenizer_sha256": file_sha256(tokenizer_path),
-                "source": str(pathlib.Path(input_path).resolve()), "text_key": text_key,
+                "source": source_name(input_path), "text_key": text_key,
                 "glob": glob, "bos": bos,
                 **(encoder.identity() if encoder else {"data_format": "text"})}
     if not (out / META).is_file():  # a bad --format / --text-key: refused, nothing written
@@ -257,7 +260,8 @@ def prepare_shards(tokenizer_path: str | pathlib.Path, input_path: str | pathlib
     done = set(meta["done_inputs"])
     partial = meta["partial_input"]
     todo = [r for r in rels if r not in done]
-    total_bytes = sum((root / r).stat().st_size for r in todo)
+    sizes = [input_size(root, r) for r in todo]
+    total_bytes = None if None in sizes else sum(sizes)  # None: a bar without a total
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing",
                disable=not progress)
     writer = _ShardWriter(out, meta, shard_tokens, tok.eos_id, tok.bos_id if bos else None,
@@ -286,8 +290,9 @@ def prepare_shards(tokenizer_path: str | pathlib.Path, input_path: str | pathlib
     if not writer.meta["shards"]:
         what = (f"--format {fmt} example ({', '.join(FIELDS[fmt])})" if encoder else
                 f"document with text (--text-key {text_key!r}")
-        raise DataError(f"--input {input_path}: no {what}{f', --glob {glob!r}' if glob else ''})"
-                        "; check them and run again (this folder is started afresh)")
+        raise DataError(f"{input_label(input_path)}: no {what}"
+                        f"{f', --glob {glob!r}' if glob else ''}); check them and run again "
+                        "(this folder is started afresh)")
     # Every input is in a listed shard: training takes the folder without data.allow_partial.
     writer.meta["complete"] = True
     write_json_atomic(out / META, writer.meta)

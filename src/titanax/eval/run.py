@@ -88,6 +88,20 @@ def _merge(into: dict, results: dict) -> dict:
     return into
 
 
+class TaskDataUnavailable(ValueError):
+    """A task's dataset could not be loaded: the hub is unreachable and it is not cached."""
+
+
+def _no_task_data(task: str, e: ConnectionError) -> str:
+    from datasets import config as datasets_config
+
+    return (f"task {task!r}: {str(e).splitlines()[0]}: lm-eval reads this task's data from the "
+            f"Hugging Face Hub; run it once with network to fill the cache "
+            f"({datasets_config.HF_DATASETS_CACHE}; HF_HOME moves it), after which "
+            "HF_DATASETS_OFFLINE=1 / HF_HUB_OFFLINE=1 runs read it alone, or give a local "
+            "task with --include-path")
+
+
 def evaluate(workdir, tasks: list[str], *, include_paths=(), step=None, batch_size=16,
              limit=None, num_fewshot=None, log_samples=False, devices=None, seed=0,
              out_dir=None, apply_chat_template=False, fewshot_as_multiturn=False,
@@ -113,12 +127,16 @@ def evaluate(workdir, tasks: list[str], *, include_paths=(), step=None, batch_si
     path = out_dir / f"step{step}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     results: dict = {}
     for i, task in enumerate(tasks):
-        _merge(results, evaluator.simple_evaluate(
-            model=lm, tasks=[task], task_manager=manager, limit=limit,
-            num_fewshot=num_fewshot, log_samples=log_samples, random_seed=seed,
-            apply_chat_template=apply_chat_template, fewshot_as_multiturn=fewshot_as_multiturn,
-            system_instruction=system_instruction,
-            numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed))
+        try:
+            _merge(results, evaluator.simple_evaluate(
+                model=lm, tasks=[task], task_manager=manager, limit=limit,
+                num_fewshot=num_fewshot, log_samples=log_samples, random_seed=seed,
+                apply_chat_template=apply_chat_template,
+                fewshot_as_multiturn=fewshot_as_multiturn,
+                system_instruction=system_instruction,
+                numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed))
+        except ConnectionError as e:  # datasets: the hub unreachable, or offline and not cached
+            raise TaskDataUnavailable(_no_task_data(task, e)) from None
         results["titanax"] = {"workdir": str(pathlib.Path(workdir).absolute()), "step": step,
                               "tasks_done": tasks[:i + 1], "tasks": list(tasks)}
         tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")

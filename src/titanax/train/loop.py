@@ -37,7 +37,7 @@ from titanax.train import metrics as M
 from titanax.train.bad_steps import BadStepCounter, TrainingDiverged
 from titanax.train.batches import global_batch, process_rows
 from titanax.train.compilation_cache import compilation_cache
-from titanax.train.optim import lr_schedule, make_optimizer
+from titanax.train.optim import horizon_change, lr_schedule, make_optimizer
 from titanax.train.profile_window import ProfileWindow
 from titanax.train.run_log import (
     Progress,
@@ -121,6 +121,8 @@ class Trainer:
         self.is_main = jax.process_index() == 0
         # One process speaks for the run; errors still raise everywhere.
         self.log = log if self.is_main else (lambda *_a, **_k: None)
+        if self.is_main:  # a logger's missing package stops the run before any restore
+            M.load_loggers(cfg.train.logger_names)
         self.mesh = build_mesh(cfg.mesh, devices)
         batch_ways = math.prod(self.mesh.shape[a] for a in ("data", "fsdp"))
         if cfg.train.batch_size % batch_ways:
@@ -156,6 +158,8 @@ class Trainer:
         self._announce()
         if resumed:
             self.log(resumed)
+            if self.schedule_change:
+                self.log(self.schedule_change)
         self.train_iter = self.data.train_iterator()
         if data_state is not None:
             self.train_iter.set_state(data_state)
@@ -167,7 +171,8 @@ class Trainer:
         self.eval_fn = jit_eval_step(cfg, self.mesh, self.graphdef, self.shardings)
         self.val_batches = self.data.val_batches()
         self.writer = M.MetricsWriter(workdir, enabled=self.is_main,
-                                      purge_step=self.start_step + 1 if self.start_step else 0)
+                                      purge_step=self.start_step + 1 if self.start_step else 0,
+                                      loggers=cfg.train.logger_names, config=cfg.to_dict())
         self.bad_steps = BadStepCounter(cfg.train.max_bad_steps, run_state)
         self.profile = ProfileWindow(cfg.train.profile_window, workdir, self.start_step, self.log)
         self.losses, self.val_losses = {}, {}
@@ -200,6 +205,7 @@ class Trainer:
         (bad-step counts), the data iterator's position, the line saying where it resumed);
         the first two are empty unless resuming this workdir's own run."""
         cfg = self.cfg
+        self.schedule_change = ""  # the log line for a resume onto another lr curve
         self.graphdef, abstract, self.shardings = abstract_train_state(cfg, self.mesh, self.tx)
         restored, source = self._find_checkpoint(abstract)
         if restored is None:
@@ -207,9 +213,13 @@ class Trainer:
             self.graphdef, self.state, self.shardings = create_train_state(cfg, self.mesh,
                                                                            self.tx)
             return {}, None, ""
-        self.state = reorder_restored(restored.state, self.shardings,
-                                      Config.from_dict(restored.config), cfg)
+        saved = Config.from_dict(restored.config)
+        self.state = reorder_restored(restored.state, self.shardings, saved, cfg)
         self.start_step = int(self.state["step"])
+        # The step count carries on: a new horizon or schedule bends the lr curve from here
+        # (at step 0 the whole curve is new, nothing to say).
+        if self.start_step:
+            self.schedule_change = horizon_change(saved, cfg, self.start_step)
         run_state, data_state = {}, None
         if source is self.ckpt:
             # Another run's data position means nothing here: only our own is restored.
@@ -240,8 +250,10 @@ class Trainer:
         steps, start = self.cfg.train.steps, self.start_step
         step, metrics, preempted = start, None, False
         # closing(ckpt): also on an error, wait for the save in flight; it is a good checkpoint.
-        with (model_context(self.mesh), PreemptionWatch() as watch,
-              contextlib.closing(self.ckpt), contextlib.closing(self.profile)):
+        # closing(writer): also on an error, the W&B and MLflow runs are ended and flushed.
+        with (contextlib.closing(self.writer), model_context(self.mesh),
+              PreemptionWatch() as watch, contextlib.closing(self.ckpt),
+              contextlib.closing(self.profile)):
             if start == 0:
                 self.evaluate(0, self.log)
             progress = Progress(self.cfg, self.is_main, start, self.log)
@@ -265,7 +277,6 @@ class Trainer:
             self.bad_steps.flush()
             if self.ckpt.latest_step() != step:
                 self.save(step)
-        self.writer.close()
         return self._result(step, preempted, watch)
 
     def _due(self, step: int) -> tuple[bool, bool, bool]:

@@ -1,5 +1,6 @@
-"""The run's metric records: metrics.jsonl and TensorBoard events (written on process 0),
-read back, trimmed when a restarted run writes steps again, and plotted."""
+"""The run's metric records: written on process 0 to the configured loggers (metrics.jsonl,
+TensorBoard, W&B, MLflow: titanax/train/loggers/), read back from metrics.jsonl, trimmed when a
+restarted run writes steps again, and plotted."""
 
 from __future__ import annotations
 
@@ -10,39 +11,59 @@ import time
 import jax
 import numpy as np
 
+from titanax.loggers import DEFAULT_LOGGERS
+from titanax.train.loggers import STATE_FILE, Resume, load_loggers
+
 
 class MetricsWriter:
-    """metrics.jsonl plus TensorBoard events under WORKDIR/tb; writes only on process 0.
-    Every row gets `time` (Unix seconds). purge_step: the first step this run writes again
-    (a resumed run repeats the steps after its checkpoint); TensorBoard hides the older
-    events from there on, as metrics.jsonl drops its rows."""
+    """Each row to the run's loggers (train.loggers, titanax/train/loggers/): metrics.jsonl,
+    TensorBoard events under WORKDIR/tb, W&B, MLflow; writes only on process 0. Every row
+    gets `time` (Unix seconds). purge_step: the first step this run writes again (a resumed
+    run repeats the steps after its checkpoint); TensorBoard hides the older events from there
+    on, as metrics.jsonl drops its rows. config: Config.to_dict(), which W&B and MLflow record
+    with the run."""
 
     def __init__(self, workdir: pathlib.Path, *, enabled: bool = True,
-                 purge_step: int | None = None):
+                 purge_step: int | None = None, loggers=DEFAULT_LOGGERS,
+                 config: dict | None = None):
         self.enabled = enabled
-        self.path = pathlib.Path(workdir) / "metrics.jsonl"
-        self._tb = None
-        if enabled:
-            from tensorboardX import SummaryWriter
-
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._tb = SummaryWriter(str(pathlib.Path(workdir) / "tb"), purge_step=purge_step)
+        workdir = pathlib.Path(workdir)
+        self.path = workdir / "metrics.jsonl"
+        self.loggers = []
+        if not enabled:
+            return
+        names = [n.strip() for n in loggers.split(",") if n.strip()] if isinstance(
+            loggers, str) else loggers
+        resume = Resume(purge_step, workdir / STATE_FILE)
+        workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            for cls in load_loggers(names):
+                logger = cls()
+                logger.start(workdir, config or {}, resume)
+                self.loggers.append(logger)
+        except BaseException:  # a later logger failed: the runs opened so far end now
+            self.close()
+            raise
 
     def write(self, step: int, values: dict) -> None:
         if not self.enabled:
             return
-        row = {"step": int(step), **{k: _plain(v) for k, v in values.items()},
-               "time": round(time.time(), 3)}
-        with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
-        for k, v in row.items():  # TensorBoard stamps its own wall time
-            if k not in ("step", "time") and isinstance(v, (int, float)):
-                self._tb.add_scalar(k, v, step)
-        self._tb.flush()
+        values = {**{k: _plain(v) for k, v in values.items()}, "time": round(time.time(), 3)}
+        for logger in self.loggers:
+            logger.log(int(step), values)
 
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
+        """Closes every logger, even after one fails (the first error is raised); closing again
+        does nothing."""
+        loggers, self.loggers = self.loggers, []
+        error = None
+        for logger in loggers:
+            try:
+                logger.close()
+            except Exception as e:  # the others still end their runs
+                error = error or e
+        if error is not None:
+            raise error
 
 
 def _plain(v):

@@ -1,6 +1,7 @@
 """The optimizer: a table of update rules (what each keeps per parameter, and its math), the
-learning-rate schedule (warmup, then cosine, linear or constant decay), and the chain the
-train step runs: global-norm clipping, then the rule.
+learning-rate schedule (warmup, then cosine, linear or constant decay, or wsd's stable phase
+and late decay; docs/schedules.md), and the chain the train step runs: global-norm clipping,
+then the rule.
 
 The table is the one place an update rule is described. train/offload.py streams the same
 rule a layer at a time (`elementwise_update`, `clip_leaf`) and plan/memory_model.py charges
@@ -65,24 +66,91 @@ def update_rule(cfg: Config) -> UpdateRule:
     return OPTIMIZERS["adamw"]
 
 
+def schedule_horizon(cfg: Config) -> int:
+    """The step the schedule ends at: optim.decay_steps, or train.steps when that is 0."""
+    return cfg.optim.decay_steps or cfg.train.steps
+
+
+def warmup_steps(cfg: Config) -> int:
+    o, horizon = cfg.optim, schedule_horizon(cfg)
+    warmup = round(o.warmup_fraction * horizon) if o.warmup_fraction > 0 else o.warmup_steps
+    return min(warmup, horizon)
+
+
+# wsd's decay factor at progress p in [0, 1] through the decay: 1 at its start, 0 at its end.
+DECAY_FACTORS: dict[str, Callable] = {
+    "linear": lambda p: 1.0 - p,
+    "cosine": lambda p: 0.5 * (1.0 + jnp.cos(jnp.pi * p)),
+    "sqrt": lambda p: 1.0 - jnp.sqrt(p),  # TorchTitan's: falls fast early, then flattens
+}
+
+
+def wsd_decay_start(cfg: Config) -> int:
+    """The first step of wsd's decay: the horizon less its last decay_fraction (rounded), never
+    inside the warmup."""
+    horizon = schedule_horizon(cfg)
+    return max(horizon - round(cfg.optim.decay_fraction * horizon), warmup_steps(cfg))
+
+
+def _wsd_after_warmup(cfg: Config) -> optax.Schedule:
+    """lr until the decay starts, then lr * (m + (1 - m) * factor(p)), m = min_lr_ratio; the
+    count starts at the end of the warmup."""
+    o, warmup = cfg.optim, warmup_steps(cfg)
+    stable = wsd_decay_start(cfg) - warmup
+    length = max(schedule_horizon(cfg) - wsd_decay_start(cfg), 1)
+    factor = DECAY_FACTORS[o.decay_shape]
+
+    def decay(count):
+        p = jnp.clip(count / length, 0.0, 1.0)
+        return o.lr * (o.min_lr_ratio + (1.0 - o.min_lr_ratio) * factor(p))
+
+    if stable == 0:
+        return decay
+    # The stable phase is optax's constant: exactly lr, not a decay at p = 0 rounded.
+    return optax.join_schedules([optax.constant_schedule(o.lr), decay], [stable])
+
+
 def lr_schedule(cfg: Config) -> optax.Schedule:
+    """Linear warmup, then cosine, linear or no decay to lr * min_lr_ratio at the horizon, or
+    wsd's stable phase and late decay (docs/schedules.md has the formulas)."""
     o = cfg.optim
-    decay_steps = o.decay_steps or cfg.train.steps
-    warmup = round(o.warmup_fraction * decay_steps) if o.warmup_fraction > 0 else o.warmup_steps
-    warmup = min(warmup, decay_steps)
+    horizon, warmup = schedule_horizon(cfg), warmup_steps(cfg)
     end_value = o.lr * o.min_lr_ratio
     if o.schedule == "constant":
         after = optax.constant_schedule(o.lr)
     elif o.schedule == "linear":
-        after = optax.linear_schedule(o.lr, end_value, max(decay_steps - warmup, 1))
+        after = optax.linear_schedule(o.lr, end_value, max(horizon - warmup, 1))
+    elif o.schedule == "wsd":
+        after = _wsd_after_warmup(cfg)
     else:
-        after = optax.cosine_decay_schedule(o.lr, max(decay_steps - warmup, 1),
+        after = optax.cosine_decay_schedule(o.lr, max(horizon - warmup, 1),
                                             alpha=o.min_lr_ratio)
     if warmup == 0:
         return after
     # Warmup starts at lr/warmup, not 0: step 0 already makes progress.
     return optax.join_schedules(
         [optax.linear_schedule(o.lr / warmup, o.lr, warmup), after], [warmup])
+
+
+def horizon_change(saved: Config, cfg: Config, step: int) -> str:
+    """The run-log line for a resume at step whose schedule or horizon differs from the
+    checkpoint's (saved): the step count carries on, so from here the learning rate follows
+    the new curve, not the one the run began on. '' when neither changed."""
+    old, new = schedule_horizon(saved), schedule_horizon(cfg)
+    was, now = saved.optim.schedule, cfg.optim.schedule
+    changes, keep, why = [], [], ""
+    if old != new:
+        why = (" (optim.decay_steps changed)" if saved.optim.decay_steps != cfg.optim.decay_steps
+               else f" (train.steps {'grew' if new > old else 'shrank'})")
+        changes.append(f"the schedule's horizon changes from {old} to {new} steps")
+        keep.append(f"optim.decay_steps={old}")
+    if was != now:
+        changes.append(f"optim.schedule changes from {was} to {now}")
+        keep.append(f"optim.schedule={was}")
+    if not changes:
+        return ""
+    return (f"optim: {' and '.join(changes)} at step {step}{why}: the learning rate from here "
+            f"follows the new curve; set {' '.join(keep)} to keep the old one")
 
 
 def clip_leaf(t, grad_norm, max_norm: float):

@@ -15,7 +15,7 @@ from titanax.config.model import ModelConfig
 @dataclass(frozen=True)
 class MistralConfig(ModelConfig):
     arch: str = "mistral"
-    sliding_window: int = 0  # 0: none
+    sliding_window: int = 0  # attention window in tokens (0: none); only one hiding nothing is taken
 
     def __post_init__(self):
         super().__post_init__()
