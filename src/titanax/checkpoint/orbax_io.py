@@ -134,6 +134,10 @@ def _to_current_layout(state, abstract_state, legacy: dict):
     return jax.tree_util.tree_map_with_path(convert, state, abstract_state)
 
 
+# Train-state entries a LoRA run holds that a step saved without adapters lacks (or holds for
+# other parameters: the base's moments): started fresh when LoRA starts from such a step.
+LORA_ONLY_ENTRIES = ("lora", "opt_state")
+
 # Train-state entries that older checkpoints kept inside 'params', at the same paths below it
 # (with optimizer moments of their own): see the module docstring.
 MOVED_OUT_OF_PARAMS = ("fp8",)
@@ -323,24 +327,37 @@ class Checkpointer:
     def _restore(self, step: int, abstract_state) -> Restored:
         names = {p.name for p in self.step_dir(step).iterdir() if p.is_dir()}
         legacy = self.legacy_params(step)
+        base_only = self.base_only(step, abstract_state)
+        if base_only:
+            # A LoRA run starting from a step saved without adapters: its base weights (and
+            # step, fp8 histories) only; the caller adds fresh adapters and their optimizer
+            # state (train/state.py with_fresh_adapters). The stored moments are never read.
+            abstract_state = {k: v for k, v in abstract_state.items()
+                              if k not in LORA_ONLY_ENTRIES}
         moved = self.moved_out_of_params(step, abstract_state)
         target = into_params(abstract_state, moved) if moved else abstract_state
         item = _legacy_abstract(target, legacy) if legacy else target
+        partial = bool(moved) or base_only
         items = {"config": ocp.args.JsonRestore()}
-        if not moved:
+        if not partial:
             items["state"] = ocp.args.StandardRestore(item)
         for optional in ("data", "run"):
             if optional in names:
                 items[optional] = ocp.args.JsonRestore()
         out = self.manager.restore(step, args=ocp.args.Composite(**items))
-        # Moved entries: their stored moments are left unread (not in the item).
-        state = partial_restore(self.step_dir(step) / "state", item) if moved else out["state"]
+        # Moved entries, a base: what the item does not name is left unread.
+        state = partial_restore(self.step_dir(step) / "state", item) if partial else out["state"]
         if legacy:
             state = _to_current_layout(state, target, legacy)
         if moved:
             state = out_of_params(state, abstract_state, moved)
         return Restored(step, state, out["data"] if "data" in names else None,
                         out["config"], out["run"] if "run" in names else {})
+
+    def base_only(self, step: int, abstract_state) -> bool:
+        """Does abstract_state (a LoRA run's: it has 'lora') meet a step saved without
+        adapters, from which it takes the base weights alone?"""
+        return "lora" in abstract_state and "lora" not in self._state_tree(step)
 
     def _state_tree(self, step: int) -> dict:
         """The step's stored 'state' tree (orbax metadata: shapes, no arrays read)."""
@@ -587,11 +604,29 @@ def check_same_model(saved_config: dict, cfg: Config, *, source) -> None:
     if delayed == 2 and was.fp8_amax_history != now.fp8_amax_history:
         diffs.append(f"execution.fp8_amax_history: {was.fp8_amax_history!r} -> "
                      f"{now.fp8_amax_history!r} (the length of fp8_delayed's histories)")
+    diffs += lora_diffs(saved, cfg)
     if diffs:
         raise ConfigError(
             f"the checkpoint {source} holds a different model than this config asks for "
             f"(checkpoint -> config):\n  " + "\n  ".join(diffs) + "\nSet those fields back to "
             "the checkpoint's values, or train the new model in a new --workdir.")
+
+
+# The lora fields that change the model (dropout acts in training only).
+LORA_MODEL_FIELDS = ("rank", "alpha", "targets")
+
+
+def lora_diffs(saved: Config, cfg: Config) -> list[str]:
+    """The lora fields that differ between a checkpoint's config and cfg, as check_same_model
+    lists them. None when the checkpoint holds no adapters and cfg adds them: a LoRA run
+    starts from such a base (Checkpointer.base_only)."""
+    was, now = saved.lora, cfg.lora
+    if not was.enabled:
+        return []
+    return [f"lora.{n}: {getattr(was, n)!r} -> {getattr(now, n)!r}" + (
+            " (a LoRA run's checkpoint holds adapters; merged export is not there yet)"
+            if n == "rank" and not now.enabled else "")
+            for n in LORA_MODEL_FIELDS if getattr(was, n) != getattr(now, n)]
 
 
 def resolve_restore_source(path: str | pathlib.Path) -> tuple[pathlib.Path, int | None]:

@@ -6,7 +6,8 @@ a resume does) needs three times the weights' memory. Here orbax restores the 'p
 alone (a partial restore: the item given to orbax holds no opt_state, so no optimizer array is
 ever read or allocated), placed on a mesh of the local devices by the training sharding rules
 (parallel/rules.py). Under fp8_delayed the amax histories ('fp8') come too: the forward pass
-scales its FP8 casts by them, so sampling computes what training and eval computed.
+scales its FP8 casts by them, so sampling computes what training and eval computed. A LoRA
+run's adapters ('lora') come too: sampling runs the base with its adapters.
 
 Nothing here writes: the checkpoints are opened read-only, and a missing run folder is reported
 before orbax is asked anything (orbax would create checkpoints/ in it).
@@ -34,6 +35,7 @@ from titanax.checkpoint.orbax_io import (
     partial_restore,
 )
 from titanax.config import CheckpointConfig, Config, MeshConfig
+from titanax.models.common.lora import LoRA
 from titanax.models.registry import model_spec
 from titanax.ops.linear import Fp8Meta
 from titanax.parallel.mesh import build_mesh
@@ -171,14 +173,16 @@ def sampling_mesh(cfg: Config, devices=None) -> jax.sharding.Mesh:
 def abstract_params(cfg: Config, mesh):
     """(graphdef, params as ShapeDtypeStructs sharded on `mesh`): the model's Params as the train
     state holds them (train/state.py), and under fp8_delayed its amax histories (ops.Fp8Meta,
-    the train state's 'fp8') in the same State: nnx.merge(graphdef, params) is the model.
+    the train state's 'fp8') and with lora.rank > 0 its adapters (LoRA, 'lora') in the same
+    State: nnx.merge(graphdef, params) is the model, adapters included.
     Allocated nowhere."""
     box = {}
 
     def init():
         box["graphdef"], params = nnx.split(
-            model_spec(cfg.model).build(cfg.model, cfg.execution, rngs=nnx.Rngs(params=0)),
-            nnx.Any(nnx.Param, Fp8Meta))
+            model_spec(cfg.model).build(cfg.model, cfg.execution, rngs=nnx.Rngs(params=0),
+                                        lora=cfg.lora),
+            nnx.Any(nnx.Param, Fp8Meta, LoRA))
         return params
 
     with model_context(mesh):
@@ -201,8 +205,9 @@ def restore_params(ckpt: Checkpointer, step: int, abstract):
     partial_restore the step counter and optimizer state are skipped, never read. Old-layout
     checkpoints come back in the current layout, and older fp8_delayed ones (histories inside
     'params') just as well."""
-    params, fp8 = nnx.split_state(abstract, nnx.Param, Fp8Meta)
-    target = {"params": params, **({"fp8": fp8} if jax.tree.leaves(fp8) else {})}
+    params, fp8, lora = nnx.split_state(abstract, nnx.Param, Fp8Meta, LoRA)
+    target = {"params": params, **{k: v for k, v in (("fp8", fp8), ("lora", lora))
+                                   if jax.tree.leaves(v)}}
     moved = ckpt.moved_out_of_params(step, target)
     target = into_params(target, moved) if moved else target  # then: one State already
     legacy = ckpt.legacy_params(step)
@@ -220,4 +225,4 @@ def restore_params(ckpt: Checkpointer, step: int, abstract):
         raise unreadable(ckpt, step, "its parameters", e) from e
     if legacy:
         out = _to_current_layout(out, target, legacy)
-    return nnx.merge_state(out["params"], *([out["fp8"]] if "fp8" in out else []))
+    return nnx.merge_state(out["params"], *(out[k] for k in ("fp8", "lora") if k in out))

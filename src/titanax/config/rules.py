@@ -14,6 +14,7 @@ from titanax.config.checkpoint import CheckpointConfig
 from titanax.config.data import DataConfig
 from titanax.config.errors import fail
 from titanax.config.execution import FP8_RECIPES, ExecutionConfig
+from titanax.config.lora import LoraConfig
 from titanax.config.model import (
     EXECUTION_FIELDS,
     ModelConfig,
@@ -35,6 +36,7 @@ SECTIONS: dict[str, type] = {
     "optim": OptimConfig,
     "data": DataConfig,
     "checkpoint": CheckpointConfig,
+    "lora": LoraConfig,
 }
 
 
@@ -48,6 +50,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     execution: ExecutionConfig = field(default_factory=ExecutionConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self):
         for name, cls in SECTIONS.items():
@@ -78,6 +81,7 @@ class Config:
                      f"execution.remat=full or full_offload (got {self.execution.remat!r}): the "
                      "gradients are summed in place only under those; or set "
                      "train.grad_accum=1")
+        _check_lora(self)
         check_parallel_layout(self, self.mesh.degrees())
 
     def to_dict(self) -> dict:
@@ -171,6 +175,10 @@ def check_parallel_layout(cfg: Config, degrees: dict[str, int]) -> None:
         if cfg.pipeline.schedule == "circular" and micro < pp:
             fail("pipeline.microbatches", f"the circular schedule needs at least as many "
                  f"microbatches as stages (mesh.pipeline={pp}), got {micro}")
+        if cfg.pipeline.schedule == "1f1b" and cfg.lora.enabled:
+            fail("pipeline.schedule", "1f1b computes every layer weight's gradient inside its "
+                 "own backward schedule, so with lora.rank > 0 it would compute (and drop) the "
+                 "frozen base's; use pipeline.schedule=gpipe or circular")
         if cfg.pipeline.schedule == "1f1b" and cfg.execution.matmul_precision == "fp8_delayed":
             fail("pipeline.schedule", "1f1b computes gradients inside its schedule, where "
                  "fp8_delayed's amax histories (carried as gradients) cannot pass; use "
@@ -186,6 +194,19 @@ def check_parallel_layout(cfg: Config, degrees: dict[str, int]) -> None:
                  f"multiple of {ways}")
 
 
+def _check_lora(cfg: Config) -> None:
+    """What LoRA (lora.rank > 0) cannot run with yet, one line each."""
+    if not cfg.lora.enabled:
+        return
+    for name in ("offload_params", "offload_optimizer"):
+        if getattr(cfg.train, name):
+            # The streamed update (train/offload.py) walks the base weights' layers; the
+            # adapters and their moments are small enough to need no offload at all.
+            fail(f"train.{name}", f"does not run with lora.rank={cfg.lora.rank} yet: the "
+                 "host-offloaded update streams the base weights, which LoRA never updates; "
+                 f"set train.{name}=false (the adapters' state is small)")
+
+
 def grad_accum_in_place_unsupported(cfg: Config) -> str | None:
     """Why a step of cfg sums its microbatches' gradients the plain way, or None: in place
     (models/accumulate.py, whose `unsupported` this is; the memory model reads it too)."""
@@ -199,6 +220,10 @@ def grad_accum_in_place_unsupported(cfg: Config) -> str | None:
                 "from its input, which is execution.remat='full' (or 'full_offload')")
     if cfg.mesh.pipeline > 1:
         return "pipeline parallelism: the stages run their own backward schedule"
+    if cfg.lora.enabled:
+        # The in-place sum rides on the base weights' layer scan; LoRA differentiates only the
+        # adapters, whose plain sum is a small carry.
+        return "lora.rank > 0: only the adapters get gradients, summed the plain way"
     return None
 
 

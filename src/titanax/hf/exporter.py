@@ -194,6 +194,10 @@ def export_hf(workdir: str | pathlib.Path, out: str | pathlib.Path, *, step: int
     cfg = Config.from_dict(reader.config_dict)
     if model_spec(cfg.model).hf is None:
         raise ValueError(f"model.arch={cfg.model.arch!r} has no Hugging Face export")
+    if cfg.lora.enabled:
+        # Writing the base alone would silently drop what the run trained.
+        raise ValueError(f"{workdir} is a LoRA run (lora.rank={cfg.lora.rank}): exporting its "
+                         "adapters (PEFT) or the merged weights is not implemented yet")
     _check_params(reader, cfg)
     out_dtype = EXPORT_DTYPES[dtype]
     table = model_spec(cfg.model).hf.tensor_table(cfg.model)

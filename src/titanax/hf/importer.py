@@ -194,6 +194,9 @@ def _train_state(sources, cfg: Config, devices, progress: bool) -> dict:
     from titanax.train.optim import make_optimizer
     from titanax.train.state import abstract_train_state, fresh_fp8_state
 
+    # The imported weights are a base: a run with lora.rank > 0 adds its adapters (and their
+    # optimizer state) when it starts from this step (train/state.py with_fresh_adapters).
+    cfg = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, rank=0))
     mesh = build_mesh(cfg.mesh, devices)
     tx = make_optimizer(cfg)
     _, abstract, shardings = abstract_train_state(cfg, mesh, tx)

@@ -118,8 +118,11 @@ _fork_histories.defvjp(_fork_histories_fwd, _fork_histories_bwd)
 def _is_history(v) -> bool:
     """A layer-state Variable that is not a weight: fp8_delayed's amax histories (ops.Fp8Meta),
     the only such state a layer holds (train/state.py splits the model exhaustively into
-    nnx.Param and Fp8Meta), identified by type without importing titanax.ops."""
-    return isinstance(v, nnx.Variable) and not isinstance(v, nnx.Param)
+    nnx.Param and Fp8Meta, and LoRA adapters), identified by type without importing
+    titanax.ops. A Variable type marked `trained = True` (models/common/lora.py LoRA) has
+    true gradients, summed over the ticks like a weight's."""
+    return (isinstance(v, nnx.Variable) and not isinstance(v, nnx.Param)
+            and not getattr(type(v), "trained", False))
 
 
 def _split_histories(tree):

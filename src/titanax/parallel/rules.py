@@ -36,6 +36,7 @@ PARAM_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("head_dim", None),
     ("mlp", "tensor"),
     ("norm", None),
+    ("lora_rank", None),  # LoRA adapters' rank axis (small): the weight's other axes shard them
 )
 
 ACTIVATION_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
@@ -53,6 +54,7 @@ ACTIVATION_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("vocab", "tensor"),
     ("layers", None),
     ("cache_seq", None),
+    ("lora_rank", None),
 )
 
 

@@ -51,6 +51,7 @@ from titanax.train.state import (
     create_train_state,
     jit_eval_step,
     jit_train_step,
+    with_fresh_adapters,
 )
 from titanax.train.throughput import FLOP_FORMULA, Throughput, peak_flops_per_device
 from titanax.train.workdir_lock import WorkdirLocked, workdir_lock
@@ -214,7 +215,13 @@ class Trainer:
                                                                            self.tx)
             return {}, None, ""
         saved = Config.from_dict(restored.config)
-        self.state = reorder_restored(restored.state, self.shardings, saved, cfg)
+        self.state = reorder_restored(restored.state, {k: self.shardings[k] for k in
+                                                       restored.state}, saved, cfg)
+        adapters = ""
+        if "lora" in abstract and "lora" not in self.state:  # LoRA starting from a base
+            self.state = with_fresh_adapters(cfg, self.mesh, self.tx, self.state,
+                                             self.shardings)
+            adapters = f" (its weights as the frozen base of new rank-{cfg.lora.rank} LoRA adapters)"
         self.start_step = int(self.state["step"])
         # The step count carries on: a new horizon or schedule bends the lr curve from here
         # (at step 0 the whole curve is new, nothing to say).
@@ -225,7 +232,8 @@ class Trainer:
             # Another run's data position means nothing here: only our own is restored.
             data_state, run_state = restored.data_state, restored.run_state
         return (run_state, data_state,
-                f"resumed from {source.directory}/{restored.step} at step {self.start_step}")
+                f"resumed from {source.directory}/{restored.step} at step {self.start_step}"
+                f"{adapters}")
 
     def _find_checkpoint(self, abstract):
         """(restored or None, the Checkpointer it came from)."""

@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from titanax.config import Config
+from titanax.models.common.lora import LoRA
 from titanax.models.registry import model_spec
 from titanax.ops.linear import Fp8Meta
 from titanax.parallel.layer_order import to_storage_order
@@ -28,22 +29,37 @@ def _state_shardings(abstract_state, mesh):
                         is_leaf=lambda x: isinstance(x, P) or x is None)
 
 
+def _split_model(cfg: Config, stages: int, virtual: int):
+    """(graphdef, params, lora, fp8) of a freshly initialised model, the stacked leaves in
+    storage order. Split by type: the weights (nnx.Param), LoRA adapters (LoRA: empty unless
+    lora.rank > 0) and fp8_delayed's amax histories (Fp8Meta); exhaustive, so any other state
+    would be an error here."""
+    model = model_spec(cfg.model).build(cfg.model, cfg.execution,
+                                        rngs=nnx.Rngs(params=cfg.train.seed), lora=cfg.lora)
+    graphdef, params, lora, fp8 = nnx.split(model, nnx.Param, LoRA, Fp8Meta)
+    # The same logical weights whatever the layout; only their order in the stack differs.
+    params["layers"] = to_storage_order(params["layers"], stages, virtual)
+    for extra in (lora, fp8):  # stacked like the layers they belong to
+        if jax.tree.leaves(extra):
+            extra["layers"] = to_storage_order(extra["layers"], stages, virtual)
+    return graphdef, params, lora, fp8
+
+
 def _make_init(cfg: Config, tx: optax.GradientTransformation, mesh):
     box = {}
     stages, virtual = mesh.shape["pipeline"], cfg.pipeline.resolved_virtual_stages
 
     def init():
-        model = model_spec(cfg.model).build(cfg.model, cfg.execution, rngs=nnx.Rngs(params=cfg.train.seed))
-        # Split by type: the weights (the optimizer's) and fp8_delayed's amax histories (no
-        # one's but the train step's; exhaustive, so any other state would be an error here).
-        graphdef, params, fp8 = nnx.split(model, nnx.Param, Fp8Meta)
-        # The same logical weights whatever the layout; only their order in the stack differs.
-        params["layers"] = to_storage_order(params["layers"], stages, virtual)
+        graphdef, params, lora, fp8 = _split_model(cfg, stages, virtual)
         box["graphdef"] = graphdef
-        state = {"step": jnp.zeros((), jnp.int32), "params": params,
-                 "opt_state": tx.init(params)}
-        if jax.tree.leaves(fp8):  # fp8_delayed only: stacked like the layers they scale
-            fp8["layers"] = to_storage_order(fp8["layers"], stages, virtual)
+        state = {"step": jnp.zeros((), jnp.int32), "params": params}
+        if cfg.lora.enabled:
+            # LoRA: params is the frozen base; the optimizer sees the adapters alone.
+            state["lora"] = lora
+            state["opt_state"] = tx.init(lora)
+        else:
+            state["opt_state"] = tx.init(params)
+        if jax.tree.leaves(fp8):  # fp8_delayed only
             state["fp8"] = fp8
         return state
 
@@ -70,12 +86,26 @@ def abstract_train_state(cfg: Config, mesh, tx):
 def create_train_state(cfg: Config, mesh, tx):
     """(graphdef, state, shardings) on device; state = {'step', 'params', 'opt_state'} and,
     under fp8_delayed, 'fp8': the amax histories (ops.Fp8Meta), outside params and so outside
-    the optimizer (no moments, no weight decay, not in the gradient norm)."""
+    the optimizer (no moments, no weight decay, not in the gradient norm). With lora.rank > 0
+    also 'lora', the adapters, which alone the optimizer (opt_state) trains."""
     graphdef, _, shardings = abstract_train_state(cfg, mesh, tx)
     init, _ = _make_init(cfg, tx, mesh)
     with model_context(mesh):
         state = jax.jit(init, out_shardings=shardings)()
     return graphdef, state, shardings
+
+
+def with_fresh_adapters(cfg: Config, mesh, tx, state, shardings) -> dict:
+    """state (restored from a checkpoint saved without LoRA: 'step', 'params'[, 'fp8']) with
+    new adapters (B = 0: the model computes what the base does) and a fresh optimizer state
+    for them: how a LoRA run starts from an imported model. Jitted with only those as
+    outputs, so the model's fresh base weights are never materialised (dead code)."""
+    init, _ = _make_init(cfg, tx, mesh)
+    fresh = {k: shardings[k] for k in ("lora", "opt_state")}
+    with model_context(mesh):
+        new = jax.jit(lambda: {k: v for k, v in init().items() if k in fresh},
+                      out_shardings=fresh)()
+    return {**state, **new}
 
 
 def jit_train_step(cfg: Config, mesh, graphdef, shardings, tx, schedule):
@@ -96,8 +126,10 @@ def jit_eval_step(cfg: Config, mesh, graphdef, shardings):
 
     batch_sharding = NamedSharding(mesh, batch_input_spec())
     fn = jax.jit(make_eval_step(cfg, graphdef),
-                 in_shardings=(shardings["params"], batch_sharding, shardings.get("fp8")))
-    return lambda state, batch: fn(state["params"], batch, state.get("fp8"))
+                 in_shardings=(shardings["params"], batch_sharding, shardings.get("fp8"),
+                               shardings.get("lora")))
+    # LoRA: the base and the adapters together (the model computes x W + scale (x A) B)
+    return lambda state, batch: fn(state["params"], batch, state.get("fp8"), state.get("lora"))
 
 def fresh_fp8_state(abstract_state) -> dict:
     """{'fp8': the amax histories at zero, as a new run starts them} under fp8_delayed, else

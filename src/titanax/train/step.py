@@ -17,14 +17,16 @@ from titanax.train import offload
 
 
 def nll_sum(graphdef, params, batch, *, document_masking: bool, loss_chunk: int,
-            pipeline: PipelineSchedule | None = None, fp8=None, aux_losses=None):
+            pipeline: PipelineSchedule | None = None, fp8=None, aux_losses=None, lora=None):
     """Sum of the per-token negative log-likelihood over the batch, float32 (the output layer
     and cross-entropy fused and chunked: no [B, S, V] logits). pipeline: stage the layers over
     the mesh's 'pipeline' axis when it is > 1. fp8: the train state's 'fp8' (fp8_delayed's
     amax histories, ops.Fp8Meta); None when the model has none. aux_losses: the
     architecture's hook (ModelSpec.aux_losses); given, returns (sum, its terms of this batch,
-    read from the model after the forward pass)."""
-    model = nnx.merge(graphdef, params, nnx.State({}) if fp8 is None else fp8)
+    read from the model after the forward pass). lora: the train state's 'lora' (the
+    adapters; lora.rank > 0), else None."""
+    extra = [x for x in (fp8, lora) if x is not None]
+    model = nnx.merge(graphdef, params, *(extra or [nnx.State({})]))
     segment_ids = batch["segment_ids"] if document_masking else None
     total = model.loss_sum(batch["inputs"], batch["targets"], batch["positions"], segment_ids,
                            pipeline=pipeline, loss_chunk=loss_chunk)
@@ -46,16 +48,17 @@ def make_loss_fn(cfg: Config, graphdef):
     the same examples). execution.tp_overlap: the
     model is traced with its tensor-parallel matmuls as collective matmuls (titanax.config has
     refused the layouts they cannot run; others fall back by themselves). The config decides,
-    also against an enclosing use_collective_matmul() block."""
+    also against an enclosing use_collective_matmul() block. lora: the adapters (lora.rank >
+    0; train_step differentiates with respect to them alone, the base params held fixed)."""
     masking, chunk = cfg.data.masks_documents, cfg.train.loss_chunk
     pipeline = PipelineSchedule.from_config(cfg.pipeline)
     aux_losses = model_spec(cfg.model).aux_losses
 
-    def mean_loss(params, batch, fp8=None, tokens=None):
+    def mean_loss(params, batch, fp8=None, tokens=None, lora=None):
         with use_collective_matmul(cfg.execution.tp_overlap):  # the context var is read at trace
             total, aux = nll_sum(graphdef, params, batch, document_masking=masking,
                                  loss_chunk=chunk, pipeline=pipeline, fp8=fp8,
-                                 aux_losses=aux_losses)
+                                 aux_losses=aux_losses, lora=lora)
         own = step_loss_tokens(batch["targets"])
         loss = total / (own if tokens is None else tokens)
         if not aux:  # a dense model: the step is the token NLL alone
@@ -133,16 +136,24 @@ def _grads(cfg: Config, loss_fn, params, fp8, batch):
 
 def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation, schedule):
     """train_step(state, batch) -> (new state, metrics). state: {'step', 'params', 'opt_state'}
-    and, under fp8_delayed, 'fp8' (train/state.py); the optimizer sees 'params' alone."""
+    and, under fp8_delayed, 'fp8' (train/state.py); the optimizer sees 'params' alone, or with
+    lora.rank > 0 'lora' alone ('params' is then the frozen base, returned as it came)."""
     if cfg.train.grad_accum_auto:  # a number by now: titanax.plan.fit chooses it
         raise ConfigError("train.grad_accum=auto must be resolved before the step is built "
                           "(launch.train's memory check does it)")
     offload_update = offload.enabled(cfg)
     loss_fn = make_loss_fn(cfg, graphdef)
+    trained = "lora" if cfg.lora.enabled else "params"
 
     def train_step(state, batch):
-        params, fp8 = state["params"], state.get("fp8", nnx.State({}))
-        loss, grads, new_fp8 = _grads(cfg, loss_fn, params, fp8, batch)
+        params, fp8 = state[trained], state.get("fp8", nnx.State({}))
+        step_loss = loss_fn
+        if trained == "lora":
+            # LoRA: the base weights enter as constants, so no gradient of theirs is ever
+            # computed (only the activations' back through them), and they leave untouched.
+            base = state["params"]
+            step_loss = lambda lora, b, f=None, t=None: loss_fn(base, b, f, t, lora=lora)
+        loss, grads, new_fp8 = _grads(cfg, step_loss, params, fp8, batch)
         # (offload_params: the layers' gradients are in host memory, read a layer at a time)
         grad_norm = offload.global_norm(grads) if offload_update else optax.tree.norm(grads)
         # A non-finite amax (inf/NaN in an FP8 operand, e.g. an overflowing gradient that the
@@ -164,7 +175,7 @@ def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation, sch
             new_params, new_opt_state, new_fp8 = _keep_if_finite(
                 finite, (optax.apply_updates(params, updates), opt_state, new_fp8),
                 (params, state["opt_state"], fp8))
-        new_state = {"step": state["step"] + 1, "params": new_params,
+        new_state = {**state, "step": state["step"] + 1, trained: new_params,
                      "opt_state": new_opt_state}
         if "fp8" in state:
             new_state["fp8"] = new_fp8
@@ -179,11 +190,11 @@ def make_eval_step(cfg: Config, graphdef):
     masking, chunk = cfg.data.masks_documents, cfg.train.loss_chunk
     pipeline = PipelineSchedule.from_config(cfg.pipeline)
 
-    def eval_step(params, batch, fp8=None):
+    def eval_step(params, batch, fp8=None, lora=None):
         """fp8: the train state's 'fp8' (needed under fp8_delayed: the histories scale the
-        forward pass)."""
+        forward pass); lora: its adapters (lora.rank > 0)."""
         total = nll_sum(graphdef, params, batch, document_masking=masking, loss_chunk=chunk,
-                        pipeline=pipeline, fp8=fp8)
+                        pipeline=pipeline, fp8=fp8, lora=lora)
         return total, ops.loss_tokens(batch["targets"])
 
     return eval_step

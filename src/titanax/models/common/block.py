@@ -22,6 +22,7 @@ from titanax import ops
 from titanax.config import ExecutionConfig, ModelConfig
 from titanax.models.common.attention import rope_attention
 from titanax.models.common.layers import RMSNorm, make_param
+from titanax.models.common.lora import adapter_delta, adapters_key, make_adapters
 from titanax.ops.linear import linears
 from titanax.parallel.rules import shard_activation
 
@@ -30,6 +31,11 @@ FP8_SITES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the FP8 matm
 # sequence-parallel input, row-parallel ones scatter their output (parallel/collective_matmul).
 TP_ROLES = {"wq": "column", "wk": "column", "wv": "column", "w_gate": "column",
             "w_up": "column", "wo": "row", "w_down": "row"}
+# Each projection's einsum (x, one layer's weight -> y), as lin and lin_shared are called with
+# it: LoRA adapters (common/lora.py) take their input and output axes from it.
+PROJECTION_SPECS = {"wq": "bsd,dhk->bshk", "wk": "bsd,dhk->bshk", "wv": "bsd,dhk->bshk",
+                    "wo": "bshk,dhk->bsd", "w_gate": "bsd,df->bsf", "w_up": "bsd,df->bsf",
+                    "w_down": "bsf,df->bsd"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +52,9 @@ class DecoderBlock(nnx.Module):
     Called on one layer's slice of the state (see Decoder._layer_fn)."""
 
     def __init__(self, cfg: ModelConfig, execution: ExecutionConfig, options: BlockOptions,
-                 axes, *, rngs: nnx.Rngs):
+                 axes, *, rngs: nnx.Rngs, lora=None):
+        """lora: the config's lora section (LoraConfig) when lora.rank > 0: adapters
+        <weight>_lora_a / _lora_b (common/lora.py) on its target weights; None: none."""
         L, D, K, F = cfg.n_layers, cfg.d_model, cfg.resolved_head_dim, cfg.ffn_dim
         H, N = cfg.n_heads, cfg.n_kv_heads
         pdt = jnp.dtype(cfg.param_dtype)
@@ -68,7 +76,26 @@ class DecoderBlock(nnx.Module):
         if execution.matmul_precision == "fp8_delayed":  # amax histories per FP8 call site
             for name in FP8_SITES:
                 setattr(self, f"fp8_{name}", ops.make_fp8_meta(L, execution.fp8_amax_history))
+        if lora is not None and lora.enabled:
+            self._add_adapters(lora, axes, rngs)
         self.cfg, self.execution, self.options = cfg, execution, options
+
+    def _add_adapters(self, lora, axes, rngs: nnx.Rngs) -> None:
+        key = adapters_key(rngs)
+        for i, name in enumerate(lora.weights):
+            a, b = make_adapters(jax.random.fold_in(key, i), getattr(self, name).shape,
+                                 axes[name], PROJECTION_SPECS[name], lora.rank)
+            setattr(self, f"{name}_lora_a", a)
+            setattr(self, f"{name}_lora_b", b)
+        self.lora_scale = lora.scale
+
+    def _adapted(self, y, x, name: str, spec: str):
+        """y (= x W of weight `name`) plus its LoRA adapter's scale * (x A) B, if it has one."""
+        a = getattr(self, f"{name}_lora_a", None)
+        if a is None:
+            return y
+        return y + adapter_delta(x, a[...], getattr(self, f"{name}_lora_b")[...], spec,
+                                 self.lora_scale, y.dtype)
 
     def _meta(self, name):
         """This layer's amax histories for weight `name` (fp8_delayed), else None."""
@@ -79,19 +106,21 @@ class DecoderBlock(nnx.Module):
         """x times weight `name` in the compute dtype or an FP8 recipe, with this call site's
         amax histories."""
         ex = self.execution
-        return ops.linear(x, getattr(self, name)[...], spec, precision=ex.matmul_precision,
-                          dtype=jnp.dtype(ex.dtype), fp8_meta=self._meta(name),
-                          grad_reduce=ex.grad_reduce_dtype,
-                          mxfp8_scale_rounding=ex.mxfp8_scale_rounding, tp=TP_ROLES.get(name))
+        y = ops.linear(x, getattr(self, name)[...], spec, precision=ex.matmul_precision,
+                       dtype=jnp.dtype(ex.dtype), fp8_meta=self._meta(name),
+                       grad_reduce=ex.grad_reduce_dtype,
+                       mxfp8_scale_rounding=ex.mxfp8_scale_rounding, tp=TP_ROLES.get(name))
+        return self._adapted(y, x, name, spec)
 
     def lin_shared(self, x, names: tuple[str, ...], spec: str) -> tuple:
         """lin of one input with several weights (q/k/v, gate/up): under a collective matmul
         (parallel/collective_matmul.py) they share one ring."""
         ex = self.execution
-        return linears(x, [getattr(self, n)[...] for n in names], spec,
-                       precision=ex.matmul_precision, dtype=jnp.dtype(ex.dtype),
-                       fp8_metas=[self._meta(n) for n in names], grad_reduce=ex.grad_reduce_dtype,
-                       mxfp8_scale_rounding=ex.mxfp8_scale_rounding, tp=TP_ROLES[names[0]])
+        ys = linears(x, [getattr(self, n)[...] for n in names], spec,
+                     precision=ex.matmul_precision, dtype=jnp.dtype(ex.dtype),
+                     fp8_metas=[self._meta(n) for n in names], grad_reduce=ex.grad_reduce_dtype,
+                     mxfp8_scale_rounding=ex.mxfp8_scale_rounding, tp=TP_ROLES[names[0]])
+        return tuple(self._adapted(y, x, n, spec) for y, n in zip(ys, names, strict=True))
 
     def project_qkv(self, h_BSD):
         """q [B, S, H, K], k and v [B, S, N, K] before RoPE; with qk_norm, q and k normalised

@@ -47,20 +47,25 @@ class Decoder(nnx.Module):
     model.tie_embeddings). An architecture subclasses it with its block_options and
     param_axes (and block_cls when its layer is not the common DecoderBlock, e.g. an MoE)."""
 
-    # block_cls(cfg, execution, block_options, param_axes, rngs=) -> a module called on one
-    # layer's slice
+    # block_cls(cfg, execution, block_options, param_axes, rngs=[, lora=]) -> a module called
+    # on one layer's slice (lora: the LoraConfig, passed only when lora.rank > 0)
     block_cls: type = DecoderBlock
     block_options: BlockOptions = BlockOptions()
     # Logical axis names of every parameter (common/sharding.py decoder_axes): the block's and
     # 'embed', 'output', 'final_norm'.
     param_axes: Mapping[str, tuple[str, ...]] = {}
 
-    def __init__(self, cfg: ModelConfig, execution: ExecutionConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, execution: ExecutionConfig, *, rngs: nnx.Rngs,
+                 lora=None):
+        """lora: the config's lora section; with lora.rank > 0 the block carries adapters
+        (common/lora.py). None or rank 0: the model without them, unchanged."""
         pdt, axes = jnp.dtype(cfg.param_dtype), self.param_axes
         self.cfg, self.execution = cfg, execution
         self.embed = make_param(rngs, (cfg.vocab_size, cfg.d_model), axes["embed"],
                                 execution.init_std, pdt)
-        self.layers = self.block_cls(cfg, execution, self.block_options, axes, rngs=rngs)
+        adapters = {"lora": lora} if lora is not None and lora.enabled else {}
+        self.layers = self.block_cls(cfg, execution, self.block_options, axes, rngs=rngs,
+                                     **adapters)
         self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt,
                                   axes=axes["final_norm"])
         if not cfg.tie_embeddings:  # tied: no parameter, the output layer is embed.T

@@ -1,0 +1,223 @@
+"""LoRA (issue 35, docs/lora.md): adapters on the block's projections, only they trained.
+
+Step 0 is the base model exactly (B = 0); eight steps match a reference that merges
+W + scale * A B into a plain dense titanax model and runs optax's AdamW on A, B by hand; the
+base weights come out bit-identical; the state holds moments for the adapters alone; a LoRA
+run starts from a checkpoint saved without adapters and resumes its own; fsdp x tensor equals
+one device; what LoRA cannot run with is refused in one line."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from helpers.layouts import make_batch, tiny_config
+from helpers.small import run_small, tree_equal
+
+from titanax.config import ConfigError, apply_overrides
+from titanax.generate import load_for_inference
+from titanax.parallel.mesh import build_mesh
+from titanax.parallel.rules import model_context
+from titanax.train.optim import lr_schedule, make_optimizer
+from titanax.train.state import create_train_state, jit_eval_step, jit_train_step
+from titanax.train.step import make_loss_fn
+
+pytestmark = pytest.mark.usefixtures("devices8")  # the sharded layout's 4 of 8 devices
+
+RANK, ALPHA = 4, 8.0
+LORA = {"lora.rank": RANK, "lora.alpha": ALPHA, "model.n_layers": 2, "optim.warmup_steps": 1}
+
+
+def _setup(cfg, devices):
+    mesh = build_mesh(cfg.mesh, devices=devices)
+    tx = make_optimizer(cfg)
+    graphdef, state, shardings = create_train_state(cfg, mesh, tx)
+    step = jit_train_step(cfg, mesh, graphdef, shardings, tx, lr_schedule(cfg))
+    return mesh, graphdef, state, step, jit_eval_step(cfg, mesh, graphdef, shardings)
+
+
+def _batches(cfg, n):
+    """n different batches (make_batch's layout, other tokens)."""
+    base = make_batch(cfg)
+    rng = np.random.default_rng(1)
+    out = []
+    for _ in range(n):
+        toks = rng.integers(0, cfg.model.vocab_size, base["inputs"].shape, dtype=np.int32)
+        out.append({**base, "inputs": toks, "targets": np.roll(toks, -1, axis=1)})
+    return out
+
+
+def _train(cfg, devices, batches):
+    mesh, _, state, step, _ = _setup(cfg, devices)
+    losses = []
+    with model_context(mesh):
+        for batch in batches:
+            state, m = step(state, batch)
+            losses.append(float(m["loss"]))
+    return losses, state
+
+
+def test_step_zero_is_the_base_model_exactly():
+    """Same seed, with and without adapters: the same base weights (the adapters draw no key
+    from the params stream), and B = 0 gives the same logits and eval loss, bit for bit."""
+    cfg0, cfg = tiny_config(**{"model.n_layers": 2}), tiny_config(**LORA)
+    batch = make_batch(cfg)
+    mesh, g0, s0, _, eval0 = _setup(cfg0, jax.devices()[:1])
+    _, g1, s1, _, eval1 = _setup(cfg, jax.devices()[:1])
+    assert tree_equal(s0["params"], s1["params"])
+    with model_context(mesh):
+        assert tree_equal(eval0(s0, batch), eval1(s1, batch))
+        logits0, _ = nnx.merge(g0, s0["params"])(batch["inputs"])
+        logits1, _ = nnx.merge(g1, s1["params"], s1["lora"])(batch["inputs"])
+    np.testing.assert_array_equal(np.asarray(logits1), np.asarray(logits0))
+
+
+# Each adapter merged into its weight: W [L, ...] += scale * (A B) in W's axis order.
+_MERGE = {"wq": "ldr,lrhk->ldhk", "wk": "ldr,lrhk->ldhk", "wv": "ldr,lrhk->ldhk",
+          "wo": "lhkr,lrd->ldhk", "w_gate": "ldr,lrf->ldf", "w_up": "ldr,lrf->ldf",
+          "w_down": "lfr,lrd->ldf"}
+
+
+def _merged(base: dict, ab: dict, scale: float) -> dict:
+    layers = dict(base["layers"])
+    for name, spec in _MERGE.items():
+        layers[name] = layers[name] + scale * jnp.einsum(spec, ab[name]["a"], ab[name]["b"])
+    return {**base, "layers": layers}
+
+
+def test_eight_steps_match_a_merged_dense_reference():
+    """The reference: the dense model (lora off) on W + scale A B, its gradient with respect to
+    A and B through the merge (jax.grad), optax's clip + AdamW on them by hand."""
+    cfg = tiny_config(**LORA)
+    batches = _batches(cfg, 2) * 4  # seen again, so the loss falls
+    losses, state = _train(cfg, jax.devices()[:1], batches)
+
+    cfg0 = apply_overrides(cfg, {"lora.rank": 0})
+    mesh, g0, s0, _, _ = _setup(cfg0, jax.devices()[:1])
+    loss_fn = make_loss_fn(cfg0, g0)
+    base = nnx.to_pure_dict(s0["params"])
+    _, _, s1, _, _ = _setup(cfg, jax.devices()[:1])  # the adapters' initial values
+    pure = nnx.to_pure_dict(s1["lora"])["layers"]
+    ab = {n: {"a": pure[f"{n}_lora_a"], "b": pure[f"{n}_lora_b"]} for n in _MERGE}
+    o = cfg.optim
+    tx = optax.chain(optax.clip_by_global_norm(o.clip_norm),
+                     optax.adamw(lr_schedule(cfg), b1=o.b1, b2=o.b2, eps=o.eps,
+                                 weight_decay=o.weight_decay))
+    opt = tx.init(ab)
+
+    def ref_loss(ab, batch):
+        merged = _merged(base, ab, ALPHA / RANK)
+        params = nnx.State(jax.tree.map(lambda x: x, s0["params"]))
+        nnx.replace_by_pure_dict(params, merged)
+        return loss_fn(params, batch)
+
+    want, grad_fn = [], jax.jit(jax.value_and_grad(ref_loss))
+    with model_context(mesh):
+        for batch in batches:
+            loss, g = grad_fn(ab, batch)
+            updates, opt = tx.update(g, opt, ab)
+            ab = optax.apply_updates(ab, updates)
+            want.append(float(loss))
+    np.testing.assert_allclose(losses, want, rtol=2e-5)
+    assert losses[-1] < losses[0]  # it learns
+    got = nnx.to_pure_dict(state["lora"])["layers"]
+    for n in _MERGE:
+        np.testing.assert_allclose(got[f"{n}_lora_b"], ab[n]["b"], rtol=1e-3, atol=1e-6)
+
+
+def test_only_adapters_train_and_hold_optimizer_state():
+    """The base comes out bit-identical; opt_state's moments mirror the adapters, nothing else
+    (no moment of a base weight exists anywhere in the state)."""
+    cfg = tiny_config(**LORA)
+    mesh, _, state, step, _ = _setup(cfg, jax.devices()[:1])
+    base = jax.device_get(state["params"])
+    lora0 = jax.device_get(state["lora"])
+    with model_context(mesh):
+        for batch in _batches(cfg, 2):
+            state, _ = step(state, batch)
+    assert tree_equal(state["params"], base)
+    assert not tree_equal(state["lora"], lora0)
+    assert set(state) == {"step", "params", "lora", "opt_state"}
+    adam = state["opt_state"][-1][0]  # chain(clip, adamw): adamw's ScaleByAdamState
+    names = lambda t: {"/".join(map(str, p)) for p, _ in nnx.to_flat_state(t)}  # noqa: E731
+    assert names(adam.mu) == names(adam.nu) == names(state["lora"])
+    assert all("lora_" in n for n in names(adam.mu))
+    n_base = sum(x.size for x in jax.tree.leaves(state["params"]))
+    n_opt = sum(x.size for x in jax.tree.leaves(state["opt_state"]))
+    # two moments per adapter element, plus scalar step counts
+    assert n_opt <= 2 * sum(x.size for x in jax.tree.leaves(state["lora"])) + 4 < n_base
+
+
+@functools.cache
+def _one_device_losses() -> tuple[float, ...]:
+    """Two steps of the LoRA model on one device: what every layout must give."""
+    cfg = tiny_config(**LORA)
+    return tuple(_train(cfg, jax.devices()[:1], _batches(cfg, 2))[0])
+
+
+def test_fsdp_by_tensor_equals_one_device():
+    cfg = tiny_config(**LORA)
+    batches, one = _batches(cfg, 2), _one_device_losses()
+    sharded = apply_overrides(cfg, {"mesh.fsdp": 2, "mesh.tensor": 2, "mesh.data": 1})
+    four, state = _train(sharded, jax.devices()[:4], batches)
+    np.testing.assert_allclose(four, one, rtol=1e-5)
+    a = state["lora"]["layers"]["wq_lora_a"].get_value()  # A [L, embed, r]: embed on fsdp
+    b = state["lora"]["layers"]["wq_lora_b"].get_value()  # B [L, r, heads, hd]: heads on tensor
+    assert "fsdp" in str(a.sharding.spec) and "tensor" in str(b.sharding.spec)
+
+
+def test_gpipe_sums_the_adapters_gradients_over_its_ticks():
+    """The pipeline treats non-Param layer Variables as fp8 histories (a maximum over ticks)
+    unless they are marked trained, as LoRA is: two stages equal one device."""
+    cfg = tiny_config(**LORA)
+    batches, one = _batches(cfg, 2), _one_device_losses()
+    staged = apply_overrides(cfg, {"mesh.pipeline": 2, "mesh.data": 1,
+                                   "pipeline.schedule": "gpipe", "pipeline.microbatches": 2})
+    two, _ = _train(staged, jax.devices()[:2], batches)
+    np.testing.assert_allclose(two, one, rtol=1e-5)
+
+
+def test_lora_starts_from_a_checkpoint_without_adapters_and_resumes(tmp_path):
+    """An imported model's state is a checkpoint without adapters: LoRA takes it as the frozen
+    base (fresh adapters and optimizer state), then resumes its own checkpoints whole; another
+    rank is refused naming the field; sampling loads the adapters."""
+    every = {"checkpoint.every_steps": 1, "checkpoint.async_save": False, "checkpoint.keep": 9}
+    run_small(tmp_path, 1, **every)  # the base: step 1, no adapters
+    lora = {**every, "lora.rank": RANK}
+    first, log = run_small(tmp_path, 3, **lora)
+    assert "frozen base of new rank-4 LoRA adapters" in log and first.final_step == 3, log
+    again, log = run_small(tmp_path, 4, **lora)
+    assert "resumed" in log and "LoRA adapters" not in log and again.final_step == 4, log
+    with pytest.raises(ConfigError, match=r"lora\.rank: 4 -> 8"):
+        run_small(tmp_path, 5, **{**lora, "lora.rank": 8})
+    _, _, base, _ = load_for_inference(tmp_path, step=1)
+    cfg, graphdef, tuned, _ = load_for_inference(tmp_path, step=4)
+    params, adapters = nnx.split_state(tuned, nnx.Param, ...)
+    assert tree_equal(params, base)  # the base weights, bit for bit
+    assert jax.tree.leaves(adapters) and cfg.lora.rank == RANK
+    tokens = jnp.arange(16, dtype=jnp.int32)[None]
+    with_adapters, _ = nnx.merge(graphdef, tuned)(tokens)
+    b_zero = jax.tree.map(lambda x: x, tuned)
+    for path, v in nnx.to_flat_state(b_zero):
+        if path[-1].endswith("_lora_b"):
+            v.set_value(jnp.zeros_like(v.get_value()))
+    without, _ = nnx.merge(graphdef, b_zero)(tokens)
+    assert not np.allclose(np.asarray(with_adapters), np.asarray(without))
+
+
+@pytest.mark.parametrize("over, field", [
+    ({"train.offload_optimizer": True}, "train.offload_optimizer"),
+    ({"lora.dropout": 0.1}, "lora.dropout"),
+    ({"lora.targets": "q,query"}, "lora.targets"),
+    ({"mesh.pipeline": 2, "pipeline.schedule": "1f1b", "pipeline.microbatches": 2},
+     "pipeline.schedule"),
+])
+def test_what_lora_cannot_run_with_is_refused_in_one_line(over, field):
+    with pytest.raises(ConfigError) as e:
+        tiny_config(**{"lora.rank": RANK, **over})
+    assert str(e.value).startswith(f"{field}:") and "\n" not in str(e.value)
