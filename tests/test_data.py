@@ -9,6 +9,7 @@ import pathlib
 import numpy as np
 import pytest
 
+from tests.helpers.interrupt import killed_at_shard
 from titanax.config import Config, ConfigError, DataConfig, ModelConfig, TrainConfig
 from titanax.data import corpus, pipeline, shards
 from titanax.data.packing import StreamWindows, TokenStream, pack
@@ -130,21 +131,9 @@ def test_prepare_resumes_after_interruption(tmp_path, tok_path, monkeypatch, kin
                                  progress=False)
     assert len(full["shards"]) >= 4
 
-    real_save = shards.save_npy_atomic
-    calls = {"n": 0}
-
-    def crashing_save(path, array):
-        calls["n"] += 1
-        if calls["n"] == 3:  # killed while writing the third shard: a partial temp file
-            shards._tmp_name(pathlib.Path(path)).write_bytes(b"\x93NUMPY partial")
-            raise KeyboardInterrupt
-        real_save(path, array)
-
-    monkeypatch.setattr(shards, "save_npy_atomic", crashing_save)
     out = tmp_path / "resumed"
-    with pytest.raises(KeyboardInterrupt):
+    with killed_at_shard(monkeypatch):  # while writing the third shard: a partial temp file
         shards.prepare_shards(tok_path, src, out, shard_tokens=150, progress=False)
-    monkeypatch.setattr(shards, "save_npy_atomic", real_save)
     assert len(shards.read_meta(out)["shards"]) == 2
     # Unfinished: training takes it only when told to (its validation tail will move).
     assert shards.read_meta(out)["complete"] is False

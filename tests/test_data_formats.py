@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
+from tests.helpers.interrupt import killed_at_shard
 from titanax.config import ConfigError
 from titanax.data import shards
 from titanax.data.errors import DataError
@@ -129,21 +130,11 @@ def test_parquet_resumes_inside_the_file(tmp_path, tok_path, monkeypatch):
     pq.write_table(_table(TEXTS), path, row_group_size=5)
     shards.prepare_shards(tok_path, path, tmp_path / "full", shard_tokens=SHARD_TOKENS,
                           progress=False)
-    real_save, calls = shards.save_npy_atomic, {"n": 0}
-
-    def crashing_save(p, array):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-        real_save(p, array)
-
-    monkeypatch.setattr(shards, "save_npy_atomic", crashing_save)
-    with pytest.raises(KeyboardInterrupt):
+    with killed_at_shard(monkeypatch):
         shards.prepare_shards(tok_path, path, tmp_path / "out", shard_tokens=SHARD_TOKENS,
                               progress=False, batch_chars=1)
     partial = shards.read_meta(tmp_path / "out")["partial_input"]
     assert partial["path"] == "data.parquet" and 0 < partial["records"] < len(TEXTS)
-    monkeypatch.setattr(shards, "save_npy_atomic", real_save)
     shards.prepare_shards(tok_path, path, tmp_path / "out", shard_tokens=SHARD_TOKENS,
                           progress=False)
     assert _shard_bytes(tmp_path / "out") == _shard_bytes(tmp_path / "full")

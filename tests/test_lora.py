@@ -16,9 +16,9 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers.layouts import make_batch, tiny_config
-from helpers.small import run_small, tree_equal
 
+from tests.helpers.layouts import make_batch, tiny_config
+from tests.helpers.small import run_small, tree_equal
 from titanax.config import ConfigError, apply_overrides
 from titanax.generate import load_for_inference
 from titanax.parallel.mesh import build_mesh
@@ -179,6 +179,17 @@ def test_gpipe_sums_the_adapters_gradients_over_its_ticks():
     staged = apply_overrides(cfg, {"mesh.pipeline": 2, "mesh.data": 1,
                                    "pipeline.schedule": "gpipe", "pipeline.microbatches": 2})
     two, _ = _train(staged, jax.devices()[:2], batches)
+    np.testing.assert_allclose(two, one, rtol=1e-5)
+
+
+def test_grad_accum_under_full_remat_equals_one_batch():
+    """train.grad_accum=2 with execution.remat=full (where a dense model sums its gradients in
+    place, models/accumulate.py): the adapters' sum is the plain one, and the step equals one
+    pass over the whole batch."""
+    cfg = tiny_config(**LORA, **{"execution.remat": "full"})
+    batches = _batches(cfg, 2)
+    one, _ = _train(cfg, jax.devices()[:1], batches)
+    two, _ = _train(apply_overrides(cfg, {"train.grad_accum": 2}), jax.devices()[:1], batches)
     np.testing.assert_allclose(two, one, rtol=1e-5)
 
 

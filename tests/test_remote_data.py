@@ -23,6 +23,7 @@ import pytest
 from launch.prepare_data import main as prepare_main
 from tests.helpers.chat import LLAMA3, special_tokenizer
 from tests.helpers.cli import ROOT, assert_one_error
+from tests.helpers.interrupt import killed_at_shard
 from titanax.data import remote, shards
 from titanax.data.tokenizer import Tokenizer
 
@@ -121,19 +122,8 @@ def _assert_same_shards(a: pathlib.Path, b: pathlib.Path, differ=("source",)) ->
 def _interrupted_then_resumed(monkeypatch, tok_path, out, *source, extra=()) -> int:
     """Runs prepare_data killed while writing its third shard, then again; returns how many
     documents the second run tokenized."""
-    real_save = shards.save_npy_atomic
-    calls = {"n": 0}
-
-    def crashing_save(path, array):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-        real_save(path, array)
-
-    monkeypatch.setattr(shards, "save_npy_atomic", crashing_save)
-    with pytest.raises(KeyboardInterrupt):
+    with killed_at_shard(monkeypatch):
         _prepare(tok_path, out, *source, extra=extra)
-    monkeypatch.setattr(shards, "save_npy_atomic", real_save)
     assert len(shards.read_meta(out)["shards"]) == 2
     encoded = []
     real_encode = Tokenizer.encode_batch

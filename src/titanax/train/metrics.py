@@ -11,6 +11,7 @@ import time
 import jax
 import numpy as np
 
+from titanax.config import TrainConfig
 from titanax.loggers import DEFAULT_LOGGERS
 from titanax.train.loggers import STATE_FILE, Resume, load_loggers
 
@@ -32,8 +33,8 @@ class MetricsWriter:
         self.loggers = []
         if not enabled:
             return
-        names = [n.strip() for n in loggers.split(",") if n.strip()] if isinstance(
-            loggers, str) else loggers
+        # The config's own parsing and checks (a comma-separated string or a sequence).
+        names = TrainConfig(loggers=loggers).logger_names
         resume = Resume(purge_step, workdir / STATE_FILE)
         workdir.mkdir(parents=True, exist_ok=True)
         try:

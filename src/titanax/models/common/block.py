@@ -31,8 +31,8 @@ FP8_SITES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the FP8 matm
 # sequence-parallel input, row-parallel ones scatter their output (parallel/collective_matmul).
 TP_ROLES = {"wq": "column", "wk": "column", "wv": "column", "w_gate": "column",
             "w_up": "column", "wo": "row", "w_down": "row"}
-# Each projection's einsum (x, one layer's weight -> y), as lin and lin_shared are called with
-# it: LoRA adapters (common/lora.py) take their input and output axes from it.
+# Each projection's einsum (x, one layer's weight -> y), the one lin and lin_shared are called
+# with: LoRA adapters (common/lora.py) take their input and output axes from it.
 PROJECTION_SPECS = {"wq": "bsd,dhk->bshk", "wk": "bsd,dhk->bshk", "wv": "bsd,dhk->bshk",
                     "wo": "bshk,dhk->bsd", "w_gate": "bsd,df->bsf", "w_up": "bsd,df->bsf",
                     "w_down": "bsf,df->bsd"}
@@ -125,7 +125,8 @@ class DecoderBlock(nnx.Module):
     def project_qkv(self, h_BSD):
         """q [B, S, H, K], k and v [B, S, N, K] before RoPE; with qk_norm, q and k normalised
         over K, each head on its own."""
-        q_BSHK, k_BSNK, v_BSNK = self.lin_shared(h_BSD, ("wq", "wk", "wv"), "bsd,dhk->bshk")
+        q_BSHK, k_BSNK, v_BSNK = self.lin_shared(h_BSD, ("wq", "wk", "wv"),
+                                                PROJECTION_SPECS["wq"])
         if self.options.qk_norm:
             q_BSHK, k_BSNK = self.q_norm(q_BSHK), self.k_norm(k_BSNK)
         return q_BSHK, k_BSNK, v_BSNK
@@ -133,15 +134,15 @@ class DecoderBlock(nnx.Module):
     def attention(self, h_BSD, positions_BS, segment_ids_BS, kv, cache_index):
         """The attention sublayer's output [B, S, D] (before the residual) and the new KV."""
         q_BSHK, k_BSNK, v_BSNK = self.project_qkv(h_BSD)
-        out_BSHK, new_kv = rope_attention(self.cfg, self.execution, q_BSHK, k_BSNK, v_BSNK, positions_BS,
-                                          segment_ids_BS, kv, cache_index)
-        return self.lin(out_BSHK, "wo", "bshk,dhk->bsd"), new_kv
+        out_BSHK, new_kv = rope_attention(self.cfg, self.execution, q_BSHK, k_BSNK, v_BSNK,
+                                          positions_BS, segment_ids_BS, kv, cache_index)
+        return self.lin(out_BSHK, "wo", PROJECTION_SPECS["wo"]), new_kv
 
     def mlp(self, h_BSD):
         """SwiGLU: w_down(silu(w_gate h) * w_up h)."""
-        gate_BSF, up_BSF = self.lin_shared(h_BSD, ("w_gate", "w_up"), "bsd,df->bsf")
+        gate_BSF, up_BSF = self.lin_shared(h_BSD, ("w_gate", "w_up"), PROJECTION_SPECS["w_gate"])
         act_BSF = shard_activation(jax.nn.silu(gate_BSF) * up_BSF, ("batch", "seq", "mlp"))
-        return self.lin(act_BSF, "w_down", "bsf,df->bsd")
+        return self.lin(act_BSF, "w_down", PROJECTION_SPECS["w_down"])
 
     def __call__(self, x_BSD, positions_BS, segment_ids_BS, kv=None, cache_index=None):
         attn_BSD, new_kv = self.attention(self.attn_norm(x_BSD), positions_BS, segment_ids_BS,
