@@ -1,9 +1,13 @@
 """python -m launch.export_hf --workdir DIR --out DIR [--step N] [--dtype bfloat16|float32]
-                              [--max-shard-size 5GB] [--push-to-hub ORG/NAME [--private]
+                              [--max-shard-size 5GB] [--adapter | --base]
+                              [--push-to-hub ORG/NAME [--private]
                               [--revision BRANCH] [--commit-message TEXT]]
 Writes a run's checkpoint as a Hugging Face folder of its model.arch (e.g. LlamaForCausalLM:
 config.json, generation_config.json, safetensors shards + index, tokenizer files), streaming:
-host memory stays near one shard, not the model. --push-to-hub then uploads that folder as one
+host memory stays near one shard, not the model. A LoRA run (lora.rank > 0) exports with its
+adapters merged into the weights (a plain model), or with --adapter as a PEFT adapter folder
+(adapter_config.json + adapter_model.safetensors, float32 unless --dtype says otherwise) for
+its base, or with --base as the frozen base alone (docs/lora.md). --push-to-hub then uploads that folder as one
 commit to the hub repository (created when missing), with the token of HF_TOKEN or
 hf auth login, checked before the export starts (docs/hub.md)."""
 
@@ -25,9 +29,15 @@ def main(argv=None) -> None:
     p.add_argument("--workdir", required=True, help="run folder holding checkpoints/")
     p.add_argument("--out", required=True, help="new (or empty) folder for the HF model")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float32", "float16"],
+                   help="tensor dtype written (default bfloat16; float32 for --adapter)")
     p.add_argument("--max-shard-size", default="5GB",
                    help="largest safetensors shard, e.g. 5GB, 500MB, 2GiB (default 5GB)")
+    lora = p.add_argument_group("a LoRA run (default: adapters merged into the weights)")
+    which = lora.add_mutually_exclusive_group()
+    which.add_argument("--adapter", action="store_true",
+                       help="write a PEFT adapter folder (peft.PeftModel.from_pretrained(base, OUT))")
+    which.add_argument("--base", action="store_true", help="write the frozen base weights alone")
     hub = p.add_argument_group("upload (after the export)")
     hub.add_argument("--push-to-hub", metavar="ORG/NAME", default=None,
                      help="upload the exported folder to this hub model repository")
@@ -37,6 +47,8 @@ def main(argv=None) -> None:
                      help="branch to commit to, created from main when missing (default main)")
     hub.add_argument("--commit-message", default=None, metavar="TEXT")
     args = p.parse_args(argv)
+    lora_export = "adapter" if args.adapter else "base" if args.base else "merged"
+    args.dtype = args.dtype or ("float32" if args.adapter else "bfloat16")
     if not args.push_to_hub and (args.private or args.revision or args.commit_message):
         p.error("--private, --revision and --commit-message go with --push-to-hub ORG/NAME")
     token = _hub_token(args.push_to_hub) if args.push_to_hub else None
@@ -52,7 +64,7 @@ def main(argv=None) -> None:
     try:
         max_bytes = parse_size(args.max_shard_size)
         r = export_hf(args.workdir, args.out, step=args.step, dtype=args.dtype,
-                      max_shard_bytes=max_bytes)
+                      max_shard_bytes=max_bytes, lora=lora_export)
     except (FileNotFoundError, FileExistsError, ValueError) as e:  # ConfigError is a ValueError
         fail(str(e))
     except UnreadableCheckpoint as e:  # a damaged run, not a bad flag
@@ -63,7 +75,8 @@ def main(argv=None) -> None:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    tok = f", tokenizer from {r.tokenizer}" if r.tokenizer else ", no tokenizer found for the run"
+    tok = (f", tokenizer from {r.tokenizer}" if r.tokenizer else "" if args.adapter
+           else ", no tokenizer found for the run")
     print(f"exported step {r.step}: {r.tensors} tensors, {r.bytes / 1e9:.3f} GB {args.dtype} in "
           f"{r.shards} shard(s) to {r.out}{tok}")
     if args.push_to_hub:

@@ -32,7 +32,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
 
     from titanax.config import ConfigError
-    from titanax.hf.hub import HubError, resolve_model_folder
+    from titanax.hf.hub import HubError, import_origin, resolve_model_folder
     from titanax.hf.run_config import HFImportError, import_config
 
     try:
@@ -45,7 +45,7 @@ def main(argv=None) -> None:
     from titanax.hf.importer import import_hf
 
     try:
-        import_hf(hf_dir, cfg, args.workdir)
+        import_hf(hf_dir, cfg, args.workdir, origin=import_origin(args.hf, hf_dir))
     except (HFImportError, ConfigError) as e:
         fail(str(e))
 

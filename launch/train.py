@@ -74,6 +74,7 @@ def main(argv=None) -> None:
     xla_flags.apply_for_run(args.host_devices)  # GPU only; XLA reads them when it starts
     setup_jax(args.host_devices, args)
 
+    from titanax.checkpoint.lora_base import MissingBase
     from titanax.checkpoint.orbax_io import DiskFull, NoGoodCheckpoint, is_disk_full
     from titanax.plan.fit import fit_to_devices
     from titanax.train.loop import TrainingDiverged, WorkdirLocked, train
@@ -84,7 +85,7 @@ def main(argv=None) -> None:
         fail(str(e))
     except WorkdirLocked as e:  # another run holds it: retry (requeue) once it is done
         fail(str(e), EXIT_PREEMPTED)
-    except (TrainingDiverged, NoGoodCheckpoint, DiskFull) as e:  # each names what to do
+    except (TrainingDiverged, NoGoodCheckpoint, DiskFull, MissingBase) as e:  # each names the fix
         stop(str(e))
     except OSError as e:  # metrics, logs, caches: whatever else the run writes
         if not is_disk_full(e):

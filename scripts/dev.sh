@@ -50,8 +50,9 @@ setup_torch() {
   fi
   [ -x .venv-torch/bin/python ] || "$py" -m venv .venv-torch
   # lm_eval + accelerate: lm-eval's own `hf` model, the reference tests/test_eval.py compares with.
+  # peft: the LoRA reference of tests/test_lora_export.py.
   .venv-torch/bin/python -m pip install -q -c constraints-torch.txt torch transformers safetensors numpy \
-    lm_eval==0.4.13 accelerate
+    lm_eval==0.4.13 accelerate peft
   touch "$stamp"
 }
 

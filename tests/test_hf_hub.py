@@ -19,6 +19,7 @@ import pytest
 from tests.helpers.cli import ROOT, assert_one_error, cli
 from tests.helpers.hf_runs import hf_small_config, make_run
 from tests.helpers.hub_cache import FakeHub, fill_hub_cache
+from titanax.hf.source import base_origin
 
 REPO = "titanax-test/tiny-llama"
 
@@ -41,13 +42,15 @@ def hub(tmp_path_factory):
 
 
 def _contents(workdir: pathlib.Path) -> dict:
-    """What an import wrote, the workdir's own path taken out of the config."""
+    """What an import wrote, the workdir's own path taken out of the config (and the origin
+    it records apart: a hub id or the folder)."""
     from titanax.checkpoint.reader import CheckpointReader
 
     reader = CheckpointReader(workdir / "checkpoints")
     return {"config": json.loads((workdir / "config.json").read_text().replace(str(workdir), "W")),
             "files": {str(p.relative_to(workdir)): p.read_bytes()
-                      for sub in ("hf_source", "hf_tokenizer") for p in (workdir / sub).iterdir()},
+                      for sub in ("hf_source", "hf_tokenizer") for p in (workdir / sub).iterdir()
+                      if p.name != "origin.json"},
             "params": {path: reader.read(path) for path in reader.params()}}
 
 
@@ -68,6 +71,9 @@ def test_hub_id_imports_from_the_offline_cache(hub, tmp_path, monkeypatch):
         assert r.returncode == 0, r.stderr[-3000:]
         assert f"at commit {hub.commit}" in r.stdout
         _assert_same_run(hub.direct, work)
+        # the base a LoRA run's PEFT export names (hf/source.py)
+        assert base_origin(work) == (REPO, hub.commit)
+    assert base_origin(hub.direct) == (str(hub.export.absolute()), None)
     assert len(json.loads((hub.export / "model.safetensors.index.json").read_text())
                ["weight_map"].values()) > 1
     # No network (a port nothing listens on), HF_HUB_OFFLINE unset: the cache stands in.

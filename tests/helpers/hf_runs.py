@@ -58,7 +58,8 @@ def params_by_path(params) -> dict[tuple[str, ...], np.ndarray]:
 
 def make_run(workdir: pathlib.Path, cfg):
     """A titanax run folder with one checkpoint (norm scales randomised so their mapping is
-    tested) and a small BPE tokenizer; returns the parameters as numpy by path."""
+    tested; a LoRA config's B factors too, so its adapters change the model) and a small BPE
+    tokenizer; returns the parameters as numpy by path."""
     from titanax.data.tokenizer import train_bpe
 
     mesh = single_device_mesh()
@@ -70,6 +71,10 @@ def make_run(workdir: pathlib.Path, cfg):
         return x + 0.2 * rng.standard_normal(x.shape).astype(x.dtype) if "norm" in names else x
 
     state["params"] = jax.tree_util.tree_map_with_path(randomise, state["params"])
+    if "lora" in state:  # B starts at zero: make the adapters add something
+        state["lora"] = jax.tree_util.tree_map_with_path(
+            lambda kp, x: x + 0.2 * rng.standard_normal(x.shape).astype(x.dtype)
+            if "lora_b" in str(kp) else x, state["lora"])
     ckpt = Checkpointer(workdir / "checkpoints", CheckpointConfig(async_save=False))
     ckpt.save(0, state, data_state=None, config=cfg.to_dict())
     ckpt.close()

@@ -12,6 +12,8 @@ Items of a step (names are stable: generate.py, export and HF import read and wr
   config  the run's Config as JSON
   data    the grain train iterator's state (JSON), optional
   run     loop counters that are not train state (skipped steps), optional
+  lora_base  a LoRA run's step whose 'params' are its frozen base (checkpoint/lora_base.py);
+          the step's state then holds no 'params' of its own, optional
 
 Parameter layout. Each step's metadata records PARAM_LAYOUT. Layout 2 stores wo as
 [L, d, Hq, hd] and w_down as [L, d, F] (embed first, as HF does: FSDP then gathers each layer's
@@ -52,6 +54,8 @@ from jax.sharding import PartitionSpec as P
 from orbax.checkpoint import checkpoint_managers as policies
 
 from titanax.checkpoint import integrity
+from titanax.checkpoint.lora_base import ITEM as LORA_BASE_ITEM
+from titanax.checkpoint.lora_base import BaseRef, KeepBases, MissingBase
 from titanax.config import CheckpointConfig, Config, ConfigError, ModelConfig
 from titanax.models.registry import model_spec
 from titanax.preemption import STOPPING
@@ -232,6 +236,9 @@ class Restored:
     data_state: dict | None
     config: dict
     run_state: dict  # {} for checkpoints that carry none
+    # A LoRA run's base (checkpoint/lora_base.py) for its next saves to name: the one this step
+    # names, or this step itself when it holds the weights; None without adapters.
+    lora_base: BaseRef | None = None
 
 
 class Checkpointer:
@@ -241,7 +248,9 @@ class Checkpointer:
         or quarantined."""
         self.directory = pathlib.Path(directory).absolute()
         self.read_only = read_only
-        keep = [policies.LatestN(cfg.keep)]
+        # KeepBases: the frozen base a LoRA run's steps name outlives checkpoint.keep.
+        self.bases = KeepBases()
+        keep = [policies.LatestN(cfg.keep), self.bases]
         if cfg.permanent_every:
             keep.append(policies.EveryNSteps(cfg.permanent_every))
         options = ocp.CheckpointManagerOptions(
@@ -255,7 +264,7 @@ class Checkpointer:
         # Handlers named up front, so reading one item (say the config) needs no guessing.
         handlers = {"state": ocp.StandardCheckpointHandler(),
                     "config": ocp.JsonCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
-                    "run": ocp.JsonCheckpointHandler()}
+                    "run": ocp.JsonCheckpointHandler(), LORA_BASE_ITEM: ocp.JsonCheckpointHandler()}
         self.manager = ocp.CheckpointManager(self.directory, options=options,
                                              item_handlers=handlers)
         self._sealers: list[threading.Thread] = []  # manifest writers not joined yet
@@ -272,15 +281,22 @@ class Checkpointer:
         return self.directory / str(step)
 
     def save(self, step: int, state, *, data_state: dict | None, config: dict,
-             run_state: dict | None = None) -> None:
+             run_state: dict | None = None, lora_base: BaseRef | None = None) -> None:
         """Starts an asynchronous save (returns once the arrays are copied off the devices).
         `state` is saved whole, so whatever the train state holds (FP8 scaling history, an RNG
-        key) is checkpointed with it."""
+        key) is checkpointed with it; with lora_base (a LoRA run's frozen base, already on
+        disk) all of it but 'params', which the step names instead (checkpoint/lora_base.py)."""
         # Like orbax with the previous save, finish the previous manifest first (long done
         # unless checksumming is slower than the save interval): `keep` may now collect that
         # step, and must not while it is being read.
         self._join_sealers()
-        items = {"state": ocp.args.StandardSave(state), "config": ocp.args.JsonSave(config)}
+        items = {"config": ocp.args.JsonSave(config)}
+        if lora_base is not None:
+            state = {k: v for k, v in state.items() if k != "params"}
+            items[LORA_BASE_ITEM] = ocp.args.JsonSave(lora_base.to_json())
+            if lora_base.directory == self.directory:
+                self.bases.steps.add(lora_base.step)
+        items["state"] = ocp.args.StandardSave(state)
         if data_state is not None:
             items["data"] = ocp.args.JsonSave(data_state)
         if run_state is not None:
@@ -326,7 +342,11 @@ class Checkpointer:
 
     def _restore(self, step: int, abstract_state) -> Restored:
         names = {p.name for p in self.step_dir(step).iterdir() if p.is_dir()}
+        if LORA_BASE_ITEM in names:
+            return self._restore_on_base(step, abstract_state, names)
         legacy = self.legacy_params(step)
+        # A LoRA run's next saves name this step as their base (it holds the weights).
+        base = BaseRef(self.directory, step) if "lora" in abstract_state else None
         base_only = self.base_only(step, abstract_state)
         if base_only:
             # A LoRA run starting from a step saved without adapters: its base weights (and
@@ -352,7 +372,53 @@ class Checkpointer:
         if moved:
             state = out_of_params(state, abstract_state, moved)
         return Restored(step, state, out["data"] if "data" in names else None,
-                        out["config"], out["run"] if "run" in names else {})
+                        out["config"], out["run"] if "run" in names else {}, base)
+
+    def _restore_on_base(self, step: int, abstract_state, names: set[str]) -> Restored:
+        """A LoRA step that names its base: its own entries, and 'params' from the base."""
+        ref = self.lora_base(step)
+        items = {"config": ocp.args.JsonRestore()}
+        for optional in ("data", "run"):
+            if optional in names:
+                items[optional] = ocp.args.JsonRestore()
+        out = self.manager.restore(step, args=ocp.args.Composite(**items))
+        own = {k: v for k, v in abstract_state.items() if k != "params"}
+        state = partial_restore(self.step_dir(step) / "state", own)
+        state["params"] = self.read_base(ref, {"params": abstract_state["params"]},
+                                         by=self.step_dir(step))["params"]
+        if ref.directory == self.directory:
+            self.bases.steps.add(ref.step)
+        return Restored(step, state, out["data"] if "data" in names else None, out["config"],
+                        out["run"] if "run" in names else {}, ref)
+
+    def lora_base(self, step: int) -> BaseRef | None:
+        """The base a LoRA step names (None: the step holds its weights)."""
+        if not (self.step_dir(step) / LORA_BASE_ITEM).is_dir():
+            return None
+        return BaseRef.from_json(self.manager.restore(step, args=ocp.args.Composite(
+            **{LORA_BASE_ITEM: ocp.args.JsonRestore()}))[LORA_BASE_ITEM])
+
+    def restore_subtree(self, step: int, target, *, concurrent_gb: float | None = None):
+        """The entries `target` names (e.g. {'params': ...}) of the step, in the current
+        layout; nothing else is read."""
+        legacy = self.legacy_params(step)
+        item = _legacy_abstract(target, legacy) if legacy else target
+        out = partial_restore(self.step_dir(step) / "state", item, concurrent_gb=concurrent_gb)
+        return _to_current_layout(out, target, legacy) if legacy else out
+
+    def read_base(self, ref: BaseRef, target, *, by: pathlib.Path,
+                  concurrent_gb: float | None = None):
+        """restore_subtree of the base step `ref` (this directory's or another run's, opened
+        read-only); MissingBase naming `by` (the step that needs it) when it is gone."""
+        if not (ref.directory / str(ref.step) / "state").is_dir():
+            raise ref.missing(by)
+        if ref.directory == self.directory:
+            return self.restore_subtree(ref.step, target, concurrent_gb=concurrent_gb)
+        base = Checkpointer(ref.directory, CheckpointConfig(async_save=False), read_only=True)
+        try:
+            return base.restore_subtree(ref.step, target, concurrent_gb=concurrent_gb)
+        finally:
+            base.close()
 
     def base_only(self, step: int, abstract_state) -> bool:
         """Does abstract_state (a LoRA run's: it has 'lora') meet a step saved without
@@ -443,6 +509,8 @@ class Checkpointer:
             if damage is None:
                 try:
                     restored = self._restore(step, abstract_state)
+                except MissingBase:  # no older step has the base either: not damage
+                    raise
                 except Exception as e:  # noqa: BLE001
                     damage = f"restoring it failed ({type(e).__name__}: {str(e)[:300]})"
                 damage = _agreed(damage)

@@ -204,13 +204,17 @@ def restore_params(ckpt: Checkpointer, step: int, abstract):
     `abstract` says. Only 'params' (and 'fp8') are named in the item orbax restores; with
     partial_restore the step counter and optimizer state are skipped, never read. Old-layout
     checkpoints come back in the current layout, and older fp8_delayed ones (histories inside
-    'params') just as well."""
+    'params') just as well. A LoRA step that names its base (checkpoint/lora_base.py) gives
+    its adapters, and the base step's params."""
     params, fp8, lora = nnx.split_state(abstract, nnx.Param, Fp8Meta, LoRA)
     target = {"params": params, **{k: v for k, v in (("fp8", fp8), ("lora", lora))
                                    if jax.tree.leaves(v)}}
+    base = ckpt.lora_base(step)
+    if base is not None:
+        del target["params"]
     moved = ckpt.moved_out_of_params(step, target)
     target = into_params(target, moved) if moved else target  # then: one State already
-    legacy = ckpt.legacy_params(step)
+    legacy = ckpt.legacy_params(step) if base is None else {}
     item = _legacy_abstract(target, legacy) if legacy else target
     # orbax reads every array at once by default: on a GPU host each read waits in host memory
     # for its copy to the device, up to the whole model at once. Capped here at twice the
@@ -218,9 +222,14 @@ def restore_params(ckpt: Checkpointer, step: int, abstract):
     # whole stored chunks). Not measured on a GPU yet; on the CPU the peak is the same either
     # way (the device is host memory).
     _quiet_abandoned_reads()
+    cap = 2 * _largest_bytes(params) / 1e9
     try:
-        out = partial_restore(ckpt.step_dir(step) / "state", item,
-                              concurrent_gb=2 * _largest_bytes(item) / 1e9)
+        out = partial_restore(ckpt.step_dir(step) / "state", item, concurrent_gb=cap)
+        if base is not None:
+            out["params"] = ckpt.read_base(base, {"params": params}, by=ckpt.step_dir(step),
+                                           concurrent_gb=cap)["params"]
+    except FileNotFoundError:  # the base is gone (lora_base.MissingBase): its own message
+        raise
     except Exception as e:  # noqa: BLE001 - whatever orbax raised, the step is unusable
         raise unreadable(ckpt, step, "its parameters", e) from e
     if legacy:

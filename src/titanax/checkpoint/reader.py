@@ -35,9 +35,11 @@ class CheckpointReader:
         self.state_dir = ckpt.step_dir(step) / "state"
         try:
             self.config_dict = ckpt.read_config(step)
+            # A LoRA step naming its base (checkpoint/lora_base.py): parameters come from there.
+            base = ckpt.lora_base(step)
             # {('layers', name): perm} of parameters stored in the old layout
-            self._legacy = {("layers", name): perm
-                            for name, perm in ckpt.legacy_params(step).items()}
+            self._legacy = {} if base is not None else {
+                ("layers", name): perm for name, perm in ckpt.legacy_params(step).items()}
             meta = ocp.StandardCheckpointHandler().metadata(self.state_dir)
         except Exception as e:  # noqa: BLE001 - whatever orbax raised, the step is unusable
             raise unreadable(ckpt, step, "its metadata", e) from e
@@ -48,15 +50,26 @@ class CheckpointReader:
         # One context for every array: the OCDBT B-tree cache is shared, not duplicated.
         self._context = ocp.type_handlers.get_ts_context(use_ocdbt=self._use_ocdbt)
         tree = meta.tree if hasattr(meta, "tree") else meta
-        if "params" not in tree:
+        self._base = None
+        if base is not None:
+            if not (base.directory / str(base.step) / "state").is_dir():
+                raise base.missing(self.state_dir.parent)
+            self._base = CheckpointReader(base.directory, base.step)
+        elif "params" not in tree:
             raise ValueError(f"{self.state_dir} holds no 'params' (not a titanax train state)")
         self._arrays = {}  # parameter path -> orbax ArrayMetadata
-        _collect(tree["params"], (), self._arrays)
+        _collect(tree.get("params", {}), (), self._arrays)
+        # A LoRA run's adapters (state['lora'], paths such as ('layers', 'wq_lora_a')): read
+        # like parameters, listed apart, so params() stays the model's weights.
+        self._adapters = {}
+        _collect(tree.get("lora", {}), (), self._adapters)
         self._open: dict[tuple[str, ...], ts.TensorStore] = {}
 
     def params(self) -> dict[tuple[str, ...], tuple[tuple[int, ...], np.dtype]]:
         """{('layers', 'wq'): (shape, dtype), ...} for every stored parameter, in the current
         layout."""
+        if self._base is not None:
+            return self._base.params()
         out = {}
         for k, m in self._arrays.items():
             shape = tuple(m.shape)
@@ -65,12 +78,17 @@ class CheckpointReader:
             out[k] = (shape, np.dtype(m.dtype))
         return out
 
+    def adapters(self) -> dict[tuple[str, ...], tuple[tuple[int, ...], np.dtype]]:
+        """{('layers', 'wq_lora_a'): (shape, dtype), ...}: a LoRA run's adapters (empty for a
+        step saved without them)."""
+        return {k: (tuple(m.shape), np.dtype(m.dtype)) for k, m in self._adapters.items()}
+
     def _store(self, path: tuple[str, ...]) -> ts.TensorStore:
         if path not in self._open:
-            if path not in self._arrays:
+            m = self._arrays.get(path, self._adapters.get(path))
+            if m is None:
                 raise KeyError(f"parameter {'.'.join(path)} is not in {self.state_dir} (stored: "
                                f"{sorted('.'.join(p) for p in self._arrays)})")
-            m = self._arrays[path]
             info = ocp.type_handlers.ParamInfo(name=m.name, parent_dir=pathlib.Path(m.directory),
                                                use_zarr3=self._use_zarr3, ts_context=self._context)
             spec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=self._use_ocdbt)
@@ -92,6 +110,8 @@ class CheckpointReader:
     def read(self, path: tuple[str, ...], index=()) -> np.ndarray:
         """The parameter, or `index` of it (e.g. slice(2, 4) for layers 2 and 3), as numpy, in
         the current layout. index: an int, a slice or a tuple of them."""
+        if self._base is not None and path not in self._adapters:
+            return self._base.read(path, index)
         store = self._store(path)
         perm = self._legacy.get(path)
         if perm is not None:  # stored in the old layout: index it there, then transpose
@@ -102,6 +122,8 @@ class CheckpointReader:
     def layer_chunk(self, path: tuple[str, ...]) -> int:
         """How many layers one stored chunk of a stacked parameter spans: reading fewer than
         that decodes the same chunk again for the next layers."""
+        if self._base is not None and path not in self._adapters:
+            return self._base.layer_chunk(path)
         return int(self._store(path).chunk_layout.read_chunk.shape[0])
 
 

@@ -19,7 +19,8 @@ class LoraConfig:
     rank: int = 0
     # The adapter's output is scaled by alpha / rank (the LoRA paper's and PEFT's scaling).
     alpha: float = 16.0
-    # Dropout on the adapter's input in training; only 0.0 runs so far (docs/lora.md).
+    # Dropout on the adapter's input in training (PEFT's lora_dropout): the adapter sees
+    # dropout(x), the base x; masks drawn from train.seed and the step; 0.0: none.
     dropout: float = 0.0
     # Which projections get adapters, comma-separated: q, k, v, o, gate, up, down.
     targets: str = "q,k,v,o,gate,up,down"
@@ -33,10 +34,6 @@ class LoraConfig:
                  f"{self.alpha}")
         if not 0.0 <= self.dropout < 1.0:
             fail("lora.dropout", f"must lie in [0, 1), got {self.dropout}")
-        if self.dropout > 0:
-            # The train step has no per-step random key to draw the mask from yet.
-            fail("lora.dropout", f"{self.dropout}: adapter dropout is not implemented yet; set "
-                 "lora.dropout=0.0")
         names = [t.strip() for t in self.targets.split(",")]
         unknown = [t for t in names if t not in LORA_TARGETS]
         if unknown or not self.targets.strip():

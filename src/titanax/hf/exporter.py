@@ -25,8 +25,18 @@ import numpy as np
 
 from titanax.checkpoint.reader import CheckpointReader
 from titanax.config import Config
+from titanax.hf.lora_export import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    AdaptedTensor,
+    adapted_tensors,
+    merged_layer,
+    peft_factors,
+    peft_names,
+    write_adapter_config,
+)
 from titanax.hf.safetensors_io import StreamingWriter, dtype_name
-from titanax.hf.source import merge_config, source_config, source_file
+from titanax.hf.source import base_origin, merge_config, source_config, source_file
 from titanax.hf.tokenizer import write_tokenizer
 from titanax.models.registry import model_spec
 from titanax.parallel.layer_order import stored_position
@@ -105,11 +115,14 @@ def _check_params(reader: CheckpointReader, cfg: Config) -> None:
 
 
 def _write_shards(reader: CheckpointReader, cfg: Config, shards, tmp: pathlib.Path,
-                  out_dtype, max_shard_bytes: int, bar) -> int:
-    """Writes every shard and the index into tmp; returns the tensor bytes written."""
+                  out_dtype, max_shard_bytes: int, bar, adapted: dict | None = None) -> int:
+    """Writes every shard and the index into tmp; returns the tensor bytes written. adapted
+    (hf/lora_export.py adapted_tensors): the tensors to write with their LoRA adapter merged
+    in; None: every tensor as stored."""
     stored = reader.params()
     position = stored_position(cfg)  # circular-pipeline runs store layers stage-major
     blocks = _LayerBlocks(reader, max_shard_bytes)
+    adapters = _AdapterStacks(reader)
     weight_map, total = {}, 0
     for i, shard in enumerate(shards):
         name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
@@ -122,6 +135,9 @@ def _write_shards(reader: CheckpointReader, cfg: Config, shards, tmp: pathlib.Pa
                     per_layer = math.prod(t.shape) * stored[t.param][1].itemsize
                     ours = blocks.get(t.param, int(position[t.layer]), cfg.model.n_layers,
                                       per_layer)
+                if adapted and t.name in adapted:
+                    a, b = adapters.layer(adapted[t.name], int(position[t.layer]))
+                    ours = merged_layer(adapted[t.name], ours, a, b, cfg.lora.scale)
                 writer.write(t.name, t.to_hf(ours).astype(out_dtype))
                 weight_map[t.name] = name
                 total += math.prod(t.hf_shape) * out_dtype.itemsize
@@ -130,6 +146,46 @@ def _write_shards(reader: CheckpointReader, cfg: Config, shards, tmp: pathlib.Pa
     blocks.block = None
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return total
+
+
+class _AdapterStacks:
+    """One adapted weight's A and B stacks [L, ...], read whole when export moves to that
+    weight (the table is weight-major; a 70B rank-16 adapter stack is at most 150 MB)."""
+
+    def __init__(self, reader: CheckpointReader):
+        self.reader, self.key, self.ab = reader, None, None
+
+    def layer(self, t: AdaptedTensor, stored_layer: int) -> tuple[np.ndarray, np.ndarray]:
+        if self.key != t.a_param:
+            self.ab = None
+            self.ab = (self.reader.read(t.a_param), self.reader.read(t.b_param))
+            self.key = t.a_param
+        return self.ab[0][stored_layer], self.ab[1][stored_layer]
+
+
+def _write_adapter(reader: CheckpointReader, cfg: Config, adapted: dict, tmp: pathlib.Path,
+                   out_dtype, base: tuple[str | None, str | None], bar) -> int:
+    """adapter_model.safetensors (PEFT's keys and layouts) and adapter_config.json into tmp;
+    returns the tensor bytes written."""
+    position = stored_position(cfg)
+    adapters = _AdapterStacks(reader)
+    plan, r = [], cfg.lora.rank
+    for name, t in adapted.items():
+        key_a, key_b = peft_names(name)
+        out_features, in_features = t.tensor.hf_shape
+        plan += [(key_a, (r, in_features), dtype_name(out_dtype)),
+                 (key_b, (out_features, r), dtype_name(out_dtype))]
+    total = 0
+    with StreamingWriter(tmp / ADAPTER_WEIGHTS, plan, metadata={"format": "pt"}) as writer:
+        for name, t in adapted.items():
+            a, b = adapters.layer(t, int(position[t.tensor.layer]))
+            for key, value in zip(peft_names(name), peft_factors(t, a, b), strict=True):
+                writer.write(key, value.astype(out_dtype))
+                total += value.size * out_dtype.itemsize
+            if bar is not None:
+                bar.update(1)
+    write_adapter_config(tmp / ADAPTER_CONFIG, cfg, adapted, base)
     return total
 
 
@@ -178,14 +234,23 @@ def _alive(pid: int) -> bool:
     return True
 
 
+LORA_EXPORTS = ("merged", "adapter", "base")
+
+
 def export_hf(workdir: str | pathlib.Path, out: str | pathlib.Path, *, step: int | None = None,
               dtype: str = "bfloat16", max_shard_bytes: int = 5 * 10**9,
-              progress: bool = True) -> ExportResult:
+              progress: bool = True, lora: str = "merged") -> ExportResult:
     """Writes the run's checkpoint (latest, or `step`) to `out` as an HF folder of its
     architecture (e.g. LlamaForCausalLM). `out` must not exist or be empty;
-    the folder appears complete or not at all."""
+    the folder appears complete or not at all.
+
+    lora (a LoRA run's; ignored for others): 'merged' writes W + (alpha/r) A B for every
+    adapted weight, a plain model; 'adapter' writes a PEFT adapter folder for the base
+    (adapter_config.json + adapter_model.safetensors); 'base' writes the frozen base alone."""
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"dtype {dtype!r}: choose one of {list(EXPORT_DTYPES)}")
+    if lora not in LORA_EXPORTS:
+        raise ValueError(f"lora {lora!r}: choose one of {list(LORA_EXPORTS)}")
     out = pathlib.Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists and is not an empty folder; choose a new --out")
@@ -194,13 +259,10 @@ def export_hf(workdir: str | pathlib.Path, out: str | pathlib.Path, *, step: int
     cfg = Config.from_dict(reader.config_dict)
     if model_spec(cfg.model).hf is None:
         raise ValueError(f"model.arch={cfg.model.arch!r} has no Hugging Face export")
-    if cfg.lora.enabled:
-        # Writing the base alone would silently drop what the run trained.
-        raise ValueError(f"{workdir} is a LoRA run (lora.rank={cfg.lora.rank}): exporting its "
-                         "adapters (PEFT) or the merged weights is not implemented yet")
+    table = model_spec(cfg.model).hf.tensor_table(cfg.model)
+    adapted = _adapted(reader, cfg, table, lora)
     _check_params(reader, cfg)
     out_dtype = EXPORT_DTYPES[dtype]
-    table = model_spec(cfg.model).hf.tensor_table(cfg.model)
     shards = _plan_shards(table, out_dtype.itemsize, max_shard_bytes)
 
     _remove_dead_partials(out)
@@ -212,11 +274,19 @@ def export_hf(workdir: str | pathlib.Path, out: str | pathlib.Path, *, step: int
         if progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(table), desc="export", unit="tensor", dynamic_ncols=True)
-        total = _write_shards(reader, cfg, shards, tmp, out_dtype, max_shard_bytes, bar)
+            n = len(adapted) if lora == "adapter" else len(table)
+            bar = tqdm(total=n, desc="export", unit="tensor", dynamic_ncols=True)
+        if lora == "adapter":
+            total = _write_adapter(reader, cfg, adapted, tmp, out_dtype,
+                                   base_origin(workdir), bar)
+            tensors, n_shards, tok_path = 2 * len(adapted), 1, None
+        else:
+            total = _write_shards(reader, cfg, shards, tmp, out_dtype, max_shard_bytes, bar,
+                                  adapted if lora == "merged" else None)
+            tok_path = _write_configs(cfg, workdir, tmp, dtype)
+            tensors, n_shards = len(table), len(shards)
         if bar is not None:
             bar.close()
-        tok_path = _write_configs(cfg, workdir, tmp, dtype)
         if out.exists():
             out.rmdir()  # empty, checked above
         os.replace(tmp, out)
@@ -225,4 +295,21 @@ def export_hf(workdir: str | pathlib.Path, out: str | pathlib.Path, *, step: int
         if bar is not None:  # ends its line: an error message then starts on its own
             bar.close()
         raise
-    return ExportResult(out, reader.step, len(table), len(shards), total, tok_path)
+    return ExportResult(out, reader.step, tensors, n_shards, total, tok_path)
+
+
+def _adapted(reader: CheckpointReader, cfg: Config, table, lora: str) -> dict:
+    """The tensors with LoRA adapters in this step ({} for a run without them); 'adapter' of
+    a run without adapters is refused."""
+    if not cfg.lora.enabled or not reader.adapters():
+        if lora == "adapter":
+            raise ValueError(f"{reader.state_dir.parent} holds no LoRA adapters (lora.rank="
+                             f"{cfg.lora.rank}): export it without --adapter")
+        return {}
+    adapted = adapted_tensors(cfg, table)
+    missing = sorted({".".join(p) for t in adapted.values() for p in (t.a_param, t.b_param)}
+                     - {".".join(p) for p in reader.adapters()})
+    if missing:
+        raise ValueError(f"{reader.state_dir.parent}: adapters {missing} of lora.targets="
+                         f"{cfg.lora.targets!r} are not stored")
+    return adapted

@@ -41,6 +41,14 @@ def hub_id(source: str) -> tuple[str, str | None] | None:
     return repo, revision or None
 
 
+def import_origin(source, folder: pathlib.Path) -> tuple[str, str | None]:
+    """(name, revision) an import records as its base (hf/source.py): a hub id and the commit
+    resolve_model_folder took it at, or an existing folder's absolute path and None."""
+    if pathlib.Path(source).expanduser().is_dir():
+        return str(pathlib.Path(source).expanduser().absolute()), None
+    return hub_id(str(source))[0], folder.name
+
+
 def resolve_model_folder(source, *, log=print) -> pathlib.Path:
     """The local folder `source` names: an existing folder as given, else the hub cache's
     snapshot of `org/name[@revision]` (downloaded when missing and the hub is reachable).

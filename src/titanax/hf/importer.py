@@ -226,13 +226,15 @@ def finetune_hint(cfg: Config, workdir: pathlib.Path) -> str:
 
 
 def import_hf(hf_dir: str | pathlib.Path, cfg: Config, workdir: str | pathlib.Path, *,
-              devices=None, progress: bool = True, log=print) -> ImportResult:
+              devices=None, progress: bool = True, log=print,
+              origin: tuple[str, str | None] | None = None) -> ImportResult:
     """Writes WORKDIR/checkpoints/0: the HF weights, a freshly initialised optimizer state and
     the config (no data iterator state), also as WORKDIR/config.json, the config
     `launch.train --workdir` trains with when given no --config. The HF tokenizer, if any,
     goes to WORKDIR/hf_tokenizer/ and the saved config's data.tokenizer points at it; the
     source's config.json and generation_config.json go to WORKDIR/hf_source/ (hf/source.py),
-    for export to write back."""
+    for export to write back, with `origin` ((hub id, commit) the folder came from; default
+    its path), the base a LoRA run's PEFT export names."""
     from titanax.checkpoint.orbax_io import Checkpointer
 
     hf_dir, workdir = pathlib.Path(hf_dir), pathlib.Path(workdir)
@@ -257,7 +259,7 @@ def import_hf(hf_dir: str | pathlib.Path, cfg: Config, workdir: str | pathlib.Pa
             tok_dir.mkdir(parents=True, exist_ok=True)
             for f in tok_files:
                 shutil.copyfile(f, tok_dir / f.name)
-        keep_source(hf_dir, workdir)
+        keep_source(hf_dir, workdir, origin)
         (workdir / "config.json").write_text(json.dumps(saved_cfg.to_dict(), indent=2))
     log(f"imported {len(sources)} tensors from {hf_dir} into {ckpt_dir}/0"
         + (f"; tokenizer in {tok_dir}" if tok_dir else "") + "; " + finetune_hint(saved_cfg, workdir))

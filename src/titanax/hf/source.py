@@ -23,10 +23,21 @@ _SOURCE_WINS = ("initializer_range", "use_cache", "attention_dropout", "pretrain
                 "bos_token_id", "eos_token_id")
 
 
-def keep_source(hf_dir: pathlib.Path, workdir: pathlib.Path) -> list[pathlib.Path]:
+# Where the imported weights came from (a hub id or a folder): a LoRA run's PEFT export names
+# it as the adapter's base_model_name_or_path.
+ORIGIN_FILE = "origin.json"
+
+
+def keep_source(hf_dir: pathlib.Path, workdir: pathlib.Path,
+                origin: tuple[str, str | None] | None = None) -> list[pathlib.Path]:
     """Copies the source's config.json and generation_config.json (byte for byte) into
-    WORKDIR/hf_source/; returns the copies."""
+    WORKDIR/hf_source/, and records `origin`: (hub id, commit) of a hub import, by default
+    (the folder's absolute path, None); returns the copies."""
     out = workdir / SOURCE_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    name, revision = origin or (str(pathlib.Path(hf_dir).absolute()), None)
+    (out / ORIGIN_FILE).write_text(json.dumps({"name_or_path": name, "revision": revision})
+                                   + "\n")
     kept = []
     for name in KEPT_FILES:
         if (hf_dir / name).is_file():
@@ -45,6 +56,16 @@ def source_config(workdir: pathlib.Path) -> dict | None:
     """The imported folder's config.json (None for a run that was not imported)."""
     path = source_file(workdir, "config.json")
     return json.loads(path.read_text()) if path is not None else None
+
+
+def base_origin(workdir: pathlib.Path) -> tuple[str | None, str | None]:
+    """(hub id or folder, hub commit or None) the run's weights were imported from; (None,
+    None) when it was not imported (or imported before the origin was recorded)."""
+    path = source_file(workdir, ORIGIN_FILE)
+    if path is None:
+        return None, None
+    origin = json.loads(path.read_text())
+    return origin.get("name_or_path"), origin.get("revision")
 
 
 def merge_config(ours: dict, source: dict | None, max_seq_len: int) -> dict:

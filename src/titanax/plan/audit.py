@@ -29,6 +29,10 @@ backward twice that). What the step must execute differs from it in three ways:
                                      attention call is not a dot, so its forward runs again)
         R = 0                        remat none
 
+LoRA (lora.rank > 0) computes no base weight gradient: 6*N becomes 4*N + 6*N_a (N_a the
+adapters' parameters, plan/lora.py) and full remat recomputes 2*N_a more, so an audit of a LoRA
+step finds base weight gradients the step should not compute.
+
 Pipeline layouts multiply the layers' share by ticks / busy ticks (idle ticks compute masked
 work: (M*V + P - 1) / (M*V) for gpipe and circular; 1f1b's idle slots are conds, which the
 count takes at their largest branch: (M + 2(P - 1)) / M, with its full recompute). Per device:
@@ -61,27 +65,31 @@ _ALIASES = ("get-tuple-element", "bitcast", "tuple", "while", "conditional", "ca
 def expected_flops(cfg, n_devices: int) -> dict:
     """The matmul FLOPs one device must execute per step (the module docstring's formula)."""
     from titanax.models.registry import model_spec
+    from titanax.plan.lora import adapter_param_count
 
     m, s = cfg.model, cfg.train.seq_len
     width = m.n_heads * m.resolved_head_dim
     n = model_spec(m).count_params(m, exclude_embedding=True)
     n_layers = n - m.vocab_size * m.d_model     # all but the output layer (and the embedding)
     a = 2.0 * m.n_layers * width * s            # attention forward at its causal half
-    recompute = {"full": 2.0 * n_layers + a, "full_offload": 2.0 * n_layers + a,
+    n_a = adapter_param_count(m, cfg.lora)      # 0 without LoRA
+    grads = 2.0 if cfg.lora.enabled else 4.0    # the base's backward: dx (and dW unless LoRA)
+    recompute = {"full": 2.0 * (n_layers + n_a) + a, "full_offload": 2.0 * (n_layers + n_a) + a,
                  "dots": a, "dots_no_batch": a}.get(cfg.execution.remat, 0.0)
     p, mb = cfg.mesh.pipeline, cfg.pipeline.microbatches
     idle = 1.0
     if p > 1 and cfg.pipeline.schedule == "1f1b":
-        idle, recompute = (mb + 2 * (p - 1)) / mb, 2.0 * n_layers + a
+        idle, recompute = (mb + 2 * (p - 1)) / mb, 2.0 * (n_layers + n_a) + a
     elif p > 1:
         v = cfg.pipeline.resolved_virtual_stages
         idle = (mb * v + p - 1) / (mb * v)
-    layers = (6.0 * n_layers + 3.5 * a + recompute) * idle
-    per_token = 6.0 * (n - n_layers) + layers
+    layers = ((2.0 + grads) * n_layers + 6.0 * n_a + 3.5 * a + recompute) * idle
+    per_token = (2.0 + grads) * (n - n_layers) + layers
     tokens = cfg.train.batch_size * s
     return {"per_device": per_token * tokens / n_devices, "per_token": per_token,
             "formula_per_token": 6.0 * n + 12.0 * m.n_layers * width * s,
-            "terms_per_token": {"6N": 6.0 * n, "attention (causal, FA-2 backward)": 3.5 * a,
+            "terms_per_token": {f"{2 + grads:g}N": (2.0 + grads) * n, "6N_adapters": 6.0 * n_a,
+                                "attention (causal, FA-2 backward)": 3.5 * a,
                                 f"remat {cfg.execution.remat} recompute": recompute,
                                 "pipeline idle ticks": (idle - 1) * layers / idle},
             "tokens_per_step": tokens, "devices": n_devices}

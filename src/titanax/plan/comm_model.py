@@ -9,6 +9,11 @@ their own rail: min(NVLink, n_inner x rail) (build_mesh keeps cross-domain rings
 A collective over a group of axes (FSDP over fsdp x context) runs one ring over all their
 devices: it crosses domains when any of them does, with the group's GPUs inside a domain each
 on its own rail. Plus a fixed latency per collective call.
+
+LoRA (lora.rank > 0): FSDP still gathers the frozen base for every forward and backward, but
+only the adapters have gradients to reduce: their d_model-side factors are sharded over
+fsdp x context (reduce-scattered), their other side is whole on each FSDP rank (all-reduced);
+plan/lora.py.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from titanax.config import Config, ModelConfig, tp_overlap_unsupported
 from titanax.plan.cluster import Cluster, Layout
 from titanax.plan.compute_model import attention_passes, attention_seconds
 from titanax.plan.efficiencies import Efficiencies
+from titanax.plan.lora import adapter_params
 from titanax.plan.memory_model import param_shards, param_split
 from titanax.plan.step_shape import StepShape
 
@@ -110,17 +116,24 @@ def fsdp_comm(cfg: Config, shape: StepShape, n_params: int, net: Network) -> Axi
     deg, accum, act_bytes = shape.deg, shape.accum, shape.act_bytes
     shards, tp, pp = param_shards(deg), deg["tensor"], deg["pipeline"]
     fsdp_group_params = n_params / (tp * pp)
-    return net.ring("fsdp", accum * (shards - 1) / shards * fsdp_group_params
-                    * (2 * act_bytes + _grad_bytes(cfg, shape)),
-                    3 * accum * (cfg.model.n_layers // pp + 2), overlapped=True,
-                    over=("fsdp", "context") if shape.context > 1 else ())
+    share = (shards - 1) / shards
+    if cfg.lora.enabled:  # the base gathered; the adapters' gradients reduced (docstring)
+        embed_side, other_side = adapter_params(cfg.model, cfg.lora) \
+            .sides_over_tensor_pipeline(deg)
+        nbytes = share * (fsdp_group_params * 2 * act_bytes
+                          + (embed_side + 2 * other_side) * _grad_bytes(cfg, shape))
+    else:
+        nbytes = share * fsdp_group_params * (2 * act_bytes + _grad_bytes(cfg, shape))
+    return net.ring("fsdp", accum * nbytes, 3 * accum * (cfg.model.n_layers // pp + 2),
+                    overlapped=True, over=("fsdp", "context") if shape.context > 1 else ())
 
 
 def data_comm(cfg: Config, shape: StepShape, n_params: int, net: Network) -> AxisComm | None:
-    # All-reduce of the gradients of this device's shard, per microbatch.
+    # All-reduce of the gradients of this device's shard, per microbatch (LoRA: the adapters').
     deg, accum = shape.deg, shape.accum
     dp = deg["data"]
-    local_params = param_split(cfg.model, n_params, deg).total
+    local_params = (adapter_params(cfg.model, cfg.lora).per_device(deg) if cfg.lora.enabled
+                    else param_split(cfg.model, n_params, deg).total)
     return net.ring("data", accum * 2 * (dp - 1) / dp * local_params * _grad_bytes(cfg, shape),
                     accum * (cfg.model.n_layers // deg["pipeline"] + 2), overlapped=True)
 

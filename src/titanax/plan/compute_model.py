@@ -3,7 +3,15 @@ each at its own achievable fraction of the datasheet (cost_model.Efficiencies).
 
 Context parallelism changes no total: a device holds S/context tokens of its rows, and its
 attention (S/context queries against the keys before them, in load-balanced chunks from both
-ends of the sequence) is 1/context of the rows' causal attention, the same on every device."""
+ends of the sequence) is 1/context of the rows' causal attention, the same on every device.
+
+LoRA (lora.rank > 0) differentiates the adapters alone: the backward computes the activations'
+gradients through the frozen base but no base weight gradient, so the base's matmuls run one
+forward's worth fewer (4 N instead of 6 N per token without remat; the output layer's too),
+while the adapters' own matmuls (2 x their parameters per token and forward) run every pass.
+Those are rank-r products, far below the GEMM roofline: they are counted as HBM traffic (each
+adapter reads its input and adds to its output per pass, in elementwise_seconds), not at GEMM
+rate. MFU stays the model's 6 N + 12 L d S (docs/planner.md)."""
 
 from __future__ import annotations
 
@@ -12,6 +20,7 @@ from titanax.config import Config
 from titanax.plan.cluster import Cluster
 from titanax.plan.documents import attention_share
 from titanax.plan.efficiencies import Efficiencies
+from titanax.plan.lora import adapter_params, projection_widths
 from titanax.plan.step_shape import StepShape
 
 # Forward passes (in units of one forward) each remat policy runs per step: the backward is
@@ -40,18 +49,21 @@ def gemm_seconds(cfg: Config, shape: StepShape, cluster: Cluster, n_no_embed: in
     m, hw, pp, tokens = cfg.model, cluster.hardware, shape.deg["pipeline"], shape.tokens
     d, V = m.d_model, m.vocab_size
     peak = hw.fp8_flops if cfg.execution.matmul_precision in FP8_RECIPES else hw.bf16_flops
-    # The decoder layers' matmuls are rematerialised per the policy; the output layer is not.
-    output_flops = 6.0 * d * V * tokens
-    layer_gemm_flops = 6.0 * n_no_embed * tokens - output_flops
+    # The decoder layers' matmuls run the policy's forwards' worth (one forward: 2 FLOPs per
+    # parameter and token); the output layer is not rematerialised: 3 forwards' worth. LoRA
+    # computes no weight gradient for either: one forward's worth less (module docstring).
+    frozen = 1.0 if cfg.lora.enabled else 0.0
+    layer_flops = 2.0 * (n_no_embed - d * V) * tokens * (_gemm_passes(cfg, shape) - frozen)
+    output_flops = 2.0 * (3.0 - frozen) * d * V * tokens
     # The output layer and loss run once per microbatch, spread over the pipeline stages
     # (gpipe and circular with microbatches divisible by the stages); otherwise one stage
     # (1f1b: the last) or every stage runs it for all of them, and the others wait: pp-1
-    # extra copies of its 6 d V FLOPs per token on the critical path, never FP8.
+    # extra copies of its FLOPs on the critical path, never FP8.
     spread = pp == 1 or (cfg.pipeline.schedule != "1f1b" and shape.micro % pp == 0)
     redundant_output = 0.0 if spread else \
-        (pp - 1) * 6.0 * d * V * tokens / cluster.n_gpus / (hw.bf16_flops * eff.gemm)
-    return ((layer_gemm_flops * _gemm_passes(cfg, shape) / 3 + output_flops) / cluster.n_gpus
-            / (peak * eff.gemm) + redundant_output)
+        (pp - 1) * output_flops / cluster.n_gpus / (hw.bf16_flops * eff.gemm)
+    return ((layer_flops + output_flops) / cluster.n_gpus / (peak * eff.gemm)
+            + redundant_output)
 
 
 def attention_passes(cfg: Config, shape: StepShape) -> float:
@@ -76,6 +88,31 @@ def elementwise_seconds(cfg: Config, shape: StepShape, cluster: Cluster,
     m, hw, deg = cfg.model, cluster.hardware, shape.deg
     # Elementwise traffic per token and layer, one forward: two RMSNorms, RoPE on q and k,
     # SwiGLU and two residual adds read/write ~ 12 d + 3 f values.
-    fwd_bytes = ((12 * m.d_model + 3 * m.ffn_dim) * shape.act_bytes * m.n_layers * shape.tokens
+    fwd_bytes = ((12 * m.d_model + 3 * m.ffn_dim + lora_values_per_token(cfg))
+                 * shape.act_bytes * m.n_layers * shape.tokens
                  / (deg["data"] * deg["fsdp"] * shape.context * deg["tensor"] * deg["pipeline"]))
     return fwd_bytes * _gemm_passes(cfg, shape) / (hw.hbm_bandwidth * eff.hbm)
+
+
+def lora_values_per_token(cfg: Config) -> float:
+    """Values per token and layer the adapters move in one forward (0 without LoRA): each reads
+    its projection's input (x A: a rank-r product, bound by reading x) and adds its r-wide
+    (x A) B into the projection's output (read and written)."""
+    if not cfg.lora.enabled:
+        return 0.0
+    widths = projection_widths(cfg.model)
+    return sum(widths[w][0] + 2 * widths[w][1] for w in cfg.lora.weights)
+
+
+LORA_FLOP_FORMULA = ("LoRA step FLOPs/token = 4*N + 6*N_adapters + 12*L*d*S (no base weight "
+                     "gradients; remat not counted)")
+
+
+def lora_flops_per_token(cfg: Config, n_no_embed: int) -> float:
+    """What a LoRA step computes per token without remat (the audit's and the plan's 'the
+    step's own FLOPs'): the base's forward and activation gradients (4 N), every adapter
+    trained (6 x its parameters), attention as the model formula counts it (12 L d S)."""
+    m = cfg.model
+    width = m.n_heads * m.resolved_head_dim
+    return (4.0 * n_no_embed + 6.0 * adapter_params(m, cfg.lora).total
+            + 12.0 * m.n_layers * width * cfg.train.seq_len)

@@ -21,6 +21,12 @@ FSDP all-gathers / reduce-scatters and the data-parallel gradient all-reduce are
 in XLA's GPU schedule and overlap the layers' compute; tensor-parallel collectives sit between
 dependent matmuls and are exposed, but for the share the GEMM steps beside them hide when
 execution.tp_overlap runs them as a collective matmul (comm_model.tensor_comm).
+
+LoRA (lora.rank > 0, docs/lora.md): each model counts what the LoRA step does (the frozen base
+without gradients or optimizer state, no base weight gradients computed or reduced, the update
+over the adapters alone). flops_per_token and mfu stay the model's formula (6 N + 12 L d S),
+the figure launch.train logs; `lora_flops_per_token` is what the step itself computes
+(compute_model.lora_flops_per_token) and `lora_mfu` the utilisation by it.
 """
 
 from __future__ import annotations
@@ -32,9 +38,15 @@ from titanax.config import Config, ModelConfig
 from titanax.models.registry import model_spec
 from titanax.plan.cluster import Cluster, Layout
 from titanax.plan.comm_model import AxisComm, Network, axis_comms, host_link_seconds
-from titanax.plan.compute_model import attention_seconds, elementwise_seconds, gemm_seconds
+from titanax.plan.compute_model import (
+    attention_seconds,
+    elementwise_seconds,
+    gemm_seconds,
+    lora_flops_per_token,
+)
 from titanax.plan.documents import mean_document_tokens
 from titanax.plan.efficiencies import EFFICIENCIES, Efficiencies
+from titanax.plan.lora import adapter_params
 from titanax.plan.memory_model import memory_per_device, param_split
 from titanax.plan.step_shape import StepShape
 
@@ -58,6 +70,9 @@ class Estimate:
     mfu: float
     breakdown_s: dict[str, float]
     host_offload_cost_s: float = 0.0  # step_s minus the same step with nothing offloaded
+    adapter_params: int = 0  # LoRA: the adapters' parameters (0 without LoRA)
+    lora_flops_per_token: float = 0.0  # LoRA: 4 N + 6 N_adapters + 12 L d S (0 without)
+    lora_mfu: float = 0.0  # LoRA: the utilisation by lora_flops_per_token
 
 
 @functools.lru_cache(maxsize=16)
@@ -96,11 +111,14 @@ def estimate(cfg: Config, cluster: Cluster, layout: Layout,
     hidden = max(comm_hidden, host_hidden)
     bubble = (pp - 1) / (shape.micro + pp - 1) / shape.virtual if pp > 1 else 0.0
     pipelined = (compute_s + exposed) / (1 - bubble)
-    # AdamW update: read weights, gradient and two moments, write three (fp32), memory bound.
-    local_params = param_split(cfg.model, n_params, shape.deg).total
+    # AdamW update: read weights, gradient and two moments, write three (fp32), memory bound;
+    # LoRA updates its adapters alone.
+    local_params = (adapter_params(cfg.model, cfg.lora).per_device(shape.deg) if cfg.lora.enabled
+                    else param_split(cfg.model, n_params, shape.deg).total)
     optimizer_s = local_params * (4 * 4 + 3 * 4) / (hw.hbm_bandwidth * eff.hbm)
     step_s = max(pipelined, hidden) + optimizer_s + host_exposed
     tps = tokens / step_s / cluster.n_gpus
+    lora_fpt = lora_flops_per_token(cfg, n_no_embed) if cfg.lora.enabled else 0.0
     return Estimate(
         params=n_params, params_no_embed=n_no_embed, tokens_per_step=tokens,
         flops_per_token=fpt, flops_per_step=fpt * tokens, memory=memory,
@@ -114,4 +132,6 @@ def estimate(cfg: Config, cluster: Cluster, layout: Layout,
                      "exposed_comm": exposed, "overlapped_comm": hidden,
                      "comm_hidden_in_layers": sum(c.hidden_s for c in comm.values()),
                      "bubble": pipelined - compute_s - exposed, "optimizer": optimizer_s,
-                     "host_offload_exposed": host_exposed, "host_offload_overlapped": host_hidden})
+                     "host_offload_exposed": host_exposed, "host_offload_overlapped": host_hidden},
+        adapter_params=adapter_params(cfg.model, cfg.lora).total, lora_flops_per_token=lora_fpt,
+        lora_mfu=tps * lora_fpt / hw.bf16_flops)

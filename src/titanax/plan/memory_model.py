@@ -12,6 +12,12 @@ is S/cp tokens per device, and parameters, gradients and Adam's moments are shar
 fsdp x cp (parallel/rules.py: 'embed' -> ("fsdp", "context")). The attention's K/V exchange
 adds its buffers for one layer ('context_kv').
 
+LoRA (lora.rank > 0, docs/lora.md): the state is the frozen base in model.param_dtype, with
+no gradient and no optimizer state, and the adapters (plan/lora.py) in float32 with their
+float32 gradients and the update rule's state (optimizer state is tx.init(adapters)); rows
+'base_weights', 'adapters', 'adapter_optimizer', 'adapter_gradients' replace 'weights',
+'optimizer', 'gradients'. Activations are the same as full fine-tuning's.
+
 Names: N parameters, L layers, d width, f MLP width, V vocabulary, tp/fsdp/cp/pp/dp mesh
 degrees, a = train.grad_accum, m = pipeline microbatches, v = virtual stages.
 """
@@ -22,6 +28,7 @@ import dataclasses
 
 from titanax.config import Config, ModelConfig, grad_accum_in_place_unsupported
 from titanax.models.registry import model_spec
+from titanax.plan.lora import adapter_params
 from titanax.train.optim import update_rule
 
 
@@ -93,7 +100,8 @@ def memory_per_device(cfg: Config, deg: dict[str, int], n_params: int
     if cfg.execution.remat == "full_offload":  # the layer inputs wait in pinned host memory
         host["saved_activations"], saved = saved, 0.0
     device["saved_activations"] = saved
-    device["transient"] = _transient_bytes(cfg, deg, tokens, device["gradients"])
+    gradients = device["adapter_gradients" if cfg.lora.enabled else "gradients"]
+    device["transient"] = _transient_bytes(cfg, deg, tokens, gradients)
     if t.grad_accum > 1 and grad_accum_in_place_unsupported(cfg) is None:
         device["accumulation"] = _in_place_loop_bytes(cfg, deg)
     if cp > 1:
@@ -107,6 +115,8 @@ def _state_bytes(cfg: Config, deg: dict[str, int], n_params: int
                  ) -> tuple[dict[str, float], dict[str, float]]:
     """Weights, the optimizer's moments and the gradient buffer: ({HBM}, {pinned host}) per
     device."""
+    if cfg.lora.enabled:
+        return _lora_state_bytes(cfg, deg, n_params), {}
     m, t = cfg.model, cfg.train
     pbytes = 4 if m.param_dtype == "float32" else 2
     p = param_split(m, n_params, deg)
@@ -133,6 +143,22 @@ def _state_bytes(cfg: Config, deg: dict[str, int], n_params: int
     plain = t.grad_accum != 1 and grad_accum_in_place_unsupported(cfg) is not None
     device["gradients"] = grads * (2 if plain else 1)
     return device, host
+
+
+def _lora_state_bytes(cfg: Config, deg: dict[str, int], n_params: int) -> dict[str, float]:
+    """LoRA's state per device (HBM; the config refuses host offload with LoRA): the frozen
+    base in its param dtype alone, the adapters float32 with the update rule's state for
+    float32 parameters and a float32 gradient buffer, each factor sharded as plan/lora.py
+    says."""
+    m = cfg.model
+    base = param_split(m, n_params, deg).total * (4 if m.param_dtype == "float32" else 2)
+    adapters = adapter_params(m, cfg.lora).per_device(deg)
+    # Only the adapters are differentiated, and their gradients are always summed the plain way
+    # (config.grad_accum_in_place_unsupported): the sum and one microbatch's, with grad_accum.
+    plain = cfg.train.grad_accum != 1
+    return {"base_weights": base, "adapters": adapters * 4,
+            "adapter_optimizer": adapters * update_rule(cfg).state_bytes(4),
+            "adapter_gradients": adapters * 4 * (2 if plain else 1)}
 
 
 def _micro(cfg: Config, deg: dict[str, int]) -> int:
@@ -203,8 +229,10 @@ def _transient_bytes(cfg: Config, deg: dict[str, int], tokens: float,
     else:
         loss_tokens = tokens
     chunk = min(t.loss_chunk or loss_tokens, loss_tokens)
+    # (LoRA: the output layer is frozen, so no gradient sum of it)
+    output_grad = 0.0 if cfg.lora.enabled else d * V / (tp * param_shards(deg)) * 4
     loss_transient = (chunk * V / tp * (4 + 4 + abytes) + d * V / tp * abytes
-                      + d * V / (tp * param_shards(deg)) * 4 + 2 * loss_tokens * d * abytes)
+                      + output_grad + 2 * loss_tokens * d * abytes)
     # The loss runs before the layers' gradient buffer exists.
     return max(layer_transient, loss_transient - gradient_bytes)
 

@@ -12,6 +12,7 @@ from titanax.plan import compile as plan_compile
 from titanax.plan import published
 from titanax.plan import search as plan_search
 from titanax.plan.cluster import Cluster, Layout, PlanError, layout_for, plan_config
+from titanax.plan.compute_model import LORA_FLOP_FORMULA
 from titanax.plan.cost_model import EFFICIENCIES, Estimate, estimate
 from titanax.plan.documents import documents_summary
 from titanax.plan.fit import auto_choice
@@ -150,8 +151,21 @@ def _plan_dict(cfg: Config, cluster: Cluster, layout: Layout, est: Estimate,
         "predicted_mfu": est.mfu,
         "predicted_tokens_per_s_spread": _spread(est.tokens_per_s_per_gpu),
         "efficiencies": dataclasses.asdict(EFFICIENCIES),
+        **({"lora": _lora_json(cfg, est)} if cfg.lora.enabled else {}),
         **({"audit": audit} if audit is not None else {}),
     }
+
+
+def _lora_json(cfg: Config, est: Estimate) -> dict:
+    """plan.json's "lora": what is trained, what is frozen, and the step's own FLOPs beside
+    the model formula's (flops_per_token and predicted_mfu stay the 6 N one launch.train logs)."""
+    lora = cfg.lora
+    return {"rank": lora.rank, "alpha": lora.alpha, "weights": list(lora.weights),
+            "adapter_params": est.adapter_params,
+            "adapter_share": est.adapter_params / est.params,
+            "base_param_dtype": cfg.model.param_dtype,
+            "flop_formula": LORA_FLOP_FORMULA, "flops_per_token": est.lora_flops_per_token,
+            "mfu": est.lora_mfu}
 
 
 def run_search(cfg: Config, cluster: Cluster, *, verify: int, top: int = 10,

@@ -129,7 +129,10 @@ def _axis_note(plan: dict, axis: str) -> str:
 def _draw_memory(ax, plan: dict) -> None:
     model = {k: v for k, v in plan["memory_model_bytes"].items() if k != "total"}
     left = 0.0
-    colors = ["#6baed6", "#fd8d3c", "#74c476", "#9e9ac8", "#fdd0a2", "#e377c2"]
+    # one colour per row (LoRA plans have eight at most: four state rows, activations,
+    # transient, accumulation, context K/V)
+    colors = ["#6baed6", "#fd8d3c", "#74c476", "#9e9ac8", "#fdd0a2", "#e377c2", "#bcbd22",
+              "#17becf", "#8c564b"]
     for (name, v), color in zip(model.items(), colors):
         ax.barh(1, v / 1e9, left=left, color=color, label=name.replace("_", " "))
         left += v / 1e9
@@ -146,7 +149,9 @@ def _draw_memory(ax, plan: dict) -> None:
     ax.set_yticks([0, 1], ["compiled" if comp.get("ok") else "", "cost model"], fontsize=7)
     ax.set_xlabel("GB per device", fontsize=7)
     verdict = "fits" if plan["fits"] else "does NOT fit"
-    ax.set_title(f"memory per device: {plan['per_device_bytes'] / 1e9:.1f} GB "
+    lora = plan.get("lora")
+    lora = f"LoRA rank {lora['rank']}, base frozen in {lora['base_param_dtype']}; " if lora else ""
+    ax.set_title(f"{lora}memory per device: {plan['per_device_bytes'] / 1e9:.1f} GB "
                  f"({plan['per_device_bytes_source']}), {verdict}", fontsize=8)
     ax.legend(fontsize=6, ncol=6, loc="upper center", bbox_to_anchor=(0.5, -0.32))
     ax.tick_params(labelsize=7)

@@ -55,6 +55,17 @@ def _memory_lines(plan: dict) -> list[str]:
     return lines
 
 
+def _lora_lines(plan: dict) -> list[str]:
+    """What a LoRA plan trains and what it holds frozen (none without LoRA)."""
+    lo = plan.get("lora")
+    if not lo:
+        return []
+    return [f"LoRA: rank {lo['rank']} (alpha {lo['alpha']:g}) on {', '.join(lo['weights'])}: "
+            f"{lo['adapter_params']:,} adapter parameters ({lo['adapter_share']:.2%}) trained "
+            f"in float32; the base frozen in {lo['base_param_dtype']}, without gradients or "
+            "optimizer state"]
+
+
 def _documents_line(plan: dict) -> list[str]:
     """What packed documents do to attention's work, when the step masks them."""
     doc = plan.get("documents") or {}
@@ -118,7 +129,7 @@ def format_plan(plan: dict) -> str:
             + (f" in {plan['compile']['compile_s']:.1f} s (lowering {plan['compile']['lower_s']:.1f}"
                " s)" if (plan.get("compile") or {}).get("ok") else ""),
             f"parameters: {plan['params']:,} ({plan['params_no_embedding']:,} without the input "
-            "embedding)",
+            "embedding)", *_lora_lines(plan),
             f"FLOPs: {plan['flops_per_token']:.3e} per token, {plan['flops_per_step']:.3e} per step "
             f"of {plan['tokens_per_step']:,} tokens ({plan['flop_formula']})",
             "memory per device:", *_memory_lines(plan),
@@ -137,6 +148,11 @@ def format_plan(plan: dict) -> str:
             f"  => {plan['predicted_step_s']:.2f} s per step, "
             f"{plan['predicted_tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, MFU "
             f"{plan['predicted_mfu']:.1%} (of dense bf16 peak)"]
+        if plan.get("lora"):
+            lo = plan["lora"]
+            out.append(f"  => LoRA step: {lo['flops_per_token']:.3e} FLOPs per token "
+                       f"({lo['flop_formula']}): {lo['mfu']:.1%} of peak; the MFU above counts "
+                       "the model's 6*N, as launch.train logs it")
         host = plan.get("host_offload_cost_s")
         if b.get("host_offload_exposed") or b.get("host_offload_overlapped"):
             out.append(f"  => host offload costs {host or 0.0:.2f} s of the step "

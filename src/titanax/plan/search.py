@@ -12,6 +12,9 @@ Tensor-parallel overlap (execution.tp_overlap, the collective matmul): on for ev
 candidate the config accepts it for. Off is not tried beside it: the cost model never ranks it
 faster (its collectives are the ring's bytes or more, all exposed) and the memory model does
 not tell them apart. Where the config refuses it (FP8 recipes, 1f1b) the candidate runs without.
+
+LoRA (lora.rank > 0): host offload and, with a pipeline, the 1f1b schedule are not generated:
+the config refuses both with LoRA (docs/lora.md), so they would only swell the dropped list.
 """
 
 from __future__ import annotations
@@ -70,13 +73,14 @@ def _label(tp, pp, dp, fsdp, remat, accum, pipe, offload, context=(1, "ring"),
     return label
 
 
-def _pipeline_options(pp: int, n_layers: int):
+def _pipeline_options(pp: int, n_layers: int, lora: bool = False):
+    """lora: no 1f1b (it would compute the frozen base's weight gradients)."""
     if pp == 1:
         yield {"pipeline.schedule": "gpipe", "pipeline.virtual_stages": 0,
                "pipeline.microbatches": 1}
         return
     for k in MICROBATCH_MULTIPLES:
-        for schedule in ("gpipe", "1f1b"):
+        for schedule in ("gpipe",) if lora else ("gpipe", "1f1b"):
             yield {"pipeline.schedule": schedule, "pipeline.virtual_stages": 0,
                    "pipeline.microbatches": k * pp}
         for v in VIRTUAL_STAGES:
@@ -106,10 +110,11 @@ def _meshes(cluster: Cluster, max_context: int):
 
 
 def candidates(cfg: Config, cluster: Cluster, max_context: int = 0):
+    lora = cfg.lora.enabled
     for tp, context, pp, rest in _meshes(cluster, max_context):
         for fsdp, remat, accum, offload in itertools.product(
-                _divisors(rest), REMATS, GRAD_ACCUMS, OFFLOADS):
-            for pipe in _pipeline_options(pp, cfg.model.n_layers):
+                _divisors(rest), REMATS, GRAD_ACCUMS, OFFLOADS[:1] if lora else OFFLOADS):
+            for pipe in _pipeline_options(pp, cfg.model.n_layers, lora):
                 overlap = _tp_overlap(cfg, tp, pp, pipe["pipeline.schedule"])
                 label = _label(tp, pp, rest // fsdp, fsdp, remat, accum, pipe, offload, context,
                                overlap)

@@ -3,8 +3,9 @@
 Fault tolerance: a run resumes from its workdir's newest intact checkpoint (a damaged one is
 reported and skipped), SIGTERM/SIGUSR1 save at the next step boundary and return normally,
 and steps with a non-finite loss or gradient are skipped and counted. The train state holds no
-RNG: the step has no dropout or sampling, so it is a pure function of (state, batch), and the
-data order is fixed by train.seed plus the grain iterator position saved with every checkpoint.
+RNG: the step is a pure function of (state, batch) (LoRA adapter dropout draws its masks from
+train.seed and the step count, models/common/lora.py), and the data order is fixed by
+train.seed plus the grain iterator position saved with every checkpoint.
 A resumed run therefore logs the same losses, step for step, as one never interrupted.
 
 The host runs ahead of the devices: it reads nothing back (metrics, the skipped-step flags, the
@@ -24,6 +25,7 @@ import time
 import jax
 from jax.sharding import NamedSharding
 
+from titanax.checkpoint.lora_base import BaseRef
 from titanax.checkpoint.orbax_io import Checkpointer, resolve_restore_source
 from titanax.config import SOURCE_UNSET, Config, ConfigError, format_config
 from titanax.data.pipeline import build_data, check_source_kind, with_epoch_steps
@@ -209,11 +211,13 @@ class Trainer:
         self.schedule_change = ""  # the log line for a resume onto another lr curve
         self.graphdef, abstract, self.shardings = abstract_train_state(cfg, self.mesh, self.tx)
         restored, source = self._find_checkpoint(abstract)
+        self.lora_base = None  # where a LoRA run's frozen base is stored (checkpoint/lora_base.py)
         if restored is None:
             self.start_step = 0
             self.graphdef, self.state, self.shardings = create_train_state(cfg, self.mesh,
                                                                            self.tx)
             return {}, None, ""
+        self.lora_base = restored.lora_base if cfg.lora.enabled else None
         saved = Config.from_dict(restored.config)
         self.state = reorder_restored(restored.state, {k: self.shardings[k] for k in
                                                        restored.state}, saved, cfg)
@@ -354,7 +358,11 @@ class Trainer:
     def save(self, step: int) -> None:
         self.bad_steps.flush()  # the counters saved must include this step
         self.ckpt.save(step, self.state, data_state=self.train_iter.get_state(),
-                       config=self.cfg.to_dict(), run_state=self.bad_steps.state())
+                       config=self.cfg.to_dict(), run_state=self.bad_steps.state(),
+                       lora_base=self.lora_base)
+        if self.cfg.lora.enabled and self.lora_base is None:
+            # A LoRA run begun from its seed: this first step holds the base, the next name it.
+            self.lora_base = BaseRef(self.ckpt.directory, step)
 
     def _result(self, step: int, preempted: bool, watch: PreemptionWatch) -> RunResult:
         skipped = self.bad_steps.total

@@ -11,6 +11,7 @@ from pallas_kernels.target import target_platform
 from titanax import ops
 from titanax.config import Config, ConfigError
 from titanax.models import accumulate, model_spec
+from titanax.models.common.lora import DROPOUT_KEYS, dropout_token_keys
 from titanax.parallel.collective_matmul import use_collective_matmul
 from titanax.parallel.pipeline import PipelineSchedule, pipeline_stages
 from titanax.train import offload
@@ -24,12 +25,15 @@ def nll_sum(graphdef, params, batch, *, document_masking: bool, loss_chunk: int,
     amax histories, ops.Fp8Meta); None when the model has none. aux_losses: the
     architecture's hook (ModelSpec.aux_losses); given, returns (sum, its terms of this batch,
     read from the model after the forward pass). lora: the train state's 'lora' (the
-    adapters; lora.rank > 0), else None."""
+    adapters; lora.rank > 0), else None. A batch with the entry DROPOUT_KEYS (the train step
+    adds it with lora.dropout > 0) runs the adapters' dropout with those keys; other batches
+    (eval, scoring) run without."""
     extra = [x for x in (fp8, lora) if x is not None]
     model = nnx.merge(graphdef, params, *(extra or [nnx.State({})]))
     segment_ids = batch["segment_ids"] if document_masking else None
+    dropout = {"lora_dropout_keys": batch[DROPOUT_KEYS]} if DROPOUT_KEYS in batch else {}
     total = model.loss_sum(batch["inputs"], batch["targets"], batch["positions"], segment_ids,
-                           pipeline=pipeline, loss_chunk=loss_chunk)
+                           pipeline=pipeline, loss_chunk=loss_chunk, **dropout)
     return total if aux_losses is None else (total, dict(aux_losses(model)))
 
 
@@ -148,6 +152,12 @@ def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation, sch
     def train_step(state, batch):
         params, fp8 = state[trained], state.get("fp8", nnx.State({}))
         step_loss = loss_fn
+        if cfg.lora.enabled and cfg.lora.dropout > 0:
+            # Adapter dropout: each token's key from train.seed and the step (a resumed run
+            # draws the masks an uninterrupted one does), split into microbatches with it.
+            B, S = batch["inputs"].shape
+            batch = {**batch, DROPOUT_KEYS: dropout_token_keys(cfg.train.seed, state["step"],
+                                                               B, S)}
         if trained == "lora":
             # LoRA: the base weights enter as constants, so no gradient of theirs is ever
             # computed (only the activations' back through them), and they leave untouched.

@@ -22,7 +22,7 @@ from titanax import ops
 from titanax.config import ExecutionConfig, ModelConfig
 from titanax.models.common.attention import rope_attention
 from titanax.models.common.layers import RMSNorm, make_param
-from titanax.models.common.lora import adapter_delta, adapters_key, make_adapters
+from titanax.models.common.lora import adapter_delta, adapters_key, dropout_input, make_adapters
 from titanax.ops.linear import linears
 from titanax.parallel.rules import shard_activation
 
@@ -87,13 +87,17 @@ class DecoderBlock(nnx.Module):
                                  axes[name], PROJECTION_SPECS[name], lora.rank)
             setattr(self, f"{name}_lora_a", a)
             setattr(self, f"{name}_lora_b", b)
-        self.lora_scale = lora.scale
+        self.lora_scale, self.lora_dropout = lora.scale, lora.dropout
 
-    def _adapted(self, y, x, name: str, spec: str):
-        """y (= x W of weight `name`) plus its LoRA adapter's scale * (x A) B, if it has one."""
+    def _adapted(self, y, x, name: str, spec: str, drop=None):
+        """y (= x W of weight `name`) plus its LoRA adapter's scale * (x A) B, if it has one.
+        drop: (the tokens' dropout keys [B, S, 2], this layer's logical index) in a training
+        forward pass with lora.dropout > 0: the adapter then sees dropout(x), the base x."""
         a = getattr(self, f"{name}_lora_a", None)
         if a is None:
             return y
+        if drop is not None and self.lora_dropout > 0:
+            x = dropout_input(x, *drop, name, self.lora_dropout)
         return y + adapter_delta(x, a[...], getattr(self, f"{name}_lora_b")[...], spec,
                                  self.lora_scale, y.dtype)
 
@@ -102,17 +106,17 @@ class DecoderBlock(nnx.Module):
         meta = getattr(self, f"fp8_{name}", None)
         return None if meta is None else ops.fp8_meta_dict(meta[...])
 
-    def lin(self, x, name: str, spec: str):
+    def lin(self, x, name: str, spec: str, drop=None):
         """x times weight `name` in the compute dtype or an FP8 recipe, with this call site's
-        amax histories."""
+        amax histories (drop: adapter dropout's inputs, see _adapted)."""
         ex = self.execution
         y = ops.linear(x, getattr(self, name)[...], spec, precision=ex.matmul_precision,
                        dtype=jnp.dtype(ex.dtype), fp8_meta=self._meta(name),
                        grad_reduce=ex.grad_reduce_dtype,
                        mxfp8_scale_rounding=ex.mxfp8_scale_rounding, tp=TP_ROLES.get(name))
-        return self._adapted(y, x, name, spec)
+        return self._adapted(y, x, name, spec, drop)
 
-    def lin_shared(self, x, names: tuple[str, ...], spec: str) -> tuple:
+    def lin_shared(self, x, names: tuple[str, ...], spec: str, drop=None) -> tuple:
         """lin of one input with several weights (q/k/v, gate/up): under a collective matmul
         (parallel/collective_matmul.py) they share one ring."""
         ex = self.execution
@@ -120,33 +124,38 @@ class DecoderBlock(nnx.Module):
                      precision=ex.matmul_precision, dtype=jnp.dtype(ex.dtype),
                      fp8_metas=[self._meta(n) for n in names], grad_reduce=ex.grad_reduce_dtype,
                      mxfp8_scale_rounding=ex.mxfp8_scale_rounding, tp=TP_ROLES[names[0]])
-        return tuple(self._adapted(y, x, n, spec) for y, n in zip(ys, names, strict=True))
+        return tuple(self._adapted(y, x, n, spec, drop) for y, n in zip(ys, names, strict=True))
 
-    def project_qkv(self, h_BSD):
+    def project_qkv(self, h_BSD, drop=None):
         """q [B, S, H, K], k and v [B, S, N, K] before RoPE; with qk_norm, q and k normalised
-        over K, each head on its own."""
+        over K, each head on its own. drop (here and below): adapter dropout's inputs or None
+        (see _adapted)."""
         q_BSHK, k_BSNK, v_BSNK = self.lin_shared(h_BSD, ("wq", "wk", "wv"),
-                                                PROJECTION_SPECS["wq"])
+                                                PROJECTION_SPECS["wq"], drop)
         if self.options.qk_norm:
             q_BSHK, k_BSNK = self.q_norm(q_BSHK), self.k_norm(k_BSNK)
         return q_BSHK, k_BSNK, v_BSNK
 
-    def attention(self, h_BSD, positions_BS, segment_ids_BS, kv, cache_index):
+    def attention(self, h_BSD, positions_BS, segment_ids_BS, kv, cache_index, drop=None):
         """The attention sublayer's output [B, S, D] (before the residual) and the new KV."""
-        q_BSHK, k_BSNK, v_BSNK = self.project_qkv(h_BSD)
+        q_BSHK, k_BSNK, v_BSNK = self.project_qkv(h_BSD, drop)
         out_BSHK, new_kv = rope_attention(self.cfg, self.execution, q_BSHK, k_BSNK, v_BSNK,
                                           positions_BS, segment_ids_BS, kv, cache_index)
-        return self.lin(out_BSHK, "wo", PROJECTION_SPECS["wo"]), new_kv
+        return self.lin(out_BSHK, "wo", PROJECTION_SPECS["wo"], drop), new_kv
 
-    def mlp(self, h_BSD):
+    def mlp(self, h_BSD, drop=None):
         """SwiGLU: w_down(silu(w_gate h) * w_up h)."""
-        gate_BSF, up_BSF = self.lin_shared(h_BSD, ("w_gate", "w_up"), PROJECTION_SPECS["w_gate"])
+        gate_BSF, up_BSF = self.lin_shared(h_BSD, ("w_gate", "w_up"), PROJECTION_SPECS["w_gate"],
+                                           drop)
         act_BSF = shard_activation(jax.nn.silu(gate_BSF) * up_BSF, ("batch", "seq", "mlp"))
-        return self.lin(act_BSF, "w_down", PROJECTION_SPECS["w_down"])
+        return self.lin(act_BSF, "w_down", PROJECTION_SPECS["w_down"], drop)
 
-    def __call__(self, x_BSD, positions_BS, segment_ids_BS, kv=None, cache_index=None):
+    def __call__(self, x_BSD, positions_BS, segment_ids_BS, kv=None, cache_index=None,
+                 lora_dropout=None):
+        """lora_dropout: (the tokens' dropout keys [B, S, 2], this layer's logical index) in a
+        training forward pass with lora.dropout > 0 (common/decoder.py passes it then only)."""
         attn_BSD, new_kv = self.attention(self.attn_norm(x_BSD), positions_BS, segment_ids_BS,
-                                          kv, cache_index)
+                                          kv, cache_index, lora_dropout)
         x_BSD = shard_activation(x_BSD + attn_BSD, ("batch", "norm_seq", "embed"))
-        x_BSD = x_BSD + self.mlp(self.mlp_norm(x_BSD))
+        x_BSD = x_BSD + self.mlp(self.mlp_norm(x_BSD), lora_dropout)
         return shard_activation(x_BSD, ("batch", "norm_seq", "embed")), new_kv

@@ -24,6 +24,7 @@ from titanax.models.common.block import BlockOptions, DecoderBlock
 from titanax.models.common.layers import RMSNorm, make_param, rms_norm
 from titanax.ops.cross_entropy import chunk_positions, linear_cross_entropy_sum, seq_split
 from titanax.parallel.context import balanced, context_shards, natural
+from titanax.parallel.layer_order import to_storage_order
 from titanax.parallel.pipeline import PipelineSchedule, pipeline_stages, run_pipelined
 from titanax.parallel.rules import batch_shards, loss_rows, shard_activation
 
@@ -99,8 +100,8 @@ class Decoder(nnx.Module):
         x_BSD = self._embed(tokens_BS)
         one_layer, layer_state = self._layer_fn(cache_index)
         if cache is None:
-            x_BSD = self._run_layers(one_layer, layer_state, x_BSD, positions_BS,
-                                     segment_ids_BS, pipeline)
+            x_BSD = self._run_layers(one_layer, layer_state, x_BSD,
+                                     (positions_BS, segment_ids_BS), pipeline)
             new_cache = None
         else:
             x_BSD, new_kv = jax.lax.scan(
@@ -117,20 +118,29 @@ class Decoder(nnx.Module):
         return shard_activation(logits_BSV, ("batch", "seq", "vocab")), new_cache
 
     def loss_sum(self, tokens_BS, targets_BS, positions_BS, segment_ids_BS=None, *,
-                 pipeline: PipelineSchedule | None = None, loss_chunk: int = 0):
+                 pipeline: PipelineSchedule | None = None, loss_chunk: int = 0,
+                 lora_dropout_keys=None):
         """Sum over all tokens of -log p(target), float32: the output layer and the
         cross-entropy fused and chunked (ops.cross_entropy), so no [B, S, vocab] float32
         logits exist. loss_chunk: tokens per device whose logits are alive at once (0: all).
         Pipelined runs compute it on each stage's share of the microbatches (gpipe,
         circular), or on the last stage as each microbatch leaves it (1f1b). With the sequence
         split over 'context', every per-token input is taken in parallel/context.py's
-        balanced order (a sum over tokens needs no reordering back)."""
+        balanced order (a sum over tokens needs no reordering back).
+        lora_dropout_keys: uint32 [B, S, 2], each token's adapter-dropout key (common/lora.py
+        dropout_token_keys), given by the train step with lora.dropout > 0 only: they travel
+        with the tokens (microbatches, sequence order) and each layer gets its logical index
+        with its weights, so the masks do not depend on the layout."""
         C = context_shards(tokens_BS.shape[1])
         tokens_BS, targets_BS, positions_BS, segment_ids_BS = (
             None if x is None else balanced(x, C)
             for x in (tokens_BS, targets_BS, positions_BS, segment_ids_BS))
         x_BSD = self._embed(tokens_BS)
-        one_layer, layer_state = self._layer_fn(None)
+        extras, dropout_layers = (positions_BS, segment_ids_BS), None
+        if lora_dropout_keys is not None:
+            extras += (balanced(lora_dropout_keys, C),)
+            dropout_layers = self._stored_layer_ids(pipeline)
+        one_layer, layer_state = self._layer_fn(None, dropout_layers=dropout_layers)
         head_params = (self.final_norm.scale[...], self.output_weight())
         staged = pipeline is not None and pipeline_stages() > 1
         if staged and pipeline.schedule == "1f1b":
@@ -142,8 +152,8 @@ class Decoder(nnx.Module):
             return run_1f1b(lambda x, state, ex: one_layer(x, state, None, *ex)[0], head,
                             layer_state, head_params, x_BSD, (positions_BS, segment_ids_BS),
                             targets_BS, pipeline.microbatches)
-        x_BSD = self._run_layers(one_layer, layer_state, x_BSD, positions_BS, segment_ids_BS,
-                                 pipeline)
+        x_BSD = self._run_layers(one_layer, layer_state, x_BSD, extras, pipeline,
+                                 dropout_layers)
         rows = loss_rows(x_BSD.shape[0])
         return head_nll_sum(self.cfg, self.execution, head_params,
                             shard_activation(x_BSD, (rows, "seq", "embed")),
@@ -161,45 +171,62 @@ class Decoder(nnx.Module):
         x_BSD = jnp.take(table_VD, tokens_BS, axis=0).astype(jnp.dtype(self.execution.dtype))
         return shard_activation(x_BSD, ("batch", "norm_seq", "embed"))
 
-    def _layer_fn(self, cache_index, remat: str | None = None):
-        """(one_layer(x, layer_state, kv, positions, segment_ids) -> (x, kv), the stacked
-        layer state): one decoder layer as a pure function, remat-wrapped per execution.remat
-        (or `remat`)."""
+    def _stored_layer_ids(self, pipeline: PipelineSchedule | None):
+        """int32 [L]: the logical index of each layer of the stack as stored (circular
+        pipelines store it stage-major, parallel/layer_order.py), for adapter dropout."""
+        ids_L = jnp.arange(self.cfg.n_layers, dtype=jnp.int32)
+        if pipeline is None or pipeline_stages() == 1:
+            return ids_L
+        return to_storage_order(ids_L, pipeline_stages(), pipeline.virtual_stages)
+
+    def _layer_fn(self, cache_index, remat: str | None = None, dropout_layers=None):
+        """(one_layer(x, layer_state, kv, positions, segment_ids[, dropout_keys]) -> (x, kv),
+        the stacked layer state): one decoder layer as a pure function, remat-wrapped per
+        execution.remat (or `remat`). dropout_layers: _stored_layer_ids, for adapter dropout
+        (training with lora.dropout > 0): the layer state is then (the block's, the ids), so
+        a layer gets its index as it gets its weights (scan, remat and pipeline alike), and
+        one_layer takes the tokens' dropout keys as its last input."""
         remat = remat or self.execution.remat
         graphdef, layer_state = nnx.split(self.layers)
+        if dropout_layers is not None:
+            layer_state = (layer_state, dropout_layers)
         offload_input = remat == "full_offload"
 
-        def one_layer(x_BSD, state, kv, positions_BS, segment_ids_BS):
+        def one_layer(x_BSD, state, kv, positions_BS, segment_ids_BS, dropout_keys_BS2=None):
             if offload_input:  # the value the policy offloads; x itself is then not kept
                 x_BSD = checkpoint_name(x_BSD, LAYER_INPUT)
+            drop = {}
+            if dropout_keys_BS2 is not None:
+                state, layer = state
+                drop = {"lora_dropout": (dropout_keys_BS2, layer)}
             # train.offload_params: the layer's slice of the stacked weights lives in host
             # memory; it comes over here, inside the checkpoint, so the backward pass fetches
             # it again instead of keeping a device copy of every layer.
             state = jax.tree.map(accumulate.to_device, state)
             block = nnx.merge(graphdef, state)
-            return block(x_BSD, positions_BS, segment_ids_BS, kv, cache_index)
+            return block(x_BSD, positions_BS, segment_ids_BS, kv, cache_index, **drop)
 
         if remat != "none":
             one_layer = jax.checkpoint(one_layer, policy=REMAT_POLICIES[remat],
                                        prevent_cse=False)
         return one_layer, layer_state
 
-    def _run_layers(self, one_layer, layer_state, x_BSD, positions_BS, segment_ids_BS,
-                    pipeline):
+    def _run_layers(self, one_layer, layer_state, x_BSD, extras, pipeline,
+                    dropout_layers=None):
+        """x after all layers. extras: one_layer's per-token inputs after kv ([B, S, ...]
+        each, or None), split into microbatches with x by a pipeline."""
         if pipeline is not None and pipeline_stages() > 1:
             return run_pipelined(lambda x, state, ex: one_layer(x, state, None, *ex)[0],
-                                 layer_state, x_BSD, (positions_BS, segment_ids_BS), pipeline)
+                                 layer_state, x_BSD, extras, pipeline)
         slot = accumulate.pending()
         if slot is not None:  # train.grad_accum in place: the backward adds into the sum
             # It saves (or offloads) each layer's input itself: the layer is plain full remat.
-            full, _ = self._layer_fn(None, remat="full")
+            full, _ = self._layer_fn(None, remat="full", dropout_layers=dropout_layers)
             return accumulate.scan_layers_into(
                 slot, lambda x, state, *ex: full(x, state, None, *ex)[0], layer_state,
-                x_BSD, (positions_BS, segment_ids_BS),
-                offload_inputs=self.execution.remat == "full_offload")
-        x_BSD, _ = jax.lax.scan(
-            lambda x, state: (one_layer(x, state, None, positions_BS, segment_ids_BS)[0], None),
-            x_BSD, layer_state)
+                x_BSD, extras, offload_inputs=self.execution.remat == "full_offload")
+        x_BSD, _ = jax.lax.scan(lambda x, state: (one_layer(x, state, None, *extras)[0], None),
+                                x_BSD, layer_state)
         return x_BSD
 
 

@@ -1,6 +1,7 @@
 """LoRA adapters on the common block's projections (docs/lora.md): for a weight W used as
 einsum(x, W, spec), A [layers, in..., r] and B [layers, r, out...], and the projection becomes
-x W + (alpha / r) (x A) B.
+x W + (alpha / r) (x A) B. With lora.dropout = p > 0 the train step drops the adapter's input:
+x W + (alpha / r) (dropout(x) A) B, inverted (kept values scaled by 1 / (1 - p)), as PEFT does.
 
 The adapters are their own Variable type, LoRA, not an nnx.Param: the train state splits the
 model by type (train/state.py), keeps the frozen base in state['params'] and the adapters in
@@ -12,12 +13,25 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 from flax import nnx
+
+from titanax.config.lora import LORA_TARGETS
 
 # Folded into the params stream's key for the adapters' initialisation: the adapters draw no
 # key from that stream, so every base weight gets the key it gets without LoRA.
 _LORA_STREAM = 0x10A
+# Folded into key(train.seed) for adapter dropout's masks: a stream of its own.
+_DROPOUT_STREAM = 0xD0
+# The batch entry the train step adds with lora.dropout > 0: each token's dropout key
+# (dropout_token_keys). Split with the batch into microbatches (train.grad_accum,
+# pipeline.microbatches) like the tokens; eval and sampling batches have none: no dropout.
+DROPOUT_KEYS = "lora_dropout_keys"
+# Each projection's fixed number in the masks' hash counter (dropout_keep): every projection
+# draws its own mask, as PEFT's dropout module per adapted Linear does, whatever lora.targets
+# chooses.
+_DROPOUT_SITES = tuple(LORA_TARGETS.values())
 
 
 class LoRA(nnx.Variable):
@@ -83,3 +97,54 @@ def adapter_delta(x, a, b, spec: str, scale: float, dtype):
     xa = jnp.einsum(f"{x_letters},{in_letters}{r}->{rest}{r}", x.astype(dtype), a.astype(dtype))
     y = jnp.einsum(f"{rest}{r},{r}{out_letters}->{out}", xa, b.astype(dtype))
     return (scale * y).astype(dtype)
+
+
+def dropout_token_keys(seed: int, step, batch: int, seq: int):
+    """uint32 [batch, seq, 2]: each token's adapter-dropout key at train step `step`:
+    key(seed) folded with this stream, the step, then the token's index in the step's batch
+    (row * seq + position). One key per token, not one per batch, so a token's masks are the
+    same whichever microbatch, device or sequence order (context parallelism) it lands in:
+    they depend on the seed, the step, the token, the layer and the projection alone."""
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), _DROPOUT_STREAM), step)
+    ids_BS = jnp.arange(batch * seq, dtype=jnp.uint32).reshape(batch, seq)
+    per_token = jax.vmap(jax.vmap(lambda i: jax.random.fold_in(key, i)))
+    return jax.random.key_data(per_token(ids_BS))
+
+
+def dropout_keep(keys_BS2, layer, weight: str, feature_shape, rate: float):
+    """bool [B, S, *feature_shape]: which inputs of weight `weight`'s adapter in (logical)
+    layer `layer` are kept, each with probability 1 - rate, from the tokens' keys
+    (dropout_token_keys, or a microbatch's rows of them).
+
+    The Threefry hash jax.random.bits uses, on counters of its own: keyed by the token, the
+    counter pair (layer and projection, feature index). One hash per element as for
+    jax.random.bits, without a key derived per token and projection first; elementwise, so
+    XLA partitions it over any sharding of the tokens and features."""
+    site = (jnp.asarray(layer, jnp.uint32) * len(_DROPOUT_SITES)
+            + _DROPOUT_SITES.index(weight)).astype(jnp.uint32)
+    feature = jnp.arange(math.prod(feature_shape), dtype=jnp.uint32).reshape(feature_shape)
+    token = (...,) + (None,) * len(feature_shape)  # the key's words against the features
+    bits1, bits2 = jax.extend.random.threefry2x32_p.bind(*jnp.broadcast_arrays(
+        keys_BS2[..., 0][token], keys_BS2[..., 1][token], site, feature))
+    # kept when the 32 random bits (combined as jax.random.bits combines them) are at or
+    # above rate * 2^32: probability 1 - rate, to 2^-32
+    return (bits1 ^ bits2) >= jnp.uint32(min(round(rate * 2**32), 2**32 - 1))
+
+
+def dropout_mask(seed: int, step, layer: int, weight: str, shape, rate: float):
+    """The keep mask the train step draws at `step` for weight `weight`'s adapter input of
+    `shape` [B, S, ...] (the whole step's batch) in layer `layer`: what a reference applies."""
+    return dropout_keep(dropout_token_keys(seed, step, shape[0], shape[1]), layer, weight,
+                        shape[2:], rate)
+
+
+def dropped(x, keep, rate: float):
+    """Inverted dropout: x where kept, scaled by 1 / (1 - rate) (so its expectation is x),
+    else 0, in x's dtype."""
+    return jnp.where(keep, x * (1.0 / (1.0 - rate)), jnp.zeros((), x.dtype))
+
+
+def dropout_input(x, keys_BS2, layer, weight: str, rate: float):
+    """The adapter's input of weight `weight` in a training pass: x [B, S, ...] dropped with
+    the tokens' keys (their rows of dropout_token_keys) in logical layer `layer`."""
+    return dropped(x, dropout_keep(keys_BS2, layer, weight, x.shape[2:], rate), rate)

@@ -1,0 +1,51 @@
+"""A LoRA run's checkpoints name their frozen base instead of copying it (docs/lora.md
+"Checkpoints"): a step holds the adapters, their optimizer state, the step counter (and fp8
+histories), plus an item 'lora_base' = {"directory": <a run's checkpoints/>, "step": N}, the
+step whose 'params' are the base. Llama-3-70B's base is 141 GB in bf16; its rank-16 adapters
+and moments 3.3 GB.
+
+The base step is kept as long as a step of this run names it (KeepBases, one of the
+Checkpointer's preservation policies); a base in another run's folder (checkpoint.restore=)
+is that run's to keep.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+ITEM = "lora_base"
+
+
+class MissingBase(FileNotFoundError):
+    """The base a LoRA checkpoint names is gone: no older step can stand in for it, so this is
+    not a damaged step to fall back from (orbax_io.restore_latest_good re-raises it)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BaseRef:
+    directory: pathlib.Path  # a run's checkpoints/ folder, absolute
+    step: int
+
+    def to_json(self) -> dict:
+        return {"directory": str(self.directory), "step": int(self.step)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> BaseRef:
+        return cls(pathlib.Path(d["directory"]), int(d["step"]))
+
+    def missing(self, by: pathlib.Path) -> MissingBase:
+        return MissingBase(
+            f"checkpoint {by} holds LoRA adapters on the frozen base {self.directory}/{self.step}, "
+            "which is gone: restore that step there (or the run it came from), or start the "
+            "LoRA run again from a base with --set checkpoint.restore=PATH in a new --workdir")
+
+
+@dataclasses.dataclass
+class KeepBases:
+    """orbax preservation policy: keeps the steps of this directory that LoRA steps name as
+    their base (filled by Checkpointer.save before each save, and by restore)."""
+    steps: set[int] = dataclasses.field(default_factory=set)
+
+    def should_preserve(self, checkpoints, *, context=None) -> list[bool]:
+        return [c.step in self.steps for c in checkpoints]
