@@ -1,0 +1,121 @@
+"""Mixture-of-experts feed-forward as pure functions (issue 37; the block that calls them and
+the expert mesh axis come next): a softmax top-k router as Mixtral's and Qwen3-MoE's, SwiGLU
+experts run dropless through grouped GEMMs (jax.lax.ragged_dot over the tokens sorted by
+expert), the load-balancing auxiliary loss as transformers computes it, the router z-loss, and
+the routing statistics the step log reports. `experts_dense` is the reference: every expert on
+every token, weighted by the same gates.
+
+Shapes: T tokens (batch x sequence flattened), D model width, F expert width, E experts, K
+experts per token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """Which experts each token goes to and with what weight, and what the router's
+    probabilities say about the balance."""
+    expert_TK: jax.Array  # int32: each token's K experts, best first
+    gate_TK: jax.Array  # float32: their weights in the token's output
+    probs_TE: jax.Array  # float32: the router's softmax over all experts
+
+    @property
+    def n_experts(self) -> int:
+        return self.probs_TE.shape[-1]
+
+    def tokens_per_expert(self) -> jax.Array:
+        """float32 [E]: how many (token, choice) pairs each expert receives."""
+        return jnp.zeros(self.n_experts, jnp.float32).at[self.expert_TK.reshape(-1)].add(1.0)
+
+
+def route(logits_TE, k: int, *, norm_topk: bool, bias_E=None) -> Routing:
+    """Softmax top-k routing in float32. norm_topk: the K weights are renormalised to sum to 1
+    (Mixtral always; Qwen3-MoE's norm_topk_prob); else they stay the softmax's probabilities.
+    bias_E: DeepSeek-V3's auxiliary-loss-free balancing bias, added to the probabilities for
+    the choice of experts only (the weights stay unbiased)."""
+    probs_TE = jax.nn.softmax(logits_TE.astype(jnp.float32), axis=-1)
+    choice_TE = probs_TE if bias_E is None else probs_TE + bias_E.astype(jnp.float32)
+    _, expert_TK = jax.lax.top_k(choice_TE, k)
+    gate_TK = jnp.take_along_axis(probs_TE, expert_TK, axis=-1)
+    if norm_topk:
+        gate_TK = gate_TK / jnp.sum(gate_TK, axis=-1, keepdims=True)
+    return Routing(expert_TK.astype(jnp.int32), gate_TK, probs_TE)
+
+
+def balance_sums(r: Routing) -> dict[str, jax.Array]:
+    """This layer's share of the load-balancing loss, as sums that add over layers (and
+    microbatches): (token, choice) pairs routed to each expert [E], the router probabilities
+    summed over tokens [E], and the token count. transformers pools them over all layers
+    before forming the loss (load_balancing_loss_func), so titanax does too."""
+    return {"routed_E": jax.lax.stop_gradient(r.tokens_per_expert()),
+            "prob_E": jnp.sum(r.probs_TE, axis=0),
+            "rows": jnp.asarray(r.probs_TE.shape[0], jnp.float32)}
+
+
+def load_balancing_loss(sums: dict[str, jax.Array]) -> jax.Array:
+    """The Switch Transformer / Mixtral auxiliary loss from balance_sums (summed over the
+    layers), as transformers' load_balancing_loss_func computes it before
+    router_aux_loss_coef: E * sum_e (pairs routed to e / rows) * (mean probability of e).
+    K when the load is even; larger when the router favours the experts it routes most to.
+    Differentiable through the probabilities only (the routing is a top-k)."""
+    rows = sums["rows"]
+    n_experts = sums["prob_E"].shape[-1]
+    return n_experts * jnp.sum((sums["routed_E"] / rows) * (sums["prob_E"] / rows))
+
+
+def router_z_loss(logits_TE) -> jax.Array:
+    """ST-MoE's router z-loss: the mean squared log-partition of the router logits (keeps them
+    small, so the softmax stays in float32's comfortable range)."""
+    return jnp.mean(jnp.square(jax.nn.logsumexp(logits_TE.astype(jnp.float32), axis=-1)))
+
+
+def routing_stats(r: Routing) -> dict[str, jax.Array]:
+    """The step log's routing figures: the busiest expert's load over the mean load (1.0 is
+    perfect balance) and the share of experts that received no token."""
+    load_E = r.tokens_per_expert()
+    return {"max_over_mean_load": jnp.max(load_E) / jnp.maximum(jnp.mean(load_E), 1e-9),
+            "idle_expert_fraction": jnp.mean((load_E == 0).astype(jnp.float32))}
+
+
+def _swiglu(gate, up):
+    return jax.nn.silu(gate) * up
+
+
+def experts_ragged(x_TD, r: Routing, w_gate_EDF, w_up_EDF, w_down_EFD, *, dtype,
+                   precision=None):
+    """sum_k gate[t, k] * expert_{e[t, k]}(x[t]), dropless: the T x K (token, expert) pairs are
+    sorted by expert, each expert's contiguous rows go through its SwiGLU with grouped GEMMs
+    (ragged_dot: one GEMM per expert over exactly its rows, no padding to a capacity), and the
+    outputs return to token order. Operands in `dtype`, accumulation in float32."""
+    T, K = r.expert_TK.shape
+    flat = r.expert_TK.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert
+    sizes_E = jnp.zeros(r.n_experts, jnp.int32).at[flat].add(1)
+    xs_ND = x_TD.astype(dtype)[order // K]
+    mm = lambda a, w: jax.lax.ragged_dot(a, w.astype(dtype), sizes_E, precision=precision,  # noqa: E731
+                                         preferred_element_type=jnp.float32)
+    h_NF = _swiglu(mm(xs_ND, w_gate_EDF), mm(xs_ND, w_up_EDF)).astype(dtype)
+    ys_ND = mm(h_NF, w_down_EFD)
+    y_TKD = jnp.zeros_like(ys_ND).at[order].set(ys_ND).reshape(T, K, -1)
+    return jnp.einsum("tkd,tk->td", y_TKD, r.gate_TK).astype(dtype)
+
+
+def experts_dense(x_TD, r: Routing, w_gate_EDF, w_up_EDF, w_down_EFD, *, dtype,
+                  precision=None):
+    """The reference of experts_ragged: every expert on every token ([E, T, ...]: E times the
+    work), combined with the gates scattered to [T, E] (zero for experts not chosen)."""
+    x = x_TD.astype(dtype)
+    ein = lambda s, a, w: jnp.einsum(s, a, w.astype(dtype), precision=precision,  # noqa: E731
+                                     preferred_element_type=jnp.float32)
+    h_ETF = _swiglu(ein("td,edf->etf", x, w_gate_EDF), ein("td,edf->etf", x, w_up_EDF))
+    y_ETD = ein("etf,efd->etd", h_ETF.astype(dtype), w_down_EFD)
+    T = x_TD.shape[0]
+    weight_TE = jnp.zeros((T, r.n_experts), jnp.float32).at[
+        jnp.arange(T)[:, None], r.expert_TK].add(r.gate_TK)
+    return jnp.einsum("etd,te->td", y_ETD, weight_TE).astype(dtype)
