@@ -6,6 +6,9 @@ Prints a table; exits 1 when a kernel spills or breaks an SM budget (titanax.per
     python -m launch.ptxas_report --gpu b200 --head-dims 128 --json runs/ptxas_b200.json
     python -m launch.ptxas_report --write-docs                 # refresh the tables in docs/
     python -m launch.ptxas_report --gpu h100 --on-device       # on an H100: the local GPU
+    python -m launch.ptxas_report --sm90-fwd-overlap --regs 0 168 200 232
+        # the sm90 forward, FlashConfig.fwd_overlap off and on, at each compute-warpgroup
+        # register budget (0: the shipped one): how close each runs to its setmaxnreg budget
 """
 
 from __future__ import annotations
@@ -39,17 +42,24 @@ def main(argv=None) -> None:
                    help="replace the marked tables in docs/attention.md and docs/fp8.md")
     p.add_argument("--on-device", action="store_true",
                    help="compile for the local GPU instead (one --gpu, of its kind)")
+    p.add_argument("--sm90-fwd-overlap", action="store_true",
+                   help="only the Hopper forward, fwd_overlap off and on, at each --regs budget")
+    p.add_argument("--regs", nargs="+", type=int, default=[0],
+                   help="with --sm90-fwd-overlap: setmaxnreg budgets (0: the shipped one)")
     args = p.parse_args(argv)
 
     from pallas_kernels import aot
-    from titanax.perf.ptxas_report import check, collect_all, markdown_table
+    from titanax.perf.ptxas_report import check, collect, collect_all, markdown_table
 
     if args.on_device and len(args.gpu) != 1:
         raise SystemExit("--on-device compiles for the local GPU: pass its one --gpu kind")
     if not args.on_device and not aot.plugin_available():
         raise SystemExit("the CUDA plugin is missing from .venv/cuda-plugin: "
                          "bash scripts/dev.sh cuda-plugin installs it")
-    rows = collect_all(tuple(args.gpu), tuple(args.head_dims), args.on_device)
+    if args.sm90_fwd_overlap:
+        rows = collect("h100", tuple(args.head_dims), overlap_budgets=tuple(args.regs))
+    else:
+        rows = collect_all(tuple(args.gpu), tuple(args.head_dims), args.on_device)
     print(markdown_table(rows))
     if args.json:
         pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -44,6 +44,13 @@ def compute_capability() -> tuple[int, int] | None:
     return int(major), int(minor)
 
 
+def sm_count() -> int | None:
+    """The target GPU's SM count (132 on H100 SXM, 114 on H100 PCIe, 148 on B200; a
+    deviceless compile's comes from its target config), None off GPU."""
+    dev = target_device()
+    return getattr(dev, "core_count", None) if dev.platform == "gpu" else None
+
+
 def out_struct(like, shape, dtype):
     """A kernel output's ShapeDtypeStruct, varying over the same manual mesh axes as the input
     `like`: inside jax.shard_map (a pipeline stage) pallas_call must be told, or it refuses."""

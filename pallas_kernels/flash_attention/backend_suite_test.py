@@ -17,7 +17,8 @@ Tolerances (error = max |x - ref| / max |ref| per tensor, ref in float32 from th
 rounded inputs): bfloat16 has unit roundoff u = 2^-8. A backend rounds P (dS in the backward)
 to bf16 before its second matmul, each term off by at most u relative to its own size, and
 rounds its result once more: about 2u of the largest term; the terms (values, keys, dO) of
-these unit-normal inputs are at most ~2x the largest output, so 5u bounds it. float32:
+these unit-normal inputs are at most ~2x the largest output, so 5u bounds it (float16 the
+same with its u = 2^-11). float32:
 u = 2^-24 over sums of at most ~200 terms, with exp2/log2 rescaling: 2e-5 (~300u).
 """
 
@@ -37,7 +38,8 @@ from pallas_kernels.flash_attention import (
 
 pytestmark = pytest.mark.mosaic_interpret  # Mosaic warpgroups run in the interpreter
 
-TOL = {jnp.dtype(jnp.float32): 2e-5, jnp.dtype(jnp.bfloat16): 5 * 2.0 ** -8}
+TOL = {jnp.dtype(jnp.float32): 2e-5, jnp.dtype(jnp.bfloat16): 5 * 2.0 ** -8,
+       jnp.dtype(jnp.float16): 5 * 2.0 ** -11}
 GRID_TILES = FlashConfig(block_q=32, block_kv=32, block_q_bwd=32, block_kv_bwd=32)
 
 
@@ -106,20 +108,25 @@ def _value_and_vjp(f, q, k, v, do):
     return jax.jit(both)(q, k, v, do)
 
 
-def check_backend(name: str, case: str) -> None:
-    """One case on one table entry: values and gradients against the reference."""
-    c, b = CASES[case], BACKENDS[name]
+def check_backend(name: str, case: str, *, cases=None, config=None, grads=True) -> None:
+    """One case (of `cases`, default CASES) on one table entry: values and, with grads,
+    gradients against the reference; config: the kernel's, instead of the suite's."""
+    c, b = (CASES if cases is None else cases)[case], BACKENDS[name]
     why = b.unsupported(c.dtype, c.K)
     if why:
         pytest.skip(why)
     q, k, v, do = _inputs(c)
     seg = _packed(c.B, c.S) if c.segments else None
-    config = GRID_TILES if b.is_kernel and not b.mosaic else None
+    if config is None:
+        config = GRID_TILES if b.is_kernel and not b.mosaic else None
     run = lambda q, k, v: flash_attention(
         q, k, v, causal=c.causal, segment_ids=seg, q_offset=c.q_offset,
         kv_valid_len=c.kv_valid_len, impl=name, config=config, interpret=b.is_kernel)
     ref = lambda q, k, v: _reference(*(x.astype(jnp.float32) for x in (q, k, v)), c, seg)
-    got, want = _value_and_vjp(run, q, k, v, do), _value_and_vjp(ref, q, k, v, do)
+    if grads:
+        got, want = _value_and_vjp(run, q, k, v, do), _value_and_vjp(ref, q, k, v, do)
+    else:  # values only
+        got, want = (jax.jit(run)(q, k, v),), (jax.jit(ref)(q, k, v),)
     assert got[0].shape == q.shape and got[0].dtype == q.dtype
     tol = TOL[jnp.dtype(c.dtype)]
     for what, x, r in zip(("out", "dq", "dk", "dv"), got, want):
@@ -131,6 +138,30 @@ def check_backend(name: str, case: str) -> None:
 @pytest.mark.parametrize("name", list(BACKENDS))
 def test_backend_matches_reference(name, case):
     check_backend(name, case)
+
+
+# The sm90 forward with FlashConfig.fwd_overlap (kernel_sm90.py: FA3's intra-warpgroup
+# overlap, scale folded into exp2): head dims 64/128/256, causal and not, packed documents,
+# GQA, padded lengths (S and T off the tile grid), fp16; values (the backward reads the same
+# log-sum-exp: one case checks gradients through it). hd256 with documents keeps the
+# non-overlapped loop (registers), so it is the fallback's check.
+OVERLAP_CASES = {
+    "causal_gqa_tail_hd64": Case(S=140),
+    "noncausal_documents_hd64": Case(S=150, causal=False, segments=True),
+    "causal_documents_hd128": Case(S=100, K=128, segments=True),
+    "noncausal_fp16_hd128": Case(S=200, K=128, H=4, N=2, causal=False, dtype="float16"),
+    "causal_hd256": Case(S=140, K=256),
+    "noncausal_documents_hd256": Case(S=90, K=256, causal=False, segments=True),
+}
+
+
+@pytest.mark.parametrize("case", list(OVERLAP_CASES))
+def test_sm90_fwd_overlap_matches_reference(case):
+    from pallas_kernels.flash_attention import default_config
+    c = OVERLAP_CASES[case]
+    cfg = dataclasses.replace(default_config("mosaic_sm90", c.K), fwd_overlap=True)
+    check_backend("mosaic_sm90", case, cases=OVERLAP_CASES, config=cfg,
+                  grads=case == "causal_gqa_tail_hd64")
 
 
 NEW_BACKEND = '''

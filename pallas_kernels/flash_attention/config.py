@@ -8,8 +8,11 @@ Mosaic backward, sm90 uses block_q_bwd query rows per warpgroup in its dq kernel
 block_kv_bwd keys per warpgroup in its dkv kernel (and streams the other one's tiles); sm100
 keeps 128 resident rows per CTA (TMEM lanes) and streams block_kv_bwd (dq) or block_q_bwd (dkv)
 tiles; tmem_buffers_bwd is how many X/Y score tiles its backward keeps in TMEM (2 lets the
-MMAs of the next tile run while the compute warpgroup works on this one). Invalid values fail
-here, at construction, instead of deep inside a kernel compile.
+MMAs of the next tile run while the compute warpgroup works on this one). fwd_overlap switches
+the sm90 forward to FlashAttention-3's intra-warpgroup pipelining (kernel_sm90.py: the next
+tile's S = Q K^T and this tile's P V stay in flight on the tensor core during the softmax, the
+softmax scale folded into exp2's FMA); off until a GPU run measures it (docs/attention.md).
+Invalid values fail here, at construction, instead of deep inside a kernel compile.
 
 default_config() is the shipped table below, with the knobs a GPU run measured faster on that
 GPU generation (pallas_kernels/measured.py TUNED, written by `launch.gpu_check --apply` from
@@ -40,6 +43,7 @@ class FlashConfig:
     num_stages_bwd: int | None = None  # the backward's; None = num_stages
     max_concurrent_steps: int = 2  # Mosaic: K/V (or Q/dO) tiles in flight per CTA
     tmem_buffers_bwd: int | None = None  # sm100 backward: None = 2 where TMEM's columns allow
+    fwd_overlap: bool = False  # sm90 forward: FA3 intra-warpgroup overlap (GEMMs in flight)
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd"):
@@ -59,6 +63,8 @@ class FlashConfig:
         if self.tmem_buffers_bwd not in (None, 1, 2):
             raise ValueError(f"FlashConfig.tmem_buffers_bwd={self.tmem_buffers_bwd!r}: use 1, 2 "
                              "or None (2 where TMEM's 512 columns allow)")
+        if not isinstance(self.fwd_overlap, bool):
+            raise ValueError(f"FlashConfig.fwd_overlap={self.fwd_overlap!r}: use True or False")
 
     def check_mosaic(self) -> None:
         """wgmma/tcgen05 tiles are 64 rows per warpgroup: Mosaic needs multiples of 64."""

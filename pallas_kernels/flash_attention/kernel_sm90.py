@@ -17,6 +17,15 @@ the union of the two ranges; a warpgroup drains the tiles outside its own, as th
 so that ring slots and the schedule barrier stay in step. A row tile that sees nothing writes
 a zero output and a log-sum-exp of MASK (finite).
 
+FlashConfig.fwd_overlap (off by default until a GPU measures it) adds FlashAttention-3's
+intra-warpgroup pipelining (FA3 Algorithm 2) to the ping-pong: step j issues S_j = Q K_j^T and
+O += P_{j-1} V_{j-1} as two wgmma groups, waits for S_j alone (wait_group 1) and runs tile j's
+softmax while P_{j-1} V_{j-1} is still on the tensor core; tile lo's scores open the pipeline
+and the last P V closes it. Its softmax takes the max on the raw scores and folds the scale
+into exp2's FMA (p = exp2(s * scale_log2 - m), m in log2 units: the same log-sum-exp). At
+head_dim 256 with segment ids it keeps the non-overlapped loop: P_{j-1} in flight beside O
+spills at the 240-register limit (python -m launch.ptxas_report --sm90-fwd-overlap --regs 0 232 240).
+
 Backward: kernel_sm90_bwd.py (Mosaic dq and dkv kernels on the log-sum-exp saved here).
 
 The Mosaic GPU interpreter (CPU tests) lacks run_state and register-A wgmma, so under
@@ -57,6 +66,10 @@ COMPUTE_WGS = 2
 # TMA producer fits 24; at head_dim 256 with segment ids the softmax warpgroups need 240
 # (ptxas: 12 B of spills at 232).
 REGS_COMPUTE, REGS_PRODUCER = 240, 24
+# fwd_overlap masks raw scores (the scale is applied inside exp2's FMA): a power of two, so
+# that MASK_RAW * qk_scale is exact and s * qk_scale - m, fused or not, is exactly 0 for a row
+# whose keys are all masked so far (MASK's rounding error, ~1e22, would overflow exp2).
+MASK_RAW = -(2.0 ** 100)
 
 
 def pad_multiples(cfg):
@@ -64,6 +77,24 @@ def pad_multiples(cfg):
     backward's dq kernel 2 x block_q_bwd rows and its dkv kernel 2 x block_kv_bwd keys."""
     return (COMPUTE_WGS * max(cfg.block_q, cfg.block_q_bwd),
             max(cfg.block_kv, COMPUTE_WGS * cfg.block_kv_bwd))
+
+
+def _overlapped(o, s_shape, issue, then, interpret: bool):
+    """Two wgmma groups in flight (FlashAttention-3 intra-warpgroup overlap): issue(s_ref,
+    o_ref) issues S into a fresh accumulator, then a product onto O (o's value); S alone is
+    waited for (wait_group 1: groups retire in order) and then(S) runs while O's group is still
+    on the tensor core. Returns (O once its group retired, then's result). The interpreter has
+    no accumulator store: there O's product goes to a zero accumulator and is added (as
+    wgmma_into does), the same arithmetic up to float32 rounding order."""
+    def scoped(s_ref, o_ref):
+        if not interpret:
+            o_ref[...] = o
+        issue(s_ref, o_ref)
+        out = then(plgpu.wgmma_accumulator_load(s_ref, wait_n=1))
+        o_new = o_ref[...]  # waits for every group
+        return (o + o_new if interpret else o_new), out
+    return pl.run_scoped(scoped, plgpu.ACC(s_shape, jnp.float32),
+                         plgpu.ACC(o.shape, jnp.float32))
 
 
 def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpret):
@@ -79,6 +110,13 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
     # Tiles below this index need no mask (all keys valid, no segments, left of the diagonal).
     kv_full = 0 if has_seg else kv_len // block_kv
     qk_scale = scale * LOG2E
+    # fwd_overlap holds P_{j-1} (16 registers) in flight beside O: at head_dim 256 with
+    # segment ids that spills at the 240-register limit (ptxas_report --sm90-fwd-overlap), so
+    # that case keeps the non-overlapped loop.
+    overlap = config.fwd_overlap and not (has_seg and D > 128)
+    # fwd_overlap masks tile lo unless no tile needs a mask at all (not causal, no segment
+    # ids, no padded keys): one masked tile instead of a fourth copy of the step.
+    first_masked = has_seg or causal or kv_full < n_kv
 
     def kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, ranges_ref, out_ref, lse_ref, scoped):
         batch = lax.axis_index("batch")
@@ -107,6 +145,8 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
             first, end = 0, n_kv
 
         def slot_of(t):
+            if isinstance(t, int):  # a static tile (no segment ids: first = 0)
+                return t % steps
             return lax.rem(t - first if has_seg else t, jnp.array(steps, t.dtype))
 
         @pl.when(wg < COMPUTE_WGS)
@@ -218,26 +258,133 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
             if has_seg:
                 lax.fori_loop(first, lo, drain, None)
 
-            @pl.when(lo < hi)
-            def _():
-                plgpu.barrier_wait(k_bars.at[slot_of(lo) if has_seg else 0])
+            # ---- fwd_overlap: FlashAttention-3's intra-warpgroup pipelining (Algorithm 2) ----
+            # Step j issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} as two wgmma groups, waits
+            # for S_j only and runs tile j's softmax while P_{j-1} V_{j-1} is still on the
+            # tensor core; O is rescaled once that group retires. Tile lo's scores open the
+            # pipeline, the last P V closes it. Per tile the schedule barrier sees the same
+            # two arrivals as in kv_loop and drain, so the warpgroups stay in step.
+            def scores_to_p(s, kv_step, m_i, l_i, masked):
+                """Tile kv_step's online softmax on its raw scores s (waited for). The scale
+                rides exp2's FMA (s * qk_scale - m) and the max is taken on the raw scores,
+                scaled per row; m_i and the log-sum-exp stay in log2 units. Releases the K
+                slot and arrives on the schedule barrier (softmax done)."""
+                slot = slot_of(kv_step)
+                if has_seg:  # every step consumes its key ids' barrier phase
+                    plgpu.barrier_wait(kseg_bars.at[slot])
+                if masked and has_seg:  # read before K's slot is released to the producer
+                    k_seg = plgpu.load(kseg_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                plgpu.barrier_arrive(k_consumed.at[slot])
+                if masked:
+                    mask = tile_mask(q_base, kv_step * block_kv, (block_q, block_kv),
+                                     causal=causal, kv_len=kv_len,
+                                     q_seg=q_seg if has_seg else None,
+                                     k_seg=k_seg if has_seg else None)
+                    s = jnp.where(mask, s, MASK_RAW)
+                m_ij = jnp.maximum(m_i, s.max(axis=1) * qk_scale)
+                alpha = jnp.exp2(m_i - m_ij)
+                p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(m_ij, s.shape, [0]))
+                l_i = l_i * alpha + p.sum(axis=1)
+                plgpu.barrier_arrive(sched)  # softmax done
+                return p, m_ij, l_i, alpha
 
-            pl.when(wg == 1)(sched_barrier)
+            def p_operand(p16):
+                if interpret:  # the interpreter's wgmma reads A from SMEM only
+                    p_smem2.at[wg][...] = p16
+                    plgpu.commit_smem()
+                    return p_smem2.at[wg]
+                return p16  # on the GPU P stays in registers as wgmma's A operand
 
-            carry = (acc, m_i, l_i)
-            if has_seg:
-                carry = lax.fori_loop(lo, full_lo(), functools.partial(kv_loop, masked=True),
-                                      carry)
-                carry = lax.fori_loop(full_lo(), full_hi(), kv_loop, carry)
-                carry = lax.fori_loop(full_hi(), hi, functools.partial(kv_loop, masked=True),
-                                      carry)
+            def first_tile(carry):
+                acc, m_i, l_i, _ = carry
+                slot = slot_of(lo)
+                plgpu.barrier_wait(k_bars.at[slot])
+
+                def qk(s_ref):
+                    plgpu.wgmma(s_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+                    sched_barrier()
+                    return scores_to_p(s_ref[...], lo, m_i, l_i, first_masked)
+                p, m_i, l_i, _ = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+                plgpu.barrier_wait(sched)  # the tensor core is free
+                return acc, m_i, l_i, p.astype(dtype)  # acc is still zero: nothing to rescale
+
+            def next_tile(kv_step, carry, masked=False):
+                acc, m_i, l_i, p16 = carry
+                slot, prev = slot_of(kv_step), slot_of(kv_step - 1)
+                plgpu.barrier_wait(k_bars.at[slot])
+                plgpu.barrier_wait(v_bars.at[prev])
+                p_prev = p_operand(p16)
+
+                def issue(s_ref, o_ref):
+                    plgpu.wgmma(s_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+                    plgpu.wgmma(o_ref, p_prev, v_smem.at[prev])
+                    sched_barrier()
+                acc, (p, m_i, l_i, alpha) = _overlapped(
+                    acc, (block_q, block_kv), issue,
+                    lambda s: scores_to_p(s, kv_step, m_i, l_i, masked), interpret)
+                plgpu.barrier_arrive(v_consumed.at[prev])
+                # P_j is cast into wgmma's A registers only now, P_{j-1} V_{j-1} retired: they
+                # held P_{j-1} while it was in flight (cast earlier, ptxas serialized every
+                # wgmma, C7513). The barrier keeps LLVM from hoisting the cast above the wait.
+                acc, p = lax.optimization_barrier((acc, p))
+                p16 = p.astype(dtype)
+                acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
+                plgpu.barrier_wait(sched)  # the tensor core is free
+                return acc, m_i, l_i, p16
+
+            def last_pv(carry):
+                acc, m_i, l_i, p16 = carry
+                prev = slot_of(hi - 1)
+                plgpu.barrier_wait(v_bars.at[prev])
+                p_last = p_operand(p16)
+                acc = _wgmma_into(acc, lambda o_ref: plgpu.wgmma(o_ref, p_last, v_smem.at[prev]),
+                                  interpret)
+                plgpu.barrier_arrive(v_consumed.at[prev])
+                return acc, m_i, l_i, p16
+
+            def overlapped_tiles(acc, m_i, l_i):
+                masked_step = functools.partial(next_tile, masked=True)
+                p0 = plgpu.layout_cast(jnp.zeros((block_q, block_kv), dtype), plgpu.Layout.WGMMA)
+                carry = (acc, m_i, l_i, p0)
+                if has_seg:  # a warpgroup may see no tile (lo == hi): no pipeline to open
+                    keep, nxt = (lambda c: c), lo + 1
+                    carry = lax.cond(lo < hi, first_tile, keep, carry)
+                    carry = lax.fori_loop(nxt, full_lo(), masked_step, carry)
+                    carry = lax.fori_loop(jnp.maximum(full_lo(), nxt), full_hi(), next_tile,
+                                          carry)
+                    carry = lax.fori_loop(jnp.maximum(full_hi(), nxt), hi, masked_step, carry)
+                    carry = lax.cond(lo < hi, last_pv, keep, carry)
+                else:  # lo = full_lo = 0 < hi
+                    carry = first_tile(carry)
+                    carry = lax.fori_loop(1, full_hi, next_tile, carry)
+                    carry = lax.fori_loop(jnp.maximum(full_hi, 1), hi, masked_step, carry)
+                    carry = last_pv(carry)
+                return carry[:3]
+
+            if overlap:
+                pl.when(wg == 1)(sched_barrier)
+                acc, m_i, l_i = overlapped_tiles(acc, m_i, l_i)
             else:
-                carry = lax.fori_loop(full_lo, full_hi, kv_loop, carry)
-                carry = lax.fori_loop(full_hi, hi, functools.partial(kv_loop, masked=True),
-                                      carry)
+                @pl.when(lo < hi)
+                def _():
+                    plgpu.barrier_wait(k_bars.at[slot_of(lo) if has_seg else 0])
+
+                pl.when(wg == 1)(sched_barrier)
+
+                carry = (acc, m_i, l_i)
+                if has_seg:
+                    carry = lax.fori_loop(lo, full_lo(), functools.partial(kv_loop, masked=True),
+                                          carry)
+                    carry = lax.fori_loop(full_lo(), full_hi(), kv_loop, carry)
+                    carry = lax.fori_loop(full_hi(), hi, functools.partial(kv_loop, masked=True),
+                                          carry)
+                else:
+                    carry = lax.fori_loop(full_lo, full_hi, kv_loop, carry)
+                    carry = lax.fori_loop(full_hi, hi, functools.partial(kv_loop, masked=True),
+                                          carry)
+                acc, m_i, l_i = carry
             if causal or has_seg:
                 lax.fori_loop(hi, end, drain, None)
-            acc, m_i, l_i = carry
             pl.when(wg == 0)(sched_barrier)
 
             if has_seg:  # no key to see (lo == hi): a zero output and lse MASK, finite

@@ -18,6 +18,7 @@ inside one document (the unmasked path). Error = max |x - ref| / max |ref|: fp32
 bf16 2e-2.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -246,3 +247,15 @@ def test_mosaic_sm90_skipped_tiles_are_never_read(causal, D):
         q_seg, kv_seg = _remote_case(250, 200)
     _check_block("mosaic_sm90", None, q_seg=q_seg, kv_seg=kv_seg, causal=causal, G=2, D=D,
                  dtype=jnp.bfloat16, min_poisoned=50, backward=D <= MAX_BWD_HEAD_DIM)
+
+
+@pytest.mark.mosaic_interpret
+@pytest.mark.parametrize("causal, D", [(True, 128), (False, 64)])
+def test_mosaic_sm90_fwd_overlap_skipped_tiles_are_never_read(causal, D):
+    # FlashConfig.fwd_overlap's pipelined loop (kernel_sm90.py): a warpgroup that sees no tile
+    # opens no pipeline and drains; one that does opens it at its own first tile. Forward only:
+    # the backward does not read the knob.
+    cfg = dataclasses.replace(default_config("mosaic_sm90", D), fwd_overlap=True)
+    q_seg, kv_seg = _causal_case(250, 128) if causal else _remote_case(250, 200)
+    _check_block("mosaic_sm90", cfg, q_seg=q_seg, kv_seg=kv_seg, causal=causal, G=2, D=D,
+                 dtype=jnp.bfloat16, min_poisoned=50, backward=False)

@@ -63,6 +63,9 @@ class GridConfig:
         _check_multiple("block_k", self.block_k, MX_BLOCK)
 
 
+SM90_STRUCTURES = ("single_wg", "ws_2wg")  # Sm90Config.structure
+
+
 @dataclasses.dataclass(frozen=True)
 class Sm90Config:
     """Tiles of the Hopper wgmma kernel. wgmma has M=64 per warpgroup instruction, N up to 256
@@ -83,6 +86,14 @@ class Sm90Config:
     the default tile is 64 x 128: ptxas (deviceless H100 compile) reports 141 registers and no
     spills with promote_every=1 (154 with 2, 90 with 0); 128 x 128 with promotion needs 256
     accumulator registers and spills (it compiled to 154 registers without promotion).
+
+    structure: "single_wg" (default): matmul_sm90, one warpgroup per CTA and output tile,
+    issuing both TMA and wgmma. "ws_2wg": matmul_sm90_ws, warp-specialized and persistent: a
+    TMA producer warpgroup and two wgmma consumer warpgroups of tile_m / 2 = 64 rows each
+    (tile_m must be 128), `num_ctas` CTAs walking the output tiles in a grouped raster
+    `raster_width` tiles wide; the consumers get 232 registers per thread, so with promotion
+    a 64 x tile_n half needs tile_n <= 192 (64 x 192: 192 accumulator registers), without it
+    tile_n <= 256. Off by default until a GPU measures it (docs/fp8.md).
     """
 
     tile_m: int = 64
@@ -90,8 +101,22 @@ class Sm90Config:
     tile_k: int = 128
     max_concurrent_steps: int = 4  # TMA stages in flight (SMEM: steps * (tm + tn) * tk bytes)
     promote_every: int = 1  # K tiles per float32 promotion of the wgmma accumulator; 0: never
+    structure: str = "single_wg"  # or "ws_2wg" (SM90_STRUCTURES)
+    # ws_2wg: persistent CTAs; None: one per SM of the target GPU (132 on H100 SXM / H200, 114
+    # on H100 PCIe; 132 when the count is unknown)
+    num_ctas: int | None = None
+    raster_width: int = 8  # ws_2wg: output-tile rows per band of the grouped raster
 
     def __post_init__(self):
+        if self.structure not in SM90_STRUCTURES:
+            raise ValueError(f"structure={self.structure!r}: one of {SM90_STRUCTURES}")
+        ws = self.structure == "ws_2wg"
+        if ws and self.tile_m != 128:
+            raise ValueError(f"tile_m={self.tile_m}: ws_2wg splits the tile's rows between "
+                             "two consumer warpgroups of wgmma's M=64, so tile_m must be 128")
+        if (self.num_ctas is not None and self.num_ctas < 1) or self.raster_width < 1:
+            raise ValueError(f"num_ctas={self.num_ctas} and raster_width={self.raster_width} "
+                             "must be >= 1")
         _check_multiple("tile_m", self.tile_m, 64)
         _check_multiple("tile_n", self.tile_n, 8)
         if self.tile_n > 256:
@@ -106,7 +131,9 @@ class Sm90Config:
         # One warpgroup holds the tile: tm * tn / 128 float32 registers per thread for the
         # wgmma accumulator, as many again for the promoted total. Measured with ptxas: 192
         # (64 x 192) compiles to 204 registers, 256 (128 x 128, 64 x 256) spills at 255.
-        acc_regs = self.tile_m * self.tile_n // 128 * (2 if self.promote_every else 1)
+        # ws_2wg: each consumer holds tile_m / 2 rows, with 232 registers per thread.
+        rows = self.tile_m // 2 if ws else self.tile_m
+        acc_regs = rows * self.tile_n // 128 * (2 if self.promote_every else 1)
         if self.promote_every and acc_regs > 192:
             raise ValueError(f"tile {self.tile_m} x {self.tile_n} with promote_every="
                              f"{self.promote_every} needs {acc_regs} accumulator registers per "

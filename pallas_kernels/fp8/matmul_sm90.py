@@ -12,6 +12,9 @@ accumulator, so by default each K tile's wgmma starts from a zero accumulator an
 is added into a float32 register total (promotion, as DeepSeek-V3 and TE's split accumulator
 do); the loads of later tiles stay in flight meanwhile. With promote_every=0 one accumulator
 runs over all of K and each wgmma stays in flight while the next tiles land (delay_release=1).
+
+Sm90Config(structure="ws_2wg") runs matmul_sm90_ws instead: a TMA producer warpgroup, two
+wgmma consumer warpgroups on a 128-row tile, persistent CTAs in a grouped raster.
 """
 
 from __future__ import annotations
@@ -104,13 +107,21 @@ def _kernel(a_gmem, bt_gmem, s_gmem, out_gmem, *, config: Sm90Config, k_iters: i
 
 def fp8_matmul_sm90(a, a_scale, bt, b_scale, out_dtype=jnp.bfloat16, *,
                     config: Sm90Config = Sm90Config(), interpret=None):
-    """a [M, K] and bt [N, K] (B transposed: K-major) in e4m3/e5m2, float32 scalar scales.
-    Returns (a * a_scale) @ (bt * b_scale).T in out_dtype. `interpret`: a
+    """a [M, K] and bt [N, K] (B transposed: K-major) in e4m3/e5m2, float32 scalar scales
+    (with structure="ws_2wg" also rowwise: a_scale [M] per row of A, b_scale [N] per column
+    of B). Returns (a * a_scale) @ (bt * b_scale).T in out_dtype. `interpret`: a
     plgpu.InterpretGPUParams to run on CPU under the Mosaic GPU interpreter."""
     m, n, k = check_kmajor_operands(a, bt)
     if not supported(m, n, k, config):
         raise ValueError(f"M={m}, N={n}, K={k} must be multiples of tile_m={config.tile_m}, "
                          f"tile_n={config.tile_n}, tile_k={config.tile_k}")
+    if config.structure == "ws_2wg":  # warp-specialized, persistent (matmul_sm90_ws.py)
+        from pallas_kernels.fp8.matmul_sm90_ws import fp8_matmul_sm90_ws
+        return fp8_matmul_sm90_ws(a, a_scale, bt, b_scale, out_dtype, config=config,
+                                  interpret=interpret)
+    if jnp.ndim(a_scale) or jnp.ndim(b_scale):
+        raise ValueError("rowwise scales (a_scale [M], b_scale [N]) need "
+                         "Sm90Config(structure='ws_2wg'); this kernel takes scalars")
     scale = (jnp.asarray(a_scale, jnp.float32) * jnp.asarray(b_scale, jnp.float32)).reshape(1)
     kernel = plgpu.kernel(
         functools.partial(_kernel, config=config, k_iters=k // config.tile_k,

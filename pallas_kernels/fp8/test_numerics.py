@@ -60,6 +60,8 @@ def test_promotion_at_the_kernel_default_beats_reduced_precision_accumulation(ca
     exact = a @ b  # float64: exact for these operands up to 2**-53
     every = _default_interval()
     assert every == 128  # DeepSeek-V3's interval: 4 wgmma instructions
+    ws = Sm90Config(structure="ws_2wg", tile_m=128, tile_n=192, max_concurrent_steps=3)
+    assert ws.promote_every * ws.tile_k == every  # the warp-specialized variant: the same
     plain = _rel(emulate_wgmma_accumulation(a, b, 0), exact)
     promoted = _rel(emulate_wgmma_accumulation(a, b, every), exact)
     f32 = _rel((a.astype(np.float32) @ b.astype(np.float32)).astype(np.float64), exact)

@@ -13,11 +13,21 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.fp8 import Sm90Config, fp8_matmul, quantize_tensorwise
 from pallas_kernels.fp8.config import E4M3, E5M2
+from pallas_kernels.fp8.matmul_sm90 import fp8_matmul_sm90
 from pallas_kernels.fp8.reference import fp8_matmul_reference
 
 pytestmark = pytest.mark.mosaic_interpret  # warpgroups run in the Mosaic GPU interpreter
 
 CFG = Sm90Config(tile_m=64, tile_n=64, tile_k=128, max_concurrent_steps=2)
+# The warp-specialized persistent variant on small tiles: 3 CTAs over 4 or 6 output tiles, so
+# some CTAs take two tiles (the producer running into the next tile) and the raster wraps.
+WS = Sm90Config(structure="ws_2wg", tile_m=128, tile_n=64, tile_k=128, max_concurrent_steps=2,
+                num_ctas=3, raster_width=2)
+
+
+def _ints(key, shape, dtype):
+    """Small integers: every product and sum is exact, so kernels must match bit for bit."""
+    return jax.random.randint(key, shape, -8, 9).astype(jnp.float32).astype(dtype)
 
 
 # promote_every: 0 (one accumulator), 1 (the default: every K tile), 3 over 4 K tiles (a full
@@ -44,6 +54,50 @@ def test_sm90_interpret_matches_reference_bf16_out():
                                atol=8e-3 * float(jnp.abs(ref).max()))
 
 
+# e4m3 x e4m3 (forward) and e5m2 x e4m3 (a gradient times weights or activations), the
+# promotion every K tile (default), every 2 of 3 (a partial group left at the end) or never.
+@pytest.mark.parametrize("fmt_a,promote_every,m,n,k", [
+    (E4M3, 1, 256, 128, 256), (E5M2, 1, 384, 128, 128), (E4M3, 2, 256, 128, 384),
+    (E5M2, 0, 256, 128, 256)])
+def test_ws_2wg_interpret_exact(fmt_a, promote_every, m, n, k):
+    ka, kb = jax.random.split(jax.random.key(2))
+    a, b = _ints(ka, (m, k), fmt_a), _ints(kb, (k, n), E4M3)
+    cfg = dataclasses.replace(WS, promote_every=promote_every)
+    out = fp8_matmul(a, jnp.float32(0.5), b, jnp.float32(4.0), jnp.float32, impl="sm90",
+                     config=cfg, interpret=plgpu.InterpretGPUParams())
+    np.testing.assert_array_equal(np.asarray(out), (np.float32(a) @ np.float32(b)) * 2.0)
+
+
+def test_ws_2wg_interpret_matches_reference_bf16_out():
+    kx, kw = jax.random.split(jax.random.key(3))
+    (qa, sa) = quantize_tensorwise(jax.random.normal(kx, (256, 256)), E4M3)
+    (qb, sb) = quantize_tensorwise(jax.random.normal(kw, (256, 128)) * 0.02, E4M3)
+    out = fp8_matmul(qa, sa, qb, sb, jnp.bfloat16, impl="sm90", config=WS,
+                     interpret=plgpu.InterpretGPUParams())
+    ref = fp8_matmul_reference(qa, sa, qb, sb, jnp.float32)
+    np.testing.assert_allclose(np.float32(out), np.asarray(ref), rtol=8e-3,
+                               atol=8e-3 * float(jnp.abs(ref).max()))
+
+
+def test_ws_2wg_rowwise_scales():
+    ka, kb = jax.random.split(jax.random.key(4))
+    m, n, k = 256, 128, 256
+    a, bt = _ints(ka, (m, k), E4M3), _ints(kb, (n, k), E5M2)
+    # Powers of two per row of A and column of B: the scaled products stay exact.
+    sa, sb = jnp.exp2(jnp.arange(m) % 5 - 2.0), jnp.exp2(jnp.arange(n) % 3 - 1.0)
+    out = fp8_matmul_sm90(a, sa, bt, sb, jnp.float32, config=WS,
+                          interpret=plgpu.InterpretGPUParams())
+    exact = (np.float32(a) @ np.float32(bt).T) * np.asarray(sa)[:, None] * np.asarray(sb)
+    np.testing.assert_array_equal(np.asarray(out), exact)
+    with pytest.raises(ValueError, match="rowwise"):
+        fp8_matmul_sm90(a, sa, bt, sb, jnp.float32, config=CFG)
+    with pytest.raises(ValueError, match="rowwise scales must be"):
+        fp8_matmul_sm90(a, sa[:64], bt, sb, jnp.float32, config=WS)
+    wide = dataclasses.replace(WS, tile_n=128 + 64, max_concurrent_steps=2)
+    with pytest.raises(ValueError, match="tile_n <= 128"):
+        fp8_matmul_sm90(a, sa, _ints(kb, (192, k), E5M2), jnp.ones(192), config=wide)
+
+
 def test_sm90_config_validation():
     with pytest.raises(ValueError, match="tile_k"):
         Sm90Config(tile_k=64)  # FP8 wgmma needs the 128-byte swizzle: K tiles of 128
@@ -55,6 +109,33 @@ def test_sm90_config_validation():
     assert Sm90Config(tile_m=128, tile_n=128, promote_every=0).promote_every == 0
     with pytest.raises(ValueError, match="promote_every"):
         Sm90Config(promote_every=-1)
+    assert Sm90Config().structure == "single_wg"  # ws_2wg is opt-in until a GPU measures it
+    with pytest.raises(ValueError, match="structure"):
+        Sm90Config(structure="pingpong")
+    with pytest.raises(ValueError, match="tile_m must be 128"):
+        Sm90Config(structure="ws_2wg", tile_m=64)
+    # Two consumers of 64 rows each: promotion fits 128 x 192 (192 accumulator registers),
+    # not 128 x 256 (256), which only runs with promote_every=0.
+    Sm90Config(structure="ws_2wg", tile_m=128, tile_n=192, max_concurrent_steps=3)
+    with pytest.raises(ValueError, match="spills"):
+        Sm90Config(structure="ws_2wg", tile_m=128, tile_n=256)
+    Sm90Config(structure="ws_2wg", tile_m=128, tile_n=256, max_concurrent_steps=2,
+               promote_every=0)
+    with pytest.raises(ValueError, match="num_ctas"):
+        Sm90Config(structure="ws_2wg", tile_m=128, num_ctas=0)
+
+
+# (config, rowwise scales, wgmma instruction): the shipped kernel and the ws_2wg variant at the
+# tiles it is meant for (128 x 192 promoted, 128 x 256 with one accumulator), rowwise at
+# 128 x 128 (128 x 192 rowwise spills 16 B, so the kernel refuses it).
+COMPILED = [
+    ("Sm90Config()", False, "m64n128k32.f32.e4m3.e5m2"),
+    ("Sm90Config(structure='ws_2wg', tile_m=128, tile_n=192, max_concurrent_steps=3)", False,
+     "m64n192k32.f32.e4m3.e5m2"),
+    ("Sm90Config(structure='ws_2wg', tile_m=128, tile_n=256, max_concurrent_steps=2, "
+     "promote_every=0)", False, "m64n256k32.f32.e4m3.e5m2"),
+    ("Sm90Config(structure='ws_2wg', tile_m=128, tile_n=128)", True, "m64n128k32.f32.e4m3.e5m2"),
+]
 
 
 def test_sm90_compiles_for_h100_without_gpu():
@@ -63,25 +144,33 @@ def test_sm90_compiles_for_h100_without_gpu():
     if not aot.plugin_available():
         pytest.skip("CUDA plugin not installed (`bash scripts/dev.sh cuda-plugin` installs it into .venv/cuda-plugin)")
     script = textwrap.dedent("""
-        import glob, os, tempfile
+        import glob, os, sys, tempfile
         dump = tempfile.mkdtemp()
         # Read by Mosaic GPU when it compiles: ptxas's register and spill report per kernel.
         os.environ.update(MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=dump)
         import jax, jax.numpy as jnp
         from pallas_kernels import aot
-        from pallas_kernels.fp8 import fp8_matmul
+        from pallas_kernels.fp8 import Sm90Config
+        from pallas_kernels.fp8.matmul_sm90 import fp8_matmul_sm90
         S = jax.ShapeDtypeStruct
-        def f(a, sa, b, sb):
-            return fp8_matmul(a, sa, b, sb, jnp.bfloat16, impl="sm90")
-        c = aot.compile_for("h100", f, S((256, 1024), jnp.float8_e4m3fn), S((), jnp.float32),
-                            S((1024, 512), jnp.float8_e5m2), S((), jnp.float32))
+        config, rowwise, wgmma = eval(sys.argv[1]), sys.argv[2] == "1", sys.argv[3]
+        m, n, k = 768, 768, 1024
+        scales = (S((m,), jnp.float32), S((n,), jnp.float32)) if rowwise else (
+            S((), jnp.float32),) * 2
+        def f(a, sa, bt, sb):
+            return fp8_matmul_sm90(a, sa, bt, sb, jnp.bfloat16, config=config)
+        c = aot.compile_for("h100", f, S((m, k), jnp.float8_e4m3fn), scales[0],
+                            S((n, k), jnp.float8_e5m2), scales[1])
         txt = c.as_text()
         assert 'custom_call_target="mosaic_gpu' in txt, "no Mosaic GPU kernel in the HLO"
-        assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e5m2" in txt, "no FP8 wgmma"
+        assert "wgmma.mma_async.sync.aligned." + wgmma in txt, "no FP8 wgmma " + wgmma
         reports = [open(p).read() for p in glob.glob(os.path.join(dump, "*.ptxas"))]
         assert reports, "no ptxas report written"
         assert all(" 0 bytes spill stores, 0 bytes spill loads" in r for r in reports), reports
+        # C7510-C7515: ptxas serialized the wgmmas (the kernel would run at a fraction of peak).
+        assert not any("are serialized" in r for r in reports), reports
         print("OK")
     """)
-    r = aot.run_script(script)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
+    for config, rowwise, wgmma in COMPILED:
+        r = aot.run_script(script, config, str(int(rowwise)), wgmma)
+        assert r.returncode == 0 and "OK" in r.stdout, (config, rowwise, r.stderr[-3000:])

@@ -63,7 +63,7 @@ def _stdout_to(path: str):
         os.close(saved)
 
 
-def attention_cases(arch: str, head_dims):
+def attention_cases(arch: str, head_dims, impls=None):
     """(meta, fn, abstract args): one jit per kernel pass, so each holds one Mosaic kernel (the
     dq/dkv split relies on jit dropping the unused kernel; XLA compiles them in any order)."""
     import jax
@@ -72,7 +72,7 @@ def attention_cases(arch: str, head_dims):
     from pallas_kernels.flash_attention.api import flash_attention_bwd, flash_attention_fwd
     from pallas_kernels.flash_attention.config import default_config
 
-    for impl in ATTENTION_IMPLS[arch]:
+    for impl in impls or ATTENTION_IMPLS[arch]:
         for d in head_dims:
             cfg = default_config(impl, d)
             q = jax.ShapeDtypeStruct((B, SEQ, HQ, d), jnp.bfloat16)
@@ -89,11 +89,45 @@ def attention_cases(arch: str, head_dims):
 
                 lse = jax.eval_shape(fwd, q, kv, kv, *segs)[1]
                 yield dict(meta, **{"pass": "fwd"}), fwd, (q, kv, kv, *segs)
+                if impl == "mosaic_sm90":  # the opt-in FA3 overlap beside the shipped forward
+                    yield _overlap_fwd(meta, cfg, (q, kv, kv, *segs))
                 for name, pick in (("dq", lambda g: g[0]), ("dkv", lambda g: g[1:])):
                     def bwd(q, k, v, o, lse, do, *s, kw=kw, pick=pick):
                         return pick(flash_attention_bwd(q, k, v, s[0] if s else None, o, lse,
                                                         do, **kw))
                     yield dict(meta, **{"pass": name}), bwd, (q, kv, kv, q, lse, q, *segs)
+
+
+def _overlap_fwd(meta: dict, cfg, args):
+    """The sm90 forward with FlashConfig.fwd_overlap=True (docs/attention.md, "sm90 forward
+    overlap"): (meta, fn, args) of the case."""
+    import dataclasses
+
+    from pallas_kernels.flash_attention.api import flash_attention_fwd
+
+    ov = dataclasses.replace(cfg, fwd_overlap=True)
+
+    def fwd(q, k, v, *s):
+        return flash_attention_fwd(q, k, v, *s, causal=True, impl="mosaic_sm90", config=ov)
+
+    return (dict(meta, config=repr(ov), variant=meta["variant"] + "+fwd_overlap",
+                 **{"pass": "fwd"}), fwd, args)
+
+
+def overlap_budget_cases(head_dims, regs):
+    """(meta, fn, args, budget): the sm90 forward at each head_dim, causal and
+    causal+segments, fwd_overlap off and on, compiled at each compute-warpgroup setmaxnreg
+    budget in `regs` (0: the shipped kernel_sm90.REGS_COMPUTE): how close each runs to its
+    budget (ptxas itself prints the launch split, 168, for all of them)."""
+    from pallas_kernels.flash_attention import kernel_sm90
+
+    shipped = kernel_sm90.REGS_COMPUTE
+    for meta, fn, args in attention_cases("sm_90a", head_dims, impls=("mosaic_sm90",)):
+        if meta["pass"] != "fwd":
+            continue
+        for reg in regs:
+            tag = f" @{reg or shipped} regs"
+            yield dict(meta, variant=meta["variant"] + tag), fn, args, reg or shipped
 
 
 def fp8_cases(arch: str):
@@ -116,6 +150,28 @@ def fp8_cases(arch: str):
         meta = {"op": "fp8_matmul", "impl": impl, "pass": "matmul", "head_dim": None,
                 "variant": mode, "config": repr(configs[impl])}
         yield meta, fn, (a, scales[mode][0], b, scales[mode][1])
+    if arch == "sm_90a":  # the opt-in warp-specialized sm90 variant beside the shipped one
+        yield from _sm90_ws_cases(fp8_matmul, Sm90Config, E4M3)
+
+
+def _sm90_ws_cases(fp8_matmul, Sm90Config, E4M3):
+    """Sm90Config(structure="ws_2wg") at its tiles (N = 1536: a multiple of 128, 192, 256)."""
+    import jax
+    import jax.numpy as jnp
+
+    m, _, k = FP8_MNK
+    n = 1536
+    ws = dict(structure="ws_2wg", tile_m=128)
+    scalar = jax.ShapeDtypeStruct((), jnp.float32)
+    args = (jax.ShapeDtypeStruct((m, k), E4M3), scalar, jax.ShapeDtypeStruct((k, n), E4M3),
+            scalar)
+    for cfg in (Sm90Config(**ws, tile_n=128), Sm90Config(**ws, tile_n=192,
+                                                         max_concurrent_steps=3),
+                Sm90Config(**ws, tile_n=256, max_concurrent_steps=2, promote_every=0)):
+        def fn(a, sa, b, sb, cfg=cfg):
+            return fp8_matmul(a, sa, b, sb, impl="sm90", config=cfg)
+        yield ({"op": "fp8_matmul", "impl": "sm90", "pass": "matmul", "head_dim": None,
+                "variant": "tensorwise ws_2wg", "config": repr(cfg)}, fn, args)
 
 
 def compile_case(kind: str, name: str, fn, args, on_device: bool, log_path: str) -> None:
@@ -173,6 +229,21 @@ def triton_entries(dump_dir: str, name: str) -> list[dict]:
             for k in sorted(kernels)]
 
 
+@contextlib.contextmanager
+def _compute_registers(budget: int | None):
+    """kernel_sm90.REGS_COMPUTE set to `budget` while a case compiles (None: as shipped)."""
+    if budget is None:
+        yield
+        return
+    from pallas_kernels.flash_attention import kernel_sm90
+
+    shipped, kernel_sm90.REGS_COMPUTE = kernel_sm90.REGS_COMPUTE, budget
+    try:
+        yield
+    finally:
+        kernel_sm90.REGS_COMPUTE = shipped
+
+
 def _check_local_gpu(arch: str) -> None:
     import jax
     cc = getattr(jax.devices()[0], "compute_capability", None)
@@ -183,22 +254,28 @@ def _check_local_gpu(arch: str) -> None:
 
 
 def main(argv: list[str]) -> None:
+    """argv: KIND OUT [--on-device] [--overlap-budgets=R1,R2,...] HEAD_DIM..."""
     kind, out_path, *rest = argv
     on_device = "--on-device" in rest
-    head_dims = [int(x) for x in rest if x != "--on-device"]
+    budgets = [a.split("=", 1)[1] for a in rest if a.startswith("--overlap-budgets=")]
+    head_dims = [int(x) for x in rest if not x.startswith("--")]
     arch = rep.ARCH[kind]
     if on_device:
         _check_local_gpu(arch)
     dump_dir = os.environ["TITANAX_PTXAS_XLA_DUMP"]
-    cases = list(attention_cases(arch, head_dims)) + list(fp8_cases(arch))
+    if budgets:
+        cases = list(overlap_budget_cases(head_dims, [int(r) for r in budgets[0].split(",")]))
+    else:
+        cases = [(*c, None) for c in (*attention_cases(arch, head_dims), *fp8_cases(arch))]
     rows = []
     with tempfile.TemporaryDirectory(prefix="ptxas-log-") as tmp:
-        for i, (meta, fn, args) in enumerate(cases):
+        for i, (meta, fn, args, budget) in enumerate(cases):
             name = f"ptxas_case{i}"
             log_path = os.path.join(tmp, f"{name}.log")
             base = dict(meta, gpu=kind, arch=arch)
             try:
-                compile_case(kind, name, fn, args, on_device, log_path)
+                with _compute_registers(budget):
+                    compile_case(kind, name, fn, args, on_device, log_path)
                 log = pathlib.Path(log_path).read_text(errors="replace")
                 entries = mosaic_entries(log) + triton_entries(dump_dir, name)
                 if not entries:

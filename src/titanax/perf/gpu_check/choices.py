@@ -11,6 +11,9 @@ reported only: FP8 promotion trades accuracy, and the documents row compares wit
   (Sm90Config.promote_every=1, shipped: accuracy) against never (0);
 - fp8_tile (Hopper): its 64 x 128 tile (shipped) against 128 x 128 (without promotion: with it,
   128 x 128 spills);
+- fp8_structure (Hopper): that kernel (shipped) against Sm90Config(structure="ws_2wg"), the
+  warp-specialized persistent variant, at 128 x 128 with promotion and 128 x 256 without
+  (docs/fp8.md);
 - triton_warps_hd64: the portable attention kernel at head_dim 64 with 8 warps (shipped: 4
   spill on sm_100) against 4;
 - triton_stages_bwd_hd256: its backward at head_dim 256 unpipelined (num_stages_bwd=1,
@@ -80,6 +83,15 @@ CHOICES = (
         Variant("64x128", True, {"kind": "fp8", "config": Sm90Config()}),
         Variant("128x128, promote_every=0", False, {"kind": "fp8", "config": Sm90Config(
             tile_m=128, tile_n=128, promote_every=0)}))),
+    # (128 x 192, ws_2wg's widest promoted tile, does not divide N = 28672.)
+    Choice("fp8_structure", "sm90 FP8 GEMM: one warpgroup per 64 x 128 tile, or warp-"
+           "specialized (TMA producer + 2 wgmma consumers), persistent, 128 x N", 9, (
+               Variant("single_wg 64x128", True, {"kind": "fp8", "config": Sm90Config()}),
+               Variant("ws_2wg 128x128", False, {"kind": "fp8", "config": Sm90Config(
+                   structure="ws_2wg", tile_m=128, tile_n=128)}),
+               Variant("ws_2wg 128x256, promote_every=0", False, {"kind": "fp8", "config":
+                   Sm90Config(structure="ws_2wg", tile_m=128, tile_n=256,
+                              max_concurrent_steps=2, promote_every=0)}))),
     Choice("triton_warps_hd64", "portable attention kernel at head_dim 64: 8 or 4 warps", None, (
         _knob("triton", 64, "num_warps=8", num_warps=8),
         _knob("triton", 64, "num_warps=4", num_warps=4)), tunes=("triton", 64)),
@@ -88,6 +100,11 @@ CHOICES = (
                _knob("triton", 256, "num_stages_bwd=1", num_stages_bwd=1),
                _knob("triton", 256, "num_stages_bwd=2", num_stages_bwd=2)),
            tunes=("triton", 256)),
+    Choice("sm90_fwd_overlap", "Hopper attention forward at head_dim 128: FA3's intra-warpgroup "
+           "overlap (next QK^T issued before this tile's softmax) or not", 9, (
+               _knob("mosaic_sm90", 128, "fwd_overlap=False"),
+               _knob("mosaic_sm90", 128, "fwd_overlap=True", fwd_overlap=True)),
+           tunes=("mosaic_sm90", 128)),
     Choice("sm100_tmem_buffers_bwd", "tcgen05 attention backward at head_dim 128: X/Y scores "
            "double-buffered in TMEM, or one buffer", 10, (
                _knob("mosaic_sm100", 128, "tmem_buffers_bwd=None (2 at head_dim 128)"),
