@@ -30,24 +30,28 @@ def _ints(key, shape, dtype):
     return jax.random.randint(key, shape, -8, 9).astype(jnp.float32).astype(dtype)
 
 
-# promote_every: 0 (one accumulator), 1 (the default: every K tile), 3 over 4 K tiles (a full
-# promotion group, then a partial one left in the accumulator at the end).
-@pytest.mark.parametrize("promote_every,k", [(0, 256), (1, 256), (3, 512)])
-def test_sm90_interpret_exact_and_mixed_formats(promote_every, k):
-    ka, kb = jax.random.split(jax.random.key(0))
-    a = jax.random.randint(ka, (128, k), -8, 9).astype(jnp.float32).astype(E4M3)
-    b = jax.random.randint(kb, (k, 64), -8, 9).astype(jnp.float32).astype(E5M2)
-    cfg = dataclasses.replace(CFG, promote_every=promote_every)
+def _check_exact(cfg, a, b):
+    """The interpreted kernel on integer operands, scales 0.5 and 4: bit for bit a @ b * 2."""
     out = fp8_matmul(a, jnp.float32(0.5), b, jnp.float32(4.0), jnp.float32, impl="sm90",
                      config=cfg, interpret=plgpu.InterpretGPUParams())
     np.testing.assert_array_equal(np.asarray(out), (np.float32(a) @ np.float32(b)) * 2.0)
 
 
-def test_sm90_interpret_matches_reference_bf16_out():
+# promote_every: 0 (one accumulator), 1 (the default: every K tile), 3 over 4 K tiles (a full
+# promotion group, then a partial one left in the accumulator at the end).
+@pytest.mark.parametrize("promote_every,k", [(0, 256), (1, 256), (3, 512)])
+def test_sm90_interpret_exact_and_mixed_formats(promote_every, k):
+    ka, kb = jax.random.split(jax.random.key(0))
+    _check_exact(dataclasses.replace(CFG, promote_every=promote_every),
+                 _ints(ka, (128, k), E4M3), _ints(kb, (k, 64), E5M2))
+
+
+@pytest.mark.parametrize("cfg, m", [(CFG, 64), (WS, 256)], ids=["single_wg", "ws_2wg"])
+def test_interpret_matches_reference_bf16_out(cfg, m):
     kx, kw = jax.random.split(jax.random.key(1))
-    (qa, sa) = quantize_tensorwise(jax.random.normal(kx, (64, 256)), E4M3)
+    (qa, sa) = quantize_tensorwise(jax.random.normal(kx, (m, 256)), E4M3)
     (qb, sb) = quantize_tensorwise(jax.random.normal(kw, (256, 128)) * 0.02, E4M3)
-    out = fp8_matmul(qa, sa, qb, sb, jnp.bfloat16, impl="sm90", config=CFG,
+    out = fp8_matmul(qa, sa, qb, sb, jnp.bfloat16, impl="sm90", config=cfg,
                      interpret=plgpu.InterpretGPUParams())
     ref = fp8_matmul_reference(qa, sa, qb, sb, jnp.float32)
     np.testing.assert_allclose(np.float32(out), np.asarray(ref), rtol=8e-3,
@@ -61,22 +65,9 @@ def test_sm90_interpret_matches_reference_bf16_out():
     (E5M2, 0, 256, 128, 256)])
 def test_ws_2wg_interpret_exact(fmt_a, promote_every, m, n, k):
     ka, kb = jax.random.split(jax.random.key(2))
-    a, b = _ints(ka, (m, k), fmt_a), _ints(kb, (k, n), E4M3)
-    cfg = dataclasses.replace(WS, promote_every=promote_every)
-    out = fp8_matmul(a, jnp.float32(0.5), b, jnp.float32(4.0), jnp.float32, impl="sm90",
-                     config=cfg, interpret=plgpu.InterpretGPUParams())
-    np.testing.assert_array_equal(np.asarray(out), (np.float32(a) @ np.float32(b)) * 2.0)
+    _check_exact(dataclasses.replace(WS, promote_every=promote_every),
+                 _ints(ka, (m, k), fmt_a), _ints(kb, (k, n), E4M3))
 
-
-def test_ws_2wg_interpret_matches_reference_bf16_out():
-    kx, kw = jax.random.split(jax.random.key(3))
-    (qa, sa) = quantize_tensorwise(jax.random.normal(kx, (256, 256)), E4M3)
-    (qb, sb) = quantize_tensorwise(jax.random.normal(kw, (256, 128)) * 0.02, E4M3)
-    out = fp8_matmul(qa, sa, qb, sb, jnp.bfloat16, impl="sm90", config=WS,
-                     interpret=plgpu.InterpretGPUParams())
-    ref = fp8_matmul_reference(qa, sa, qb, sb, jnp.float32)
-    np.testing.assert_allclose(np.float32(out), np.asarray(ref), rtol=8e-3,
-                               atol=8e-3 * float(jnp.abs(ref).max()))
 
 
 def test_ws_2wg_rowwise_scales():
