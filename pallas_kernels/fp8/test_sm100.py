@@ -10,7 +10,6 @@ the same TMEM accumulator). Everything else runs as the kernel's own code: the T
 A/B/scale tiles and their indices, the stage ring and barriers, the accumulate flag, the
 epilogue slices. What that cannot show: that the hardware reads the scales as the ISA says."""
 
-import dataclasses
 import textwrap
 
 import jax
@@ -109,7 +108,7 @@ def test_sm100_interpret_random_data_bf16_out():
 def test_sm100_interpret_seam_off_by_default():
     # The stand-in's float32 stages exist only under the interpreter: the compiled kernel's
     # scratch (and so its SMEM budget and code) is the block-scaled one.
-    cfg, m, n, k = dataclasses.replace(SMALL), 128, 128, 128
+    cfg, m, n, k = SMALL, 128, 128, 128
     a, sa, bt, sb = _mx_operands(jax.random.key(0), m, n, k, E4M3, E4M3)
     text = str(jax.make_jaxpr(lambda *x: fp8_matmul_sm100(*x, config=cfg))(a, sa, bt, sb))
     assert "async_copy_scales_to_tmem" in text and "f32[2,128,128]" not in text
