@@ -232,7 +232,12 @@ OTHER_MODEL_VALUES = {
     "rope_scaling": "none", "rope_factor": 4.0, "rope_low_freq_factor": 2.0,
     "rope_high_freq_factor": 8.0, "rope_original_max_seq_len": 4096, "max_seq_len": 4096,
     "norm_eps": 1e-6, "tie_embeddings": True, "param_dtype": "bfloat16",
-    "sliding_window": 100000}
+    "sliding_window": 100000,
+    # the MoE architectures' (config/moe.py)
+    "n_experts": 4, "experts_per_token": 1, "norm_topk_prob": False,
+    "router_aux_loss_coef": 0.01, "router_z_loss_coef": 0.001}
+MOE_FIELDS = ("n_experts", "experts_per_token", "norm_topk_prob", "router_aux_loss_coef",
+              "router_z_loss_coef")
 OTHER_EXECUTION_VALUES = {
     "init_std": 0.01, "attention_impl": "cudnn", "context_strategy": "all_gather",
     "tp_overlap": True, "matmul_precision": "highest", "fp8_amax_history": 16,
@@ -244,13 +249,22 @@ def _mistral_small():
     return small_config(**{"model.arch": "mistral"})
 
 
+def _arch_small(name: str):
+    """small_config of an architecture that has field `name`."""
+    if name == "sliding_window":
+        return _mistral_small()
+    if name in MOE_FIELDS:
+        return small_config(**{"model.arch": "mixtral"})
+    return small_config()
+
+
 @pytest.mark.parametrize("name", sorted(OTHER_MODEL_VALUES))
 def test_each_model_field_is_refused_by_name_on_resume(name):
     from titanax.archs import ARCHS
     from titanax.config.model import arch_config_class, model_field_names
 
     assert set(OTHER_MODEL_VALUES) == {n for arch in ARCHS for n in model_field_names(arch)}
-    cfg = _mistral_small() if name == "sliding_window" else small_config()
+    cfg = _arch_small(name)
     assert getattr(cfg.model, name) != OTHER_MODEL_VALUES[name]
     changed = apply_overrides(cfg, {f"model.{name}": OTHER_MODEL_VALUES[name]})
     assert type(changed.model) is arch_config_class(changed.model.arch)  # the arch's own class

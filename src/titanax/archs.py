@@ -6,4 +6,6 @@ ARCHS: dict[str, str] = {
     "llama3": "titanax.models.llama3",
     "qwen3": "titanax.models.qwen3",
     "mistral": "titanax.models.mistral",
+    "mixtral": "titanax.models.mixtral",
+    "qwen3_moe": "titanax.models.qwen3_moe",
 }

@@ -23,6 +23,7 @@ from titanax.config.model import (
     model_field_names,
     old_execution_values,
 )
+from titanax.config.moe import MoEModelConfig
 from titanax.config.optim import OptimConfig
 from titanax.config.parallel import MeshConfig, PipelineConfig
 from titanax.config.train import TrainConfig
@@ -82,6 +83,7 @@ class Config:
                      "gradients are summed in place only under those; or set "
                      "train.grad_accum=1")
         _check_lora(self)
+        _check_moe(self)
         check_parallel_layout(self, self.mesh.degrees())
 
     def to_dict(self) -> dict:
@@ -207,6 +209,26 @@ def _check_lora(cfg: Config) -> None:
                  f"set train.{name}=false (the adapters' state is small)")
 
 
+def _check_moe(cfg: Config) -> None:
+    """What a mixture-of-experts model (config/moe.py) cannot run with yet, one line each."""
+    if not isinstance(cfg.model, MoEModelConfig):
+        return
+    arch = f"model.arch={cfg.model.arch!r} (mixture of experts)"
+    if cfg.mesh.pipeline != 1:
+        fail("mesh.pipeline", f"{cfg.mesh.pipeline}: pipeline parallelism with {arch} is not "
+             "implemented yet (the stages would have to carry the routing sums); set "
+             "mesh.pipeline=1")
+    if cfg.execution.matmul_precision not in ("default", "highest"):
+        fail("execution.matmul_precision", f"{cfg.execution.matmul_precision!r}: the experts' "
+             f"grouped GEMMs of {arch} have no FP8 recipe yet; use default or highest")
+    if cfg.lora.enabled:
+        fail("lora.rank", f"{cfg.lora.rank}: LoRA adapters on {arch} are not implemented "
+             "yet; set lora.rank=0")
+    if cfg.execution.tp_overlap:
+        fail("execution.tp_overlap", f"the experts of {arch} have no collective matmul; set "
+             "execution.tp_overlap=false")
+
+
 def grad_accum_in_place_unsupported(cfg: Config) -> str | None:
     """Why a step of cfg sums its microbatches' gradients the plain way, or None: in place
     (models/accumulate.py, whose `unsupported` this is; the memory model reads it too)."""
@@ -224,6 +246,9 @@ def grad_accum_in_place_unsupported(cfg: Config) -> str | None:
         # The in-place sum rides on the base weights' layer scan; LoRA differentiates only the
         # adapters, whose plain sum is a small carry.
         return "lora.rank > 0: only the adapters get gradients, summed the plain way"
+    if isinstance(cfg.model, MoEModelConfig):
+        # The in-place scan carries no routing sums (models/accumulate.py); the plain sum does.
+        return "a mixture-of-experts model: its layers return routing sums, summed the plain way"
     return None
 
 

@@ -74,6 +74,10 @@ class ModelSpec:
     # the step's mean token NLL (a microbatch its token share); read from the model after
     # its forward pass (values it sowed); {} for a dense model.
     aux_losses: Callable[[Any], Mapping[str, Any]] = no_aux_losses
+    # aux_metrics(model) -> {name: float32 scalar} logged with the step's metrics as
+    # 'aux/<name>' (with the aux_losses terms), not part of the loss: e.g. an MoE's routing
+    # statistics; read like aux_losses.
+    aux_metrics: Callable[[Any], Mapping[str, Any]] = no_aux_losses
     # no_decay(path) -> True for a parameter (path like ('layers', 'attn_norm', 'scale'))
     # that gets no weight decay.
     no_decay: Callable[[tuple[str, ...]], bool] = no_decay_norms

@@ -37,6 +37,10 @@ PARAM_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("mlp", "tensor"),
     ("norm", None),
     ("lora_rank", None),  # LoRA adapters' rank axis (small): the weight's other axes shard them
+    # MoE: the experts axis of expert weights [L, E, ...] (every device holds every expert
+    # until expert parallelism, issue 37) and the router's output axis [L, D, E].
+    ("expert", None),
+    ("router_experts", None),
 )
 
 ACTIVATION_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
@@ -55,6 +59,8 @@ ACTIVATION_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("layers", None),
     ("cache_seq", None),
     ("lora_rank", None),
+    ("expert", None),
+    ("router_experts", None),
 )
 
 

@@ -337,6 +337,8 @@ class Trainer:
                "mem_in_use": in_use, "mem_peak": peak_mem, "elapsed_s": now - self.t_begin}
         if self.cfg.execution.matmul_precision == "fp8_delayed":  # run total, as skipped_steps
             row["fp8_nonfinite_amax"] = self.bad_steps.nonfinite_amax
+        # the architecture's auxiliary losses and routing statistics (an MoE's), this step's
+        row.update({k: float(v) for k, v in m_host.items() if k.startswith("aux/")})
         self.losses[step] = row["loss"]
         self.writer.write(step, row)
         progress.show(step, row)

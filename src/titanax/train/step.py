@@ -18,13 +18,14 @@ from titanax.train import offload
 
 
 def nll_sum(graphdef, params, batch, *, document_masking: bool, loss_chunk: int,
-            pipeline: PipelineSchedule | None = None, fp8=None, aux_losses=None, lora=None):
+            pipeline: PipelineSchedule | None = None, fp8=None, aux_losses=None, lora=None,
+            aux_metrics=None):
     """Sum of the per-token negative log-likelihood over the batch, float32 (the output layer
     and cross-entropy fused and chunked: no [B, S, V] logits). pipeline: stage the layers over
     the mesh's 'pipeline' axis when it is > 1. fp8: the train state's 'fp8' (fp8_delayed's
     amax histories, ops.Fp8Meta); None when the model has none. aux_losses: the
     architecture's hook (ModelSpec.aux_losses); given, returns (sum, its terms of this batch,
-    read from the model after the forward pass). lora: the train state's 'lora' (the
+    read from the model after the forward pass, the aux_metrics hook's values (logged only)). lora: the train state's 'lora' (the
     adapters; lora.rank > 0), else None. A batch with the entry DROPOUT_KEYS (the train step
     adds it with lora.dropout > 0) runs the adapters' dropout with those keys; other batches
     (eval, scoring) run without."""
@@ -34,7 +35,9 @@ def nll_sum(graphdef, params, batch, *, document_masking: bool, loss_chunk: int,
     dropout = {"lora_dropout_keys": batch[DROPOUT_KEYS]} if DROPOUT_KEYS in batch else {}
     total = model.loss_sum(batch["inputs"], batch["targets"], batch["positions"], segment_ids,
                            pipeline=pipeline, loss_chunk=loss_chunk, **dropout)
-    return total if aux_losses is None else (total, dict(aux_losses(model)))
+    if aux_losses is None:
+        return total
+    return total, dict(aux_losses(model)), dict(aux_metrics(model) if aux_metrics else {})
 
 
 def step_loss_tokens(targets):
@@ -43,7 +46,7 @@ def step_loss_tokens(targets):
     return jnp.maximum(ops.loss_tokens(targets), 1.0)
 
 
-def make_loss_fn(cfg: Config, graphdef):
+def make_loss_fn(cfg: Config, graphdef, *, with_metrics: bool = False):
     """mean_loss(params, batch, fp8=None, tokens=None): the scalar the train step
     differentiates, with respect to params and fp8 (whose "gradient" is its updated value):
     the summed loss over `tokens`, the loss-bearing targets of the whole step (all of its
@@ -53,24 +56,31 @@ def make_loss_fn(cfg: Config, graphdef):
     model is traced with its tensor-parallel matmuls as collective matmuls (titanax.config has
     refused the layouts they cannot run; others fall back by themselves). The config decides,
     also against an enclosing use_collective_matmul() block. lora: the adapters (lora.rank >
-    0; train_step differentiates with respect to them alone, the base params held fixed)."""
+    0; train_step differentiates with respect to them alone, the base params held fixed).
+    with_metrics: mean_loss returns (scalar, {'aux/<name>': value}) instead, the
+    architecture's auxiliary loss terms and logged values (an MoE's routing statistics),
+    each already weighted by the microbatch's token share ({} for a dense model)."""
     masking, chunk = cfg.data.masks_documents, cfg.train.loss_chunk
     pipeline = PipelineSchedule.from_config(cfg.pipeline)
-    aux_losses = model_spec(cfg.model).aux_losses
+    spec = model_spec(cfg.model)
 
     def mean_loss(params, batch, fp8=None, tokens=None, lora=None):
         with use_collective_matmul(cfg.execution.tp_overlap):  # the context var is read at trace
-            total, aux = nll_sum(graphdef, params, batch, document_masking=masking,
-                                 loss_chunk=chunk, pipeline=pipeline, fp8=fp8,
-                                 aux_losses=aux_losses, lora=lora)
+            total, aux, logged = nll_sum(graphdef, params, batch, document_masking=masking,
+                                         loss_chunk=chunk, pipeline=pipeline, fp8=fp8,
+                                         aux_losses=spec.aux_losses, lora=lora,
+                                         aux_metrics=spec.aux_metrics)
         own = step_loss_tokens(batch["targets"])
         loss = total / (own if tokens is None else tokens)
-        if not aux:  # a dense model: the step is the token NLL alone
-            return loss
+        if not aux and not logged:  # a dense model: the step is the token NLL alone
+            return (loss, {}) if with_metrics else loss
         # The architecture's auxiliary terms (an MoE's load balancing) are means over a batch;
         # a microbatch adds its share of the step's tokens of each, so they sum to one mean.
         share = 1.0 if tokens is None else own / tokens
-        return loss + share * sum(aux.values())
+        loss = loss + share * sum(aux.values())
+        if not with_metrics:
+            return loss
+        return loss, {f"aux/{k}": share * v for k, v in {**aux, **logged}.items()}
 
     return mean_loss
 
@@ -88,15 +98,17 @@ def _keep_if_finite(finite, new, old):
 
 
 def _grads(cfg: Config, loss_fn, params, fp8, batch):
-    """(mean loss, parameter gradients, new fp8 histories) of the batch; with train.grad_accum
-    its microbatches' gradients averaged and their histories combined by max_histories."""
+    """(mean loss, parameter gradients, new fp8 histories, logged auxiliary values) of the
+    batch; with train.grad_accum its microbatches' gradients averaged, their histories
+    combined by max_histories and their (token-share weighted) auxiliary values summed.
+    loss_fn: make_loss_fn(..., with_metrics=True)'s."""
     accum = cfg.train.grad_accum
     # d/d(params) and d/d(fp8): fp8_linear's custom VJP returns the updated amax histories as
     # the "gradient" of the histories it was given; they are the step's new fp8 state.
-    grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 2))
+    grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 2), has_aux=True)
     if accum == 1:
-        loss, (grads, new_fp8) = grad_fn(params, batch, fp8)
-        return loss, grads, new_fp8
+        (loss, logged), (grads, new_fp8) = grad_fn(params, batch, fp8)
+        return loss, grads, new_fp8, logged
     # Microbatches summed inside one step: [B, S] -> [accum, B/accum, S], one scan.
     # Microbatch i takes rows i, i + accum, ...: every device keeps B/accum/devices of
     # its own rows in each, so the batch sharding stays on the row axis (a leading
@@ -111,31 +123,32 @@ def _grads(cfg: Config, loss_fn, params, fp8, batch):
         # In place (models/accumulate.py): the running sum goes in, sum + gradients come out.
         def loss_into(acc, mb, fp8):
             with accumulate.accumulating(acc) as slot:
-                loss = loss_fn(accumulate.attach(params, acc), mb, fp8, tokens)
+                out = loss_fn(accumulate.attach(params, acc), mb, fp8, tokens)
             if not slot.consumed:
                 raise RuntimeError("gradient accumulation in place: the model never ran its "
                                    "layers through accumulate.scan_layers_into")
-            return loss
-        step_fn = jax.value_and_grad(loss_into, argnums=(0, 2))
+            return out
+        step_fn = jax.value_and_grad(loss_into, argnums=(0, 2), has_aux=True)
     else:
         def step_fn(acc, mb, fp8):
-            loss, (grads, new_fp8) = grad_fn(params, mb, fp8, tokens)
-            return loss, (jax.tree.map(lambda a, g: a + g, acc, grads), new_fp8)
+            out, (grads, new_fp8) = grad_fn(params, mb, fp8, tokens)
+            return out, (jax.tree.map(lambda a, g: a + g, acc, grads), new_fp8)
 
     def add(carry, mb):
         total_loss, total, histories = carry
-        loss, (total, new_fp8) = step_fn(total, mb, fp8)
+        (loss, logged), (total, new_fp8) = step_fn(total, mb, fp8)
         # fp8_delayed histories: the maximum over microbatches, not the sum (TE records the
         # step's amax; ops.max_histories)
-        return (total_loss + loss, total, ops.max_histories(histories, new_fp8)), None
+        return (total_loss + loss, total, ops.max_histories(histories, new_fp8)), logged
 
     zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params),
              jax.tree.map(jnp.zeros_like, fp8))
     # Each microbatch's gradients enter the sum already divided by the step's token count, so
     # the sum is the mean: dividing afterwards would write a second copy of it next to the
     # loop's carry (`--buffers`: 2 x 35 GB for 70B on 8 GPUs).
-    (loss, grads, new_fp8), _ = jax.lax.scan(add, zeros, micro)
-    return loss, grads, new_fp8
+    (loss, grads, new_fp8), logged = jax.lax.scan(add, zeros, micro)
+    # each microbatch's values carry its token share: their sum is the step's
+    return loss, grads, new_fp8, jax.tree.map(lambda v: jnp.sum(v, axis=0), logged)
 
 
 def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation, schedule):
@@ -146,7 +159,7 @@ def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation, sch
         raise ConfigError("train.grad_accum=auto must be resolved before the step is built "
                           "(launch.train's memory check does it)")
     offload_update = offload.enabled(cfg)
-    loss_fn = make_loss_fn(cfg, graphdef)
+    loss_fn = make_loss_fn(cfg, graphdef, with_metrics=True)
     trained = "lora" if cfg.lora.enabled else "params"
 
     def train_step(state, batch):
@@ -163,7 +176,7 @@ def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation, sch
             # computed (only the activations' back through them), and they leave untouched.
             base = state["params"]
             step_loss = lambda lora, b, f=None, t=None: loss_fn(base, b, f, t, lora=lora)
-        loss, grads, new_fp8 = _grads(cfg, step_loss, params, fp8, batch)
+        loss, grads, new_fp8, logged = _grads(cfg, step_loss, params, fp8, batch)
         # (offload_params: the layers' gradients are in host memory, read a layer at a time)
         grad_norm = offload.global_norm(grads) if offload_update else optax.tree.norm(grads)
         # A non-finite amax (inf/NaN in an FP8 operand, e.g. an overflowing gradient that the
@@ -190,7 +203,8 @@ def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation, sch
         if "fp8" in state:
             new_state["fp8"] = new_fp8
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]),
-                   "skipped": (~finite).astype(jnp.int32), "fp8_nonfinite_amax": nonfinite_amax}
+                   "skipped": (~finite).astype(jnp.int32), "fp8_nonfinite_amax": nonfinite_amax,
+                   **logged}
         return new_state, metrics
 
     return train_step

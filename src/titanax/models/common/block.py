@@ -55,7 +55,7 @@ class DecoderBlock(nnx.Module):
                  axes, *, rngs: nnx.Rngs, lora=None):
         """lora: the config's lora section (LoraConfig) when lora.rank > 0: adapters
         <weight>_lora_a / _lora_b (common/lora.py) on its target weights; None: none."""
-        L, D, K, F = cfg.n_layers, cfg.d_model, cfg.resolved_head_dim, cfg.ffn_dim
+        L, D, K = cfg.n_layers, cfg.d_model, cfg.resolved_head_dim
         H, N = cfg.n_heads, cfg.n_kv_heads
         pdt = jnp.dtype(cfg.param_dtype)
         std, out_std = execution.init_std, execution.init_std / math.sqrt(2 * cfg.n_layers)
@@ -67,9 +67,7 @@ class DecoderBlock(nnx.Module):
         self.wv = make_param(rngs, (L, D, N, K), axes["wv"], std, pdt)
         self.wo = make_param(rngs, (L, D, H, K), axes["wo"], out_std, pdt)
         self.mlp_norm = norm("mlp_norm", D)
-        self.w_gate = make_param(rngs, (L, D, F), axes["w_gate"], std, pdt)
-        self.w_up = make_param(rngs, (L, D, F), axes["w_up"], std, pdt)
-        self.w_down = make_param(rngs, (L, D, F), axes["w_down"], out_std, pdt)
+        self._make_mlp(cfg, axes, rngs, std, out_std, pdt)
         if options.qk_norm:
             self.q_norm = norm("q_norm", K)
             self.k_norm = norm("k_norm", K)
@@ -79,6 +77,13 @@ class DecoderBlock(nnx.Module):
         if lora is not None and lora.enabled:
             self._add_adapters(lora, axes, rngs)
         self.cfg, self.execution, self.options = cfg, execution, options
+
+    def _make_mlp(self, cfg: ModelConfig, axes, rngs: nnx.Rngs, std, out_std, pdt) -> None:
+        """The feed-forward's weights (a subclass's own MLP, e.g. an MoE, replaces this)."""
+        L, D, F = cfg.n_layers, cfg.d_model, cfg.ffn_dim
+        self.w_gate = make_param(rngs, (L, D, F), axes["w_gate"], std, pdt)
+        self.w_up = make_param(rngs, (L, D, F), axes["w_up"], std, pdt)
+        self.w_down = make_param(rngs, (L, D, F), axes["w_down"], out_std, pdt)
 
     def _add_adapters(self, lora, axes, rngs: nnx.Rngs) -> None:
         key = adapters_key(rngs)

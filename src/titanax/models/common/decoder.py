@@ -104,8 +104,8 @@ class Decoder(nnx.Module):
                                      (positions_BS, segment_ids_BS), pipeline)
             new_cache = None
         else:
-            x_BSD, new_kv = jax.lax.scan(
-                lambda x, xs: one_layer(x, *xs, positions_BS, segment_ids_BS),
+            x_BSD, new_kv = jax.lax.scan(  # (an MoE layer's routing sums are not kept here)
+                lambda x, xs: one_layer(x, *xs, positions_BS, segment_ids_BS)[:2],
                 x_BSD, (layer_state, (cache["k"], cache["v"])))
             new_cache = {"k": new_kv[0], "v": new_kv[1]}
         h_BSD = self.final_norm(x_BSD)
@@ -225,8 +225,23 @@ class Decoder(nnx.Module):
             return accumulate.scan_layers_into(
                 slot, lambda x, state, *ex: full(x, state, None, *ex)[0], layer_state,
                 x_BSD, extras, offload_inputs=self.execution.remat == "full_offload")
+        if hasattr(self.layers, "aux_zeros"):  # an MoE block: its routing sums add up too
+            return self._scan_with_aux(one_layer, layer_state, x_BSD, extras)
         x_BSD, _ = jax.lax.scan(lambda x, state: (one_layer(x, state, None, *extras)[0], None),
                                 x_BSD, layer_state)
+        return x_BSD
+
+    def _scan_with_aux(self, one_layer, layer_state, x_BSD, extras):
+        """The layer scan of a block that also returns per-layer sums (MoEBlock: routing);
+        their total over the layers is kept as self.layer_aux, an nnx.Intermediate the
+        architecture's aux_losses hook reads after the forward pass."""
+        def body(carry, state):
+            x, total = carry
+            x, _, aux = one_layer(x, state, None, *extras)
+            return (x, jax.tree.map(jnp.add, total, aux)), None
+
+        (x_BSD, total), _ = jax.lax.scan(body, (x_BSD, self.layers.aux_zeros()), layer_state)
+        self.layer_aux = nnx.Intermediate(total)
         return x_BSD
 
 

@@ -35,3 +35,18 @@ _QK_NORM: dict[str, tuple[str, ...]] = {
 def decoder_axes(*, qk_norm: bool = False) -> dict[str, tuple[str, ...]]:
     """The table of a decoder whose block has (or lacks) per-head q/k norms."""
     return {**_DECODER, **(_QK_NORM if qk_norm else {})}
+
+
+# A mixture-of-experts block (common/moe_block.py): the router and the experts' SwiGLU weights
+# in place of the dense MLP's.
+_MOE: dict[str, tuple[str, ...]] = {
+    "router": ("layers", "embed", "router_experts"),
+    "w_gate": ("layers", "expert", "embed", "mlp"),
+    "w_up": ("layers", "expert", "embed", "mlp"),
+    "w_down": ("layers", "expert", "mlp", "embed"),
+}
+
+
+def moe_decoder_axes(*, qk_norm: bool = False) -> dict[str, tuple[str, ...]]:
+    """The table of a decoder whose block is the MoE one."""
+    return {**decoder_axes(qk_norm=qk_norm), **_MOE}

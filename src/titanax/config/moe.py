@@ -1,0 +1,37 @@
+"""The fields every mixture-of-experts decoder adds to the model section (MoEModelConfig, the
+base of models/mixtral/config.py and models/qwen3_moe/config.py): how many experts, how many
+each token uses, and the router's losses. Every layer's feed-forward is the MoE one (no dense
+layers between), each expert a SwiGLU of model.ffn_dim (Mixtral's intermediate_size,
+Qwen3-MoE's moe_intermediate_size)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from titanax.config.errors import fail
+from titanax.config.model import ModelConfig
+
+
+@dataclass(frozen=True)
+class MoEModelConfig(ModelConfig):
+    n_experts: int = 8  # experts per layer, each a SwiGLU of model.ffn_dim
+    experts_per_token: int = 2  # the router's top-k: experts each token's output mixes
+    # The top-k weights renormalised to sum to 1 (Mixtral always; Qwen3-MoE's norm_topk_prob),
+    # else the router softmax's probabilities as they are.
+    norm_topk_prob: bool = True
+    # Weight of the Switch/Mixtral load-balancing loss in the step's loss (transformers'
+    # router_aux_loss_coef; pooled over the layers as transformers pools it).
+    router_aux_loss_coef: float = 0.001
+    router_z_loss_coef: float = 0.0  # weight of ST-MoE's router z-loss (0: off)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.n_experts < 1:
+            fail("model.n_experts", f"must be >= 1, got {self.n_experts}")
+        if not 1 <= self.experts_per_token <= self.n_experts:
+            fail("model.experts_per_token", f"{self.experts_per_token} must lie in [1, "
+                 f"model.n_experts={self.n_experts}]")
+        for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+            if getattr(self, name) < 0:
+                fail(f"model.{name}", f"must be >= 0, got {getattr(self, name)}")
+

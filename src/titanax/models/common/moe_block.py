@@ -1,0 +1,64 @@
+"""The common decoder layer with a mixture-of-experts feed-forward (Mixtral, Qwen3-MoE): the
+attention of common/block.py unchanged, then a softmax top-k router over model.n_experts
+SwiGLU experts run dropless (common/moe.py). Besides (x, kv) each layer returns its routing
+sums (AUX_KEYS), which the decoder adds over the layers: the load-balancing loss is formed
+once from the pooled sums, as transformers forms it.
+
+Parameters ([layers, ...] as every block parameter): router [L, D, E]; w_gate, w_up
+[L, E, D, F]; w_down [L, E, F, D] (ragged_dot's [groups, in, out]).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from titanax.models.common.block import DecoderBlock
+from titanax.models.common.layers import make_param
+from titanax.models.common.moe import balance_sums, experts_ragged, route, routing_stats
+from titanax.parallel.rules import shard_activation
+
+
+class MoEBlock(DecoderBlock):
+    """DecoderBlock whose feed-forward is an MoE; cfg is a MoEModelConfig."""
+
+    def _make_mlp(self, cfg, axes, rngs: nnx.Rngs, std, out_std, pdt) -> None:
+        L, E, D, F = cfg.n_layers, cfg.n_experts, cfg.d_model, cfg.ffn_dim
+        self.router = make_param(rngs, (L, D, E), axes["router"], std, pdt)
+        self.w_gate = make_param(rngs, (L, E, D, F), axes["w_gate"], std, pdt)
+        self.w_up = make_param(rngs, (L, E, D, F), axes["w_up"], std, pdt)
+        self.w_down = make_param(rngs, (L, E, F, D), axes["w_down"], out_std, pdt)
+
+    def aux_zeros(self) -> dict:
+        """The routing sums before the first layer (what __call__'s third output adds to)."""
+        E, zero = self.cfg.n_experts, jnp.zeros((), jnp.float32)
+        return {"routed_E": jnp.zeros(E, jnp.float32), "prob_E": jnp.zeros(E, jnp.float32),
+                "rows": zero, "z_sum": zero, "max_over_mean_load": zero}
+
+    def moe(self, h_BSD):
+        """(the feed-forward's output [B, S, D], this layer's routing sums)."""
+        cfg, ex = self.cfg, self.execution
+        B, S, D = h_BSD.shape
+        precision = "highest" if ex.matmul_precision == "highest" else None
+        h_TD = h_BSD.reshape(B * S, D)
+        # The router in float32 (a few thousand FLOPs per token; its softmax decides routing).
+        logits_TE = jnp.einsum("td,de->te", h_TD.astype(jnp.float32),
+                               self.router[...].astype(jnp.float32), precision=precision)
+        r = route(logits_TE, cfg.experts_per_token, norm_topk=cfg.norm_topk_prob)
+        y_TD = experts_ragged(h_TD, r, self.w_gate[...], self.w_up[...], self.w_down[...],
+                              dtype=jnp.dtype(ex.dtype), precision=precision)
+        aux = {**balance_sums(r),
+               "z_sum": jnp.sum(jnp.square(jax.nn.logsumexp(logits_TE, axis=-1))),
+               "max_over_mean_load": jax.lax.stop_gradient(
+                   routing_stats(r)["max_over_mean_load"])}
+        return y_TD.reshape(B, S, D), aux
+
+    def __call__(self, x_BSD, positions_BS, segment_ids_BS, kv=None, cache_index=None,
+                 lora_dropout=None):
+        """(x after the layer, the new KV, this layer's routing sums)."""
+        attn_BSD, new_kv = self.attention(self.attn_norm(x_BSD), positions_BS, segment_ids_BS,
+                                          kv, cache_index)
+        x_BSD = shard_activation(x_BSD + attn_BSD, ("batch", "norm_seq", "embed"))
+        y_BSD, aux = self.moe(self.mlp_norm(x_BSD))
+        return shard_activation(x_BSD + y_BSD, ("batch", "norm_seq", "embed")), new_kv, aux
