@@ -130,6 +130,7 @@ def format_plan(plan: dict) -> str:
                " s)" if (plan.get("compile") or {}).get("ok") else ""),
             f"parameters: {plan['params']:,} ({plan['params_no_embedding']:,} without the input "
             "embedding)", *_lora_lines(plan),
+            *([f"note: {plan['moe_note']}"] if plan.get("moe_note") else []),
             f"FLOPs: {plan['flops_per_token']:.3e} per token, {plan['flops_per_step']:.3e} per step "
             f"of {plan['tokens_per_step']:,} tokens ({plan['flop_formula']})",
             "memory per device:", *_memory_lines(plan),
