@@ -53,8 +53,8 @@ def test_export_then_import_is_the_identity(peer, name, tmp_path):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_layout_matches_one_device(name):
-    if not suite.check_layout(name):
-        pytest.skip(f"{name} computes Llama's layer: tests/test_parallel.py runs its layouts")
+    if (why_not := suite.check_layout(name)) is not None:
+        pytest.skip(why_not)
 
 
 def test_mistral_size_and_refused_sliding_window():
@@ -76,3 +76,41 @@ def test_mistral_size_and_refused_sliding_window():
     assert spec.hf.to_config(kept, dtype="float32", bos_id=0, eos_id=1)["sliding_window"] == 64
     with pytest.raises(ConfigError, match=r"model.sliding_window: 63 \(below model.max_seq_len"):
         apply_overrides(cfg, {"model.sliding_window": 63})
+
+
+def test_moe_configs_both_ways_and_refused_ones():
+    """Mixtral's and Qwen3-MoE's config.json: what export writes reads back to the same config
+    (Qwen3-MoE's num_experts as published, or transformers 5's num_local_experts); dense
+    layers, sliding windows, router jitter and a Mixtral without renormalisation are refused
+    in one line."""
+    for name in ("mixtral", "qwen3_moe"):
+        cfg = suite.hf_config_of(name).model
+        spec = model_spec(cfg)
+        written = spec.hf.to_config(cfg, dtype="float32", bos_id=0, eos_id=1)
+        assert written["model_type"] == name and written["output_router_logits"] is False
+        assert spec.hf.mismatches(written, cfg) == []
+        fewer = apply_overrides(suite.hf_config_of(name), {"model.n_experts": 3}).model
+        n = cfg.n_experts
+        assert spec.hf.mismatches(written, fewer) == [
+            f"model.n_experts=3 but config.json says {n} (--set model.n_experts={n})"]
+    qwen = suite.hf_config_of("qwen3_moe").model
+    hf = model_spec(qwen).hf
+    written = hf.to_config(qwen, dtype="float32", bos_id=0, eos_id=1)
+    assert written["moe_intermediate_size"] == 48 and written["num_experts"] == 8
+    v5 = {k: v for k, v in written.items() if k != "num_experts"} | {"num_local_experts": 8}
+    assert hf.mismatches(v5, qwen) == []
+    for refused, match in (({"decoder_sparse_step": 2}, "decoder_sparse_step=2"),
+                           ({"mlp_only_layers": [0]}, "mlp_only_layers=.0."),
+                           ({"use_sliding_window": True}, "sliding-window")):
+        with pytest.raises(ValueError, match=match):
+            hf.mismatches({**written, **refused}, qwen)
+    mixtral = suite.hf_config_of("mixtral").model
+    hf = model_spec(mixtral).hf
+    written = hf.to_config(mixtral, dtype="float32", bos_id=0, eos_id=1)
+    for refused, match in (({"sliding_window": 32}, "sliding_window=32"),
+                           ({"router_jitter_noise": 0.01}, "router_jitter_noise")):
+        with pytest.raises(ValueError, match=match):
+            hf.mismatches({**written, **refused}, mixtral)
+    unnormalised = apply_overrides(suite.hf_config_of("mixtral"), {"model.norm_topk_prob": False})
+    with pytest.raises(ValueError, match="model.norm_topk_prob=False: Mixtral"):
+        hf.to_config(unnormalised.model, dtype="float32", bos_id=0, eos_id=1)

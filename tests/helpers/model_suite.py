@@ -8,7 +8,8 @@ is one entry here.
   param count     count_params equals transformers' parameter count
   round trip      export then import gives identical tensors (into a sharded state)
   layout          a TP x FSDP x PP (1f1b) layout gives the one-device loss and gradients
-                  (tests/test_parallel.py runs every layout on Llama's layer)
+                  (tests/test_parallel.py runs every layout on Llama's layer; MoE models,
+                  which refuse pipeline parallelism, have theirs in tests/test_moe_model.py)
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import numpy as np
 from tests.helpers.hf_runs import HF_CONFIG, hf_small_config, load_run, make_run, titanax_logits
 from tests.helpers.layouts import LAYOUTS, assert_matches, loss_and_grads, tiny_config
 from titanax.checkpoint.reader import CheckpointReader
-from titanax.config import apply_overrides
+from titanax.config import ConfigError, apply_overrides
 from titanax.hf.exporter import export_hf
 from titanax.hf.importer import import_hf
 from titanax.models import model_spec
@@ -41,6 +42,9 @@ class ModelCase:
     # Llama's (the common DecoderBlock with default options, untied), which Mistral is too.
     # check_layout asserts that the model really is that layer before it skips.
     layout: bool = True
+    # The test file that runs this model's layouts instead, where LAYOUT cannot run: MoE
+    # models refuse pipeline parallelism (check_layout asserts the refusal before it skips).
+    layouts_in: str | None = None
 
 
 _PLAIN_ROPE = {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
@@ -50,7 +54,8 @@ _HF_DIMS = {k: HF_CONFIG[k] for k in ("vocab_size", "hidden_size", "intermediate
                                       "initializer_range", "bos_token_id", "eos_token_id")}
 
 # Between them: untied and tied output layers, llama3 RoPE scaling and plain RoPE, head_dim
-# * heads == d_model and != d_model, with and without per-head q/k norms.
+# * heads == d_model and != d_model, with and without per-head q/k norms; mixtures of experts
+# with the top-k weights renormalised (Mixtral, top 2 of 4) and not (Qwen3-MoE, top 3 of 8).
 MODELS = {
     "llama3": ModelCase("LlamaForCausalLM", "llama", {}, HF_CONFIG, {}, layout=False),
     "qwen3": ModelCase(
@@ -69,6 +74,23 @@ MODELS = {
          "tie_word_embeddings": False, "sliding_window": None},
         {"model.arch": "mistral", "model.head_dim": 16, "model.rope_scaling": "none"},
         layout=False),
+    "mixtral": ModelCase(
+        "MixtralForCausalLM", "mixtral",
+        {"model.arch": "mixtral", "model.head_dim": 32, "model.rope_theta": 1e6,
+         "model.rope_scaling": "none", "model.n_experts": 4, "model.experts_per_token": 2},
+        {**_HF_DIMS, **_PLAIN_ROPE, "head_dim": 32, "rms_norm_eps": 1e-5,
+         "tie_word_embeddings": False, "sliding_window": None, "num_local_experts": 4,
+         "num_experts_per_tok": 2},
+        {"model.arch": "mixtral", "model.n_experts": 4}, layouts_in="tests/test_moe_model.py"),
+    "qwen3_moe": ModelCase(
+        "Qwen3MoeForCausalLM", "qwen3_moe",
+        {"model.arch": "qwen3_moe", "model.head_dim": 32, "model.rope_theta": 1e6,
+         "model.rope_scaling": "none", "model.norm_eps": 1e-6, "model.ffn_dim": 48,
+         "model.n_experts": 8, "model.experts_per_token": 3, "model.norm_topk_prob": False},
+        {**_HF_DIMS, **_PLAIN_ROPE, "head_dim": 32, "rms_norm_eps": 1e-6,
+         "tie_word_embeddings": False, "moe_intermediate_size": 48, "num_experts": 8,
+         "num_experts_per_tok": 3, "norm_topk_prob": False},
+        {"model.arch": "qwen3_moe", "model.n_experts": 8}, layouts_in="tests/test_moe_model.py"),
 }
 
 LAYOUT = "tp2_fsdp2_pp2_1f1b"  # tensor, FSDP and a pipeline (1f1b) at once
@@ -138,14 +160,23 @@ def is_llamas_layer(name: str) -> bool:
             and not cfg.tie_embeddings)
 
 
-def check_layout(name: str):
-    """The layout's loss and gradients equal one device's; False from a model whose layer
-    test_parallel already checks (nothing run)."""
-    if not MODELS[name].layout:
+def check_layout(name: str) -> str | None:
+    """The layout's loss and gradients equal one device's; None when it ran, else why not
+    (nothing run): the model's layer is the one test_parallel checks, or the model refuses
+    LAYOUT and `layouts_in` checks its layouts."""
+    case = MODELS[name]
+    over = {**_TINY, **case.tiny}
+    if case.layouts_in is not None:
+        try:
+            tiny_config(**over, **LAYOUTS[LAYOUT])
+        except ConfigError as e:
+            assert str(e).startswith("mesh.pipeline:"), e
+            return f"{name} refuses pipeline parallelism: {case.layouts_in} runs its layouts"
+        raise AssertionError(f"{name} accepts {LAYOUT}: drop layouts_in")
+    if not case.layout:
         assert is_llamas_layer(name), f"{name} is not Llama's layer: set layout=True"
-        return False
-    over = {**_TINY, **MODELS[name].tiny}
+        return f"{name} computes Llama's layer: tests/test_parallel.py runs its layouts"
     one = loss_and_grads(tiny_config(**over, **{"mesh.data": 1}), jax.devices()[:1])
     got = loss_and_grads(tiny_config(**over, **LAYOUTS[LAYOUT]), jax.devices())
     assert_matches(got[:2], one[:2])
-    return True
+    return None

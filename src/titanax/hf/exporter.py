@@ -108,6 +108,8 @@ def _check_params(reader: CheckpointReader, cfg: Config) -> None:
     stored = reader.params()
     for t in model_spec(cfg.model).hf.tensor_table(cfg.model):
         want = t.shape if t.layer is None else (cfg.model.n_layers, *t.shape)
+        if t.expert is not None:  # one expert's slice of a stacked [L, E, ...] parameter
+            want = (cfg.model.n_layers, cfg.model.n_experts, *t.shape)
         got = stored.get(t.param, (None,))[0]
         if got != want:
             raise ValueError(f"checkpoint {reader.state_dir}: parameter {'.'.join(t.param)} has "
@@ -132,9 +134,11 @@ def _write_shards(reader: CheckpointReader, cfg: Config, shards, tmp: pathlib.Pa
                 if t.layer is None:
                     ours = reader.read(t.param)
                 else:
-                    per_layer = math.prod(t.shape) * stored[t.param][1].itemsize
+                    shape, dtype = stored[t.param]  # a layer is [E, ...] for an expert's tensor
                     ours = blocks.get(t.param, int(position[t.layer]), cfg.model.n_layers,
-                                      per_layer)
+                                      math.prod(shape[1:]) * dtype.itemsize)
+                    if t.expert is not None:
+                        ours = ours[t.expert]
                 if adapted and t.name in adapted:
                     a, b = adapters.layer(adapted[t.name], int(position[t.layer]))
                     ours = merged_layer(adapted[t.name], ours, a, b, cfg.lora.scale)

@@ -144,13 +144,30 @@ def _put(x: np.ndarray, sharding) -> jax.Array:
     return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
 
-def _set_layer(stacked_sharding):
+def _space(stacked_sharding):
     # train.offload_params keeps the stack in pinned host memory: the layer goes there first.
-    space = (jax.memory.Space.Host if getattr(stacked_sharding, "memory_kind", None) == "pinned_host"
-             else jax.memory.Space.Device)
+    return (jax.memory.Space.Host if getattr(stacked_sharding, "memory_kind", None) == "pinned_host"
+            else jax.memory.Space.Device)
+
+
+def _set_layer(stacked_sharding):
+    space = _space(stacked_sharding)
     return jax.jit(lambda stacked, layer, i: jax.lax.dynamic_update_index_in_dim(
         stacked, jax.device_put(layer.astype(stacked.dtype), space), i, 0),
         out_shardings=stacked_sharding, donate_argnums=0)
+
+
+def _set_expert(stacked_sharding):
+    """Writes one expert's [...] into a stacked [L, E, ...] parameter at (layer, expert): the
+    hub stores each expert as its own tensor, so host memory holds one expert."""
+    space = _space(stacked_sharding)
+
+    def update(stacked, piece, i, e):
+        piece = jax.device_put(piece.astype(stacked.dtype)[None, None], space)
+        zeros = (jnp.int32(0),) * (stacked.ndim - 2)
+        return jax.lax.dynamic_update_slice(stacked, piece, (i, e, *zeros))
+
+    return jax.jit(update, out_shardings=stacked_sharding, donate_argnums=0)
 
 
 def _param_path(keypath) -> tuple[str, ...]:
@@ -174,13 +191,16 @@ def _build_params(sources, cfg: Config, mesh, abstract_params, bar):
             return _put(_load(sources[tensors[0].name], tensors[0], target.dtype),
                         target.sharding)
         spec = target.sharding.spec
-        layer_sharding = NamedSharding(mesh, P(*spec[1:]) if len(spec) else P())
-        set_layer = _set_layer(target.sharding)
+        per_expert = tensors[0].expert is not None  # one [L, E, ...] slice per tensor
+        lead = 2 if per_expert else 1
+        piece_sharding = NamedSharding(mesh, P(*spec[lead:]) if len(spec) else P())
+        set_piece = (_set_expert if per_expert else _set_layer)(target.sharding)
         out = jax.jit(lambda: jnp.zeros(target.shape, target.dtype),
                       out_shardings=target.sharding)()
         for t in tensors:
-            layer = _put(_load(sources[t.name], t, target.dtype), layer_sharding)
-            out = set_layer(out, layer, jnp.int32(position[t.layer]))
+            piece = _put(_load(sources[t.name], t, target.dtype), piece_sharding)
+            index = (position[t.layer],) if t.expert is None else (position[t.layer], t.expert)
+            out = set_piece(out, piece, *map(jnp.int32, index))
             tick()
         return out
 

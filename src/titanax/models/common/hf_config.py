@@ -86,3 +86,40 @@ def common_overrides(hf: dict, arch_name: str) -> dict[str, object]:
     if "rms_norm_eps" in hf:
         out["model.norm_eps"] = hf["rms_norm_eps"]
     return {**out, **_rope_overrides(hf)}
+
+
+def moe_config(cfg: ModelConfig) -> dict:
+    """The config.json keys Mixtral and Qwen3-MoE share (config/moe.py's fields). The router's
+    logits are not returned: titanax adds the balancing loss itself, weighted the same."""
+    return {"num_experts_per_tok": cfg.experts_per_token,
+            "router_aux_loss_coef": cfg.router_aux_loss_coef, "output_router_logits": False}
+
+
+def moe_overrides(hf: dict, n_experts: int) -> dict[str, object]:
+    """The MoE model.* values of a Mixtral or Qwen3-MoE config.json (n_experts: read by the
+    caller, as the two name it differently)."""
+    out = {"model.n_experts": n_experts, "model.experts_per_token": hf["num_experts_per_tok"]}
+    if "router_aux_loss_coef" in hf:
+        out["model.router_aux_loss_coef"] = float(hf["router_aux_loss_coef"])
+    return out
+
+
+def refuse_layer_sliding_window(hf: dict, name: str) -> None:
+    """Qwen-style sliding-window attention (use_sliding_window / layer_types) is refused:
+    titanax's `name` attends to the full sequence."""
+    layer_types = set(hf.get("layer_types") or ["full_attention"])
+    if hf.get("use_sliding_window") or layer_types != {"full_attention"}:
+        raise ValueError("config.json: sliding-window attention (use_sliding_window / "
+                         f"layer_types) is not supported; titanax's {name} attends to the full "
+                         "sequence")
+
+
+def refuse_short_sliding_window(hf: dict, name: str) -> int | None:
+    """Mistral-style sliding_window: refused below max_position_embeddings (titanax's `name`
+    attends to the whole prefix); returns it (None: no window)."""
+    window, longest = hf.get("sliding_window"), hf.get("max_position_embeddings")
+    if window is not None and (longest is None or window < longest):
+        raise ValueError(f"config.json: sliding_window={window} (below max_position_embeddings="
+                         f"{longest}) is not supported; titanax's {name} attends to the full "
+                         "sequence (sliding_window null)")
+    return window

@@ -26,6 +26,9 @@ class HFTensor:
     shape: tuple[int, ...]  # titanax shape of this tensor (one layer's slice when stacked)
     to_hf: Callable[[np.ndarray], np.ndarray]
     from_hf: Callable[[np.ndarray], np.ndarray]
+    # Index into a stacked [L, E, ...] expert parameter after the layer (the hub stores each
+    # expert of a MoE layer as its own tensor); None: the parameter has no expert axis.
+    expert: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +67,8 @@ def _heads_out(shape):  # [d, H, hd] <-> [d, H*hd]
     return (lambda x: x.reshape(d, -1)), (lambda y: y.reshape(shape))
 
 
-def entry(name: str, param: tuple[str, ...], layer: int | None, shape, kind: str) -> HFTensor:
+def entry(name: str, param: tuple[str, ...], layer: int | None, shape, kind: str,
+          expert: int | None = None) -> HFTensor:
     """One table row; kind: 'copy', 'transpose' (a [in, out] Linear), 'heads_in' ([d, H, hd]
     <-> [H*hd, d], q/k/v) or 'heads_out' ([d, H, hd] <-> [d, H*hd], o_proj)."""
     if kind == "copy":
@@ -81,7 +85,8 @@ def entry(name: str, param: tuple[str, ...], layer: int | None, shape, kind: str
         hf_shape = (shape[0], shape[1] * shape[2])
     else:
         raise ValueError(f"unknown HF tensor transform {kind!r}")
-    return HFTensor(name, param, layer, tuple(hf_shape), tuple(shape), to_hf, from_hf)
+    return HFTensor(name, param, layer, tuple(hf_shape), tuple(shape), to_hf, from_hf,
+                    expert)
 
 
 def config_mismatches(theirs_by_key: dict, cfg: ModelConfig) -> list[str]:

@@ -9,7 +9,12 @@ model.sliding_window (models/mistral/config.py) and written back on export."""
 from __future__ import annotations
 
 from titanax.config import ModelConfig
-from titanax.models.common.hf_config import common_config, common_overrides, plain_rope_config
+from titanax.models.common.hf_config import (
+    common_config,
+    common_overrides,
+    plain_rope_config,
+    refuse_short_sliding_window,
+)
 from titanax.models.common.hf_interop import HFInterop, HFTensor
 from titanax.models.common.hf_table import decoder_table, per_layer_rows
 
@@ -31,11 +36,7 @@ def model_overrides(hf: dict) -> dict[str, object]:
     """The model.* config values a Mistral config.json implies, keyed like --set overrides."""
     if hf.get("model_type") != "mistral":
         raise ValueError(f"config.json: model_type {hf.get('model_type')!r} is not 'mistral'")
-    window, longest = hf.get("sliding_window"), hf.get("max_position_embeddings")
-    if window is not None and (longest is None or window < longest):
-        raise ValueError(f"config.json: sliding_window={window} (below max_position_embeddings="
-                         f"{longest}) is not supported; titanax's Mistral attends to the full "
-                         "sequence (sliding_window null)")
+    window = refuse_short_sliding_window(hf, "Mistral")
     return {**common_overrides(hf, "Mistral"), "model.sliding_window": window or 0}
 
 

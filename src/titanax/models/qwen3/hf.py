@@ -7,7 +7,12 @@ refused on import, and export writes use_sliding_window false."""
 from __future__ import annotations
 
 from titanax.config import ModelConfig
-from titanax.models.common.hf_config import common_config, common_overrides, plain_rope_config
+from titanax.models.common.hf_config import (
+    common_config,
+    common_overrides,
+    plain_rope_config,
+    refuse_layer_sliding_window,
+)
 from titanax.models.common.hf_interop import HFInterop, HFTensor
 from titanax.models.common.hf_table import decoder_table, per_layer_rows, qk_norm_rows
 
@@ -31,11 +36,7 @@ def model_overrides(hf: dict) -> dict[str, object]:
     """The model.* config values a Qwen3 config.json implies, keyed like --set overrides."""
     if hf.get("model_type") != "qwen3":
         raise ValueError(f"config.json: model_type {hf.get('model_type')!r} is not 'qwen3'")
-    layer_types = set(hf.get("layer_types") or ["full_attention"])
-    if hf.get("use_sliding_window") or layer_types != {"full_attention"}:
-        raise ValueError("config.json: sliding-window attention (use_sliding_window / "
-                         "layer_types) is not supported; titanax's Qwen3 attends to the full "
-                         "sequence")
+    refuse_layer_sliding_window(hf, "Qwen3")
     return common_overrides(hf, "Qwen3")
 
 

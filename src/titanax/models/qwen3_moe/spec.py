@@ -4,10 +4,11 @@ registered under model.arch='qwen3_moe' in titanax/archs.py."""
 from titanax.models.common.decoder import init_cache
 from titanax.models.common.moe_hooks import moe_aux_losses, moe_aux_metrics, moe_flops_per_token
 from titanax.models.qwen3_moe.config import Qwen3MoeConfig
+from titanax.models.qwen3_moe.hf import HF
 from titanax.models.qwen3_moe.model import Qwen3Moe
 from titanax.models.qwen3_moe.presets import PRESETS
 from titanax.models.spec import ModelSpec
 
 SPEC = ModelSpec(arch="qwen3_moe", config=Qwen3MoeConfig, build=Qwen3Moe, init_cache=init_cache,
                  presets=PRESETS, flops=moe_flops_per_token, aux_losses=moe_aux_losses,
-                 aux_metrics=moe_aux_metrics)
+                 aux_metrics=moe_aux_metrics, hf=HF)
