@@ -38,8 +38,8 @@ def _grads(cfg, n_devices, trace_only=False):
     batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:],
              "segment_ids": np.ones((B, S), np.int32),
              "positions": np.broadcast_to(np.arange(S, dtype=np.int32), (B, S))}
-    loss_fn = train_step.make_loss_fn(cfg, graphdef)
-    fn = lambda p, f, b: train_step._grads(cfg, loss_fn, p, f, b)  # noqa: E731
+    loss_fn = train_step.make_loss_fn(cfg, graphdef, with_metrics=True)
+    fn = lambda p, f, b: train_step._grads(cfg, loss_fn, p, f, b)[:3]  # noqa: E731
     with model_context(mesh):
         return (jax.eval_shape if trace_only else jax.jit(fn))(
             *((fn,) if trace_only else ()), state["params"], state.get("fp8", {}), batch)

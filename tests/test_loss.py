@@ -115,7 +115,8 @@ def _loss_and_grads(cfg: Config, devices, accum: bool = False):
     with model_context(mesh):
         fn = jax.jit(jax.value_and_grad(make_loss_fn(cfg, graphdef)))
         if accum:
-            fn = jax.jit(lambda p, b: _grads(cfg, make_loss_fn(cfg, graphdef, with_metrics=True), p, None, b)[:2])
+            loss_fn = make_loss_fn(cfg, graphdef, with_metrics=True)
+            fn = jax.jit(lambda p, b: _grads(cfg, loss_fn, p, None, b)[:2])
         loss, grads = fn(state["params"], batch)
         hlo = fn.lower(state["params"], batch).compile().as_text()
     pure = lambda t: nnx.to_pure_dict(jax.tree.map(np.asarray, t))  # noqa: E731

@@ -80,7 +80,7 @@ def test_gradient_accumulation_matches_one_big_batch():
     out = {}
     for accum in (1, 4):
         cfg = apply_overrides(base, {"train.grad_accum": accum})
-        loss_fn = train_step.make_loss_fn(cfg, graphdef)
+        loss_fn = train_step.make_loss_fn(cfg, graphdef, with_metrics=True)
         with model_context(mesh):
             out[accum] = jax.jit(lambda p, b, cfg=cfg, f=loss_fn: train_step._grads(
                 cfg, f, p, {}, b)[:2])(state["params"], batch)
