@@ -17,8 +17,20 @@ from titanax.config.rules import SECTIONS
 
 
 def field_comments(cls) -> dict[str, str]:
-    """{field: its comment} from cls's own source: a trailing `# ...` on the field's line, else
-    the block of `#` lines right above it (its first sentence)."""
+    """{field: its comment} for every field of dataclass cls, each read from the source of the
+    class that declares it (cls or a base, e.g. config/moe.py's MoEModelConfig for Mixtral's
+    fields): a trailing `# ...` on the field's line, else the block of `#` lines right above
+    it (its first sentence)."""
+    out: dict[str, str] = {}
+    for klass in cls.__mro__:
+        if dataclasses.is_dataclass(klass):
+            for name, text in _own_comments(klass).items():
+                out.setdefault(name, text)
+    return out
+
+
+def _own_comments(cls) -> dict[str, str]:
+    """field_comments of the fields declared in cls's own source."""
     source = inspect.getsource(cls)
     comments: dict[int, str] = {}
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
@@ -29,7 +41,7 @@ def field_comments(cls) -> dict[str, str]:
     for f in dataclasses.fields(cls):
         row = next((i + 1 for i, line in enumerate(lines)
                     if re.match(rf"\s+{f.name}\s*:", line)), None)
-        if row is None:  # inherited: described under its own class
+        if row is None:  # inherited: its own class's source describes it
             continue
         text = comments.get(row) if not lines[row - 1].lstrip().startswith("#") else None
         if text is None:
