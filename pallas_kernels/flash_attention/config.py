@@ -11,7 +11,10 @@ tiles; tmem_buffers_bwd is how many X/Y score tiles its backward keeps in TMEM (
 MMAs of the next tile run while the compute warpgroup works on this one). fwd_overlap switches
 the sm90 forward to FlashAttention-3's intra-warpgroup pipelining (kernel_sm90.py: the next
 tile's S = Q K^T and this tile's P V stay in flight on the tensor core during the softmax, the
-softmax scale folded into exp2's FMA); off until a GPU run measures it (docs/attention.md).
+softmax scale folded into exp2's FMA); bwd_fused switches the sm90 backward (head_dim <= 128)
+from the dq and dkv kernels to FlashAttention-3's single kernel (kernel_sm90_bwd_fused.py: S
+and dP computed once per tile, dQ added with TMA reduce-adds). Both are off until a GPU run
+measures them (docs/attention.md).
 Invalid values fail here, at construction, instead of deep inside a kernel compile.
 
 default_config() is the shipped table below, with the knobs a GPU run measured faster on that
@@ -44,6 +47,7 @@ class FlashConfig:
     max_concurrent_steps: int = 2  # Mosaic: K/V (or Q/dO) tiles in flight per CTA
     tmem_buffers_bwd: int | None = None  # sm100 backward: None = 2 where TMEM's columns allow
     fwd_overlap: bool = False  # sm90 forward: FA3 intra-warpgroup overlap (GEMMs in flight)
+    bwd_fused: bool = False  # sm90 backward: FA3's one kernel (dQ by TMA reduce-add)
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd"):
@@ -63,8 +67,9 @@ class FlashConfig:
         if self.tmem_buffers_bwd not in (None, 1, 2):
             raise ValueError(f"FlashConfig.tmem_buffers_bwd={self.tmem_buffers_bwd!r}: use 1, 2 "
                              "or None (2 where TMEM's 512 columns allow)")
-        if not isinstance(self.fwd_overlap, bool):
-            raise ValueError(f"FlashConfig.fwd_overlap={self.fwd_overlap!r}: use True or False")
+        for name in ("fwd_overlap", "bwd_fused"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"FlashConfig.{name}={getattr(self, name)!r}: use True or False")
 
     def check_mosaic(self) -> None:
         """wgmma/tcgen05 tiles are 64 rows per warpgroup: Mosaic needs multiples of 64."""

@@ -19,9 +19,10 @@ forward's log-sum-exp (log2 units), with delta = rowsum(dO * O) computed once in
        accumulators. Causal: query tiles wholly before a warpgroup's keys are never loaded
        for the CTA, and the one the second warpgroup does not see is drained.
 
-Why two kernels and not FA3's one (dQ by atomic adds): jax 0.11.2's Mosaic GPU interpreter has
-no TMA reduction (copy_smem_to_gmem(reduction_op="add")), so a fused kernel could not be tested
-on CPU. The split recomputes S and dP once more (3.5 instead of 2.5 forward-matmul units).
+The split recomputes S and dP once more (3.5 instead of 2.5 forward-matmul units).
+FlashConfig.bwd_fused runs FA3's one kernel instead (kernel_sm90_bwd_fused.py: dQ by TMA
+reduce-adds; in the interpreter, which has no TMA reduction, by per-CTA slices summed in XLA)
+at head dims up to FUSED_MAX_HEAD_DIM.
 
 Tiles left of the causal diagonal and inside the valid keys take an unmasked fast path. With
 segment ids both kernels visit only the tiles of tile_ranges.py (dq: key tiles per query tile;
@@ -47,6 +48,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ..target import out_struct
 from ..wgmma import wgmma_into as _wgmma_into
+from .kernel_sm90_bwd_fused import fused_bwd
 from .mosaic_common import (
     END,
     FIRST,
@@ -509,6 +511,12 @@ def _dkv(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, conf
                    (q, k, v, do, lse2, delta, q_seg, kv_seg), interpret)
 
 
+# Head dims FlashConfig.bwd_fused runs at: at 128 the fused kernel's consumers spill 144 B
+# (ptxas at 240 registers: dK, dV and dQ's accumulators, 160 floats per thread, beside the
+# score tiles), so 128 keeps the split kernels until that is solved (docs/attention.md). The
+# interpreter tests run the fused kernel at 128 too.
+FUSED_MAX_HEAD_DIM = 64
+
 # Head dims whose Mosaic wgmma backward fits the registers: at 256 a warpgroup's dQ, or its dK
 # and dV, accumulators are 128 or 256 float32 per thread, and ptxas spills 0.5-3 KB
 # (docs/attention.md, machine code).
@@ -516,12 +524,16 @@ MAX_BWD_HEAD_DIM = 128
 
 
 def flash_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, *, scale, causal, kv_len, config, interpret):
-    """Backward of kernel_sm90.flash_fwd: the Mosaic (wgmma) dq and dkv kernels here, on the
-    log-sum-exp in log2 units that the forward saves; above MAX_BWD_HEAD_DIM the grid kernels
+    """Backward of kernel_sm90.flash_fwd: the Mosaic (wgmma) dq and dkv kernels here, or with
+    FlashConfig.bwd_fused the single kernel of kernel_sm90_bwd_fused.py, on the log-sum-exp in
+    log2 units that the forward saves; above MAX_BWD_HEAD_DIM the grid kernels
     (mosaic_common.grid_bwd)."""
     kw = dict(scale=scale, causal=causal, kv_len=kv_len, config=config, interpret=interpret)
     if q.shape[-1] > MAX_BWD_HEAD_DIM:
         return grid_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, **kw)
+    if config.bwd_fused and q.shape[-1] <= FUSED_MAX_HEAD_DIM:
+        # FlashAttention-3's one kernel (kernel_sm90_bwd_fused.py)
+        return fused_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, **kw)
     return mosaic_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, **kw)
 
 
