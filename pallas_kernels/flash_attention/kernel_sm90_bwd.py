@@ -64,6 +64,9 @@ from .mosaic_common import (
     interpret_ctx,
     masked_plain_masked,
     q_block,
+    q_tile_loader,
+    ring_producer,
+    ring_slot,
     tile_mask,
 )
 from .tile_ranges import tile_ranges
@@ -80,9 +83,6 @@ def bwd_wgs(head_dim: int) -> int:
     """Consumer warpgroups per CTA: two, or one at head_dim 256 (SMEM)."""
     return 2 if head_dim <= 128 else 1
 
-
-def _slot(t, steps):
-    return lax.rem(t, jnp.array(steps, t.dtype))
 
 
 def _zeros(shape):
@@ -116,25 +116,6 @@ def _a_operand(x16, smem, interpret: bool):
     return smem
 
 
-def _producer(total, steps, load, consumed):
-    """The producer warpgroup's TMA ring: preload `steps` tiles, refill a slot once every
-    consumer released it, and wait for the last releases so no barrier phase is left
-    unobserved when the CTA exits."""
-    plgpu.set_max_registers(REGS_PRODUCER, action="decrease")
-    for i in range(steps):
-        @pl.when(i < total)
-        def _():
-            load(jnp.int32(i), i)
-
-    @pl.loop(0, jnp.maximum(total - steps, 0))
-    def _(t):
-        slot = _slot(t, steps)
-        plgpu.barrier_wait(consumed.at[slot])
-        load(t + steps, slot)
-
-    @pl.loop(jnp.maximum(total - steps, 0), total)
-    def _(t):
-        plgpu.barrier_wait(consumed.at[_slot(t, steps)])
 
 
 def _launch(entry, out_type, grid, seq_name, wgs, args, interpret):
@@ -179,7 +160,7 @@ def _dq(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, confi
             first, end = 0, n_kv
 
         def slot_of(t):
-            return _slot(t - first if has_seg else t, steps)
+            return ring_slot(t - first if has_seg else t, steps)
 
         @pl.when(wg < wgs)
         def _consumer():
@@ -279,7 +260,7 @@ def _dq(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, confi
                 if has_seg:
                     plgpu.copy_gmem_to_smem(kseg_ref.at[batch, rows], kseg_smem.at[slot],
                                             kseg_bars.at[slot])
-            _producer(end - first, steps, load, consumed)
+            ring_producer(end - first, steps, load, consumed, REGS_PRODUCER)
 
     def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
         if has_seg:
@@ -383,7 +364,7 @@ def _dkv(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, conf
 
             def step(i, carry, base, masked=False):
                 dk, dv = carry
-                slot = _slot(base + i, steps)
+                slot = ring_slot(base + i, steps)
                 for bar in (q_bar, do_bar, lse_bar, delta_bar):
                     plgpu.barrier_wait(bar.at[slot])
                 # S^T -> P^T -> dV first, then dP^T -> dS^T -> dK: with the dK and dV
@@ -423,7 +404,7 @@ def _dkv(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, conf
             def drain(i, _, base):
                 # Query tiles before this warpgroup's keys (or outside its documents), loaded
                 # for the other one.
-                slot = _slot(base + i, steps)
+                slot = ring_slot(base + i, steps)
                 for bar in ring_bars:
                     plgpu.barrier_wait(bar.at[slot])
                 plgpu.barrier_arrive(consumed.at[slot])
@@ -458,22 +439,14 @@ def _dkv(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, conf
 
         @pl.when(wg == wgs)
         def _producer_wg():
-            def load(t, slot):
-                g = lax.div(t, per_head(0))
-                i = q_start(0) + lax.rem(t, per_head(0))
-                head = kv_head * G + g
-                rows = (batch, pl.ds(i * bq, bq), head)
-                vec = (batch, head, pl.ds(i * bq, bq))
-                srcs = [q_ref.at[rows], do_ref.at[rows], lse_ref.at[vec], delta_ref.at[vec]]
-                dsts = [q_smem, do_smem, lse_smem, delta_smem]
-                if has_seg:
-                    srcs.append(qseg_ref.at[batch, pl.ds(i * bq, bq)])
-                    dsts.append(qseg_smem)
-                for src, dst, bar in zip(srcs, dsts, ring_bars):
-                    plgpu.copy_gmem_to_smem(src, dst.at[slot], bar.at[slot])
+            refs = (q_ref, do_ref, lse_ref, delta_ref) + ((qseg_ref,) if has_seg else ())
+            load = q_tile_loader(refs, (q_smem, do_smem, lse_smem, delta_smem, qseg_smem),
+                                 ring_bars, batch=batch, kv_head=kv_head, G=G, bq=bq,
+                                 q_start=lambda: q_start(0),
+                                 per_head=lambda: per_head(0))
             if has_seg:  # the first warpgroup's copy holds the CTA's range too
                 plgpu.barrier_wait(own_bars.at[2 * wgs])
-            _producer(G * per_head(0), steps, load, consumed)
+            ring_producer(G * per_head(0), steps, load, consumed, REGS_PRODUCER)
 
     def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
         if has_seg:

@@ -55,6 +55,9 @@ from .mosaic_common import (
     RANGE_COLS,
     cta_ranges,
     interpret_ctx,
+    q_tile_loader,
+    ring_producer,
+    ring_slot,
     tile_mask,
 )
 from .tile_ranges import tile_ranges
@@ -69,9 +72,6 @@ def _tx(cols: int):
     """128-byte swizzle rows of `cols` 16-bit elements (the wgmma operand layout)."""
     return (plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(128))
 
-
-def _slot(t, n):
-    return lax.rem(t, jnp.array(n, t.dtype))
 
 
 def _zeros(shape):
@@ -105,24 +105,6 @@ def _a_operand(x16, smem, interpret: bool):
     return smem
 
 
-def _producer(total, steps, load, consumed):
-    """kernel_sm90_bwd._producer's TMA ring: preload, refill a slot once both consumers
-    released it, and observe the last releases before the CTA exits."""
-    plgpu.set_max_registers(REGS_PRODUCER, action="decrease")
-    for i in range(steps):
-        @pl.when(i < total)
-        def _():
-            load(jnp.int32(i), i)
-
-    @pl.loop(0, jnp.maximum(total - steps, 0))
-    def _(t):
-        slot = _slot(t, steps)
-        plgpu.barrier_wait(consumed.at[slot])
-        load(t + steps, slot)
-
-    @pl.loop(jnp.maximum(total - steps, 0), total)
-    def _(t):
-        plgpu.barrier_wait(consumed.at[_slot(t, steps)])
 
 
 def fused_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, *, scale, causal, kv_len, config,
@@ -235,7 +217,7 @@ def _kernel(q_shape, k_shape, dtype, *, has_seg, scale, causal, kv_len, config, 
             def step(i, carry, base, g, masked=False):
                 dk, dv = carry
                 t = base + i
-                slot, par = _slot(t, steps), _slot(t, 2)
+                slot, par = ring_slot(t, steps), ring_slot(t, 2)
                 for bar in (q_bar, do_bar, lse_bar, delta_bar):
                     plgpu.barrier_wait(bar.at[slot])
                 if overlap_sdp:  # dP^T is issued before S^T is waited for: one wait for both
@@ -325,22 +307,14 @@ def _kernel(q_shape, k_shape, dtype, *, has_seg, scale, causal, kv_len, config, 
 
         @pl.when(wg == WGS)
         def _producer_wg():
-            def load(t, slot):
-                g = lax.div(t, per_head(0))
-                i = q_start(0) + lax.rem(t, per_head(0))
-                head = kv_head * G + g
-                rows = (batch, pl.ds(i * bq, bq), head)
-                vec = (batch, head, pl.ds(i * bq, bq))
-                srcs = [q_ref.at[rows], do_ref.at[rows], lse_ref.at[vec], delta_ref.at[vec]]
-                dsts = [q_smem, do_smem, lse_smem, delta_smem]
-                if has_seg:
-                    srcs.append(qseg_ref.at[batch, pl.ds(i * bq, bq)])
-                    dsts.append(qseg_smem)
-                for src, dst, bar in zip(srcs, dsts, ring_bars):
-                    plgpu.copy_gmem_to_smem(src, dst.at[slot], bar.at[slot])
+            refs = (q_ref, do_ref, lse_ref, delta_ref) + ((qseg_ref,) if has_seg else ())
+            load = q_tile_loader(refs, (q_smem, do_smem, lse_smem, delta_smem, qseg_smem),
+                                 ring_bars, batch=batch, kv_head=kv_head, G=G, bq=bq,
+                                 q_start=lambda: q_start(0),
+                                 per_head=lambda: per_head(0))
             if has_seg:  # the first consumer's copy holds the CTA's range too
                 plgpu.barrier_wait(own_bars.at[2 * WGS])
-            _producer(G * per_head(0), steps, load, consumed)
+            ring_producer(G * per_head(0), steps, load, consumed, REGS_PRODUCER)
 
     def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
         if has_seg:

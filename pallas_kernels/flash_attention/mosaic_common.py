@@ -128,3 +128,50 @@ def grid_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, *, scale, causal, kv_len, conf
                                    num_stages_bwd=tri.num_stages_bwd)
     return kernel_bwd.flash_bwd(q, k, v, o, lse2 / LOG2E, do, q_seg, kv_seg, config=grid_cfg,
                                 scale=scale, causal=causal, kv_len=kv_len, interpret=interpret)
+
+
+def ring_slot(t, steps):
+    """The TMA ring slot of step t."""
+    return lax.rem(t, jnp.array(steps, t.dtype))
+
+
+def ring_producer(total, steps, load, consumed, regs: int):
+    """An sm90 backward's producer warpgroup (kernel_sm90_bwd*.py): preload `steps` tiles,
+    refill a slot once every consumer released it, and wait for the last releases so no
+    barrier phase is left unobserved when the CTA exits."""
+    plgpu.set_max_registers(regs, action="decrease")
+    for i in range(steps):
+        @pl.when(i < total)
+        def _():
+            load(jnp.int32(i), i)
+
+    @pl.loop(0, jnp.maximum(total - steps, 0))
+    def _(t):
+        slot = ring_slot(t, steps)
+        plgpu.barrier_wait(consumed.at[slot])
+        load(t + steps, slot)
+
+    @pl.loop(jnp.maximum(total - steps, 0), total)
+    def _(t):
+        plgpu.barrier_wait(consumed.at[ring_slot(t, steps)])
+
+
+def q_tile_loader(refs, smems, ring_bars, *, batch, kv_head, G, bq, q_start, per_head):
+    """load(t, slot) for a backward that streams, per key CTA, query tiles
+    [q_start(), q_start() + per_head()) of each of the kv head's G q heads: step t's Q, dO,
+    lse2, delta (and segment-id) tiles into ring slot `slot`. refs: (q, do, lse, delta[,
+    q_seg]). The bounds are callables, read at each load (they may live in SMEM: a value
+    kept in the producer's 24 registers could spill)."""
+    def load(t, slot):
+        g = lax.div(t, per_head())
+        i = q_start() + lax.rem(t, per_head())
+        head = kv_head * G + g
+        rows = (batch, pl.ds(i * bq, bq), head)
+        vec = (batch, head, pl.ds(i * bq, bq))
+        q_ref, do_ref, lse_ref, delta_ref = refs[:4]
+        srcs = [q_ref.at[rows], do_ref.at[rows], lse_ref.at[vec], delta_ref.at[vec]]
+        if len(refs) > 4:
+            srcs.append(refs[4].at[batch, pl.ds(i * bq, bq)])
+        for src, dst, bar in zip(srcs, smems, ring_bars):
+            plgpu.copy_gmem_to_smem(src, dst.at[slot], bar.at[slot])
+    return load
