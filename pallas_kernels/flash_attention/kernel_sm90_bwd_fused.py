@@ -332,7 +332,10 @@ def _kernel(q_shape, k_shape, dtype, *, has_seg, scale, causal, kv_len, config, 
             plgpu.SMEM((steps, bq), jnp.int32) if has_seg else None,
             plgpu.SMEM((2, WGS, bkv, bq), dtype, transforms=tx),  # dS^T by step parity
             plgpu.SMEM((WGS, bkv, bq), dtype, transforms=tx) if interpret else None,
-            plgpu.SMEM((WGS, bq, dq_cols), jnp.float32),
+            # dQ's tile as TMA stores it: 128-byte swizzle rows of 32 floats (bank-conflict
+            # free stores from the WGMMA layout)
+            plgpu.SMEM((WGS, bq, dq_cols), jnp.float32,
+                       transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),
         )
         n_own, n_ring = (3, 5) if has_seg else (2, 4)
         bars = (plgpu.Barrier(num_barriers=n_own * WGS),
