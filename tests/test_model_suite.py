@@ -1,5 +1,5 @@
 """The model suite (tests/helpers/model_suite.py) on every architecture it lists: HF logits
-parity against transformers both ways, the parameter count, export/import identity, a parallel
+parity against transformers both ways, greedy continuations equal to transformers', the parameter count, export/import identity, a parallel
 layout equal to one device. One transformers subprocess serves every model; then the
 architecture-specific facts (published sizes, refused sliding windows)."""
 
@@ -39,6 +39,11 @@ def test_export_gives_transformers_logits(peer, name):
 @pytest.mark.parametrize("name", NAMES)
 def test_import_gives_transformers_logits(peer, name, tmp_path):
     suite.check_import_parity(name, peer.tmp, peer.tokens, tmp_path / "imported")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_continuation_is_transformers(peer, name):
+    suite.check_greedy(name, peer.tmp)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -65,6 +65,58 @@ def test_layouts_equal_one_device(over, one_device):
     assert_matches(loss_and_grads(cfg, jax.devices()[:4])[:2], want)
 
 
+@pytest.mark.parametrize("over, n", [({"mesh.expert": 2}, 2), ({"mesh.expert": 4}, 4),
+                                     ({"mesh.expert": 2, "mesh.fsdp": 2, "mesh.tensor": 2}, 8)],
+                         ids=["ep2", "ep4", "ep2_fsdp2_tp2"])
+def test_expert_parallel_layouts_equal_one_device(over, n, one_device):
+    """Experts split over mesh.expert, tokens sent by all-to-all (models/common/moe_ep.py),
+    dropless: the loss and every gradient of one device."""
+    loss, grads, jaxpr = loss_and_grads(tiny_config(**{**MOE, **over}), jax.devices()[:n])
+    assert jaxpr.count("all_to_all") >= 3, "the experts did not run expert-parallel"
+    assert_matches((loss, grads), one_device)
+
+
+def test_expert_capacity_drops_the_pairs_past_it_and_counts_them():
+    """model.expert_capacity_factor: a rank sends at most ceil(factor x pairs / ep) rows to
+    each expert rank; later pairs (in expert order) add nothing and are counted. Against
+    experts_ragged with exactly those pairs' gates zeroed, computed here independently."""
+    from titanax.config import MeshConfig
+    from titanax.models.common.moe import Routing, experts_ragged
+    from titanax.models.common.moe_ep import capacity, experts_ep
+    ep, T, K, E, D, F = 2, 12, 2, 4, 8, 16
+    ks = jax.random.split(jax.random.key(3), 5)
+    x = jax.random.normal(ks[0], (T, D))
+    # Skewed routing: most pairs go to experts 0 and 1 (rank 0), so rank 0 overflows.
+    expert = jnp.where(jax.random.uniform(ks[1], (T, K)) < 0.8, jnp.array([0, 1]),
+                       jnp.array([2, 3])).astype(jnp.int32)
+    gate = jax.nn.softmax(jax.random.normal(ks[2], (T, K)), -1)
+    r = Routing(expert, gate, jnp.full((T, E), 1.0 / E))
+    w = [jax.random.normal(k, s) * 0.3 for k, s in zip(jax.random.split(ks[3], 3),
+                                                       ((E, D, F), (E, D, F), (E, F, D)))]
+    mesh = build_mesh(MeshConfig(data=1, expert=ep), jax.devices()[:ep])
+    kw = dict(dtype=jnp.float32, precision="highest")
+    for factor in (None, 2.0, 0.5):
+        with jax.set_mesh(mesh):
+            y, dropped = jax.jit(lambda x, g, *w: experts_ep(
+                x, Routing(expert, g, r.probs_TE), *w, capacity_factor=factor, **kw))(
+                    x, gate, *w)
+        # Each source rank's tokens are T / ep consecutive rows; its pairs in expert order
+        # fill each destination's C slots first come first served.
+        C = capacity(T // ep * K, ep, factor)
+        keep = np.ones((T, K), bool)
+        for src in range(ep):
+            rows = np.arange(src * T // ep, (src + 1) * T // ep)
+            pairs = sorted((int(expert[t, k]), t, k) for t in rows for k in range(K))
+            used = {}
+            for e, t, k in pairs:
+                used[e // (E // ep)] = used.get(e // (E // ep), 0) + 1
+                keep[t, k] = used[e // (E // ep)] <= C
+        want = experts_ragged(x, Routing(expert, gate * keep, r.probs_TE), *w, **kw)
+        np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-6)
+        assert float(dropped) == (~keep).sum()
+        assert (float(dropped) > 0) == (factor == 0.5)
+
+
 def _skewed_run(coef: float) -> tuple[list[float], dict]:
     """STEPS steps of a router skewed onto expert 0 (a shared component in every token's
     embedding, which router column 0 picks up: expert 0 is in every token's top 2, max load /
@@ -110,17 +162,25 @@ def test_the_loop_logs_the_auxiliary_loss_and_routing(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in rows if "loss" in r]
     assert trained and all(k in trained[-1] for k in (
-        "aux/load_balance", "aux/load_balance_loss", "aux/max_over_mean_load")), trained
+        "aux/load_balance", "aux/load_balance_loss", "aux/max_over_mean_load",
+        "aux/dropped_fraction")), trained
+    assert trained[-1]["aux/dropped_fraction"] == 0.0  # one device: dropless
     # 2 (= experts_per_token) when balanced, more when not; the logged term is it x 0.001
     lb = trained[-1]["aux/load_balance_loss"]
     assert 2.0 <= lb < 4.0 and trained[-1]["aux/load_balance"] == pytest.approx(1e-3 * lb)
     assert np.isfinite(result.losses[max(result.losses)]), log
 
 
+def test_expert_parallelism_needs_an_moe_model():
+    with pytest.raises(ConfigError, match="^mesh.expert: 2: expert parallelism splits"):
+        tiny_config(**{"mesh.expert": 2, "mesh.data": 1})
+
+
 @pytest.mark.parametrize("over, field", [
     ({"mesh.pipeline": 2, "pipeline.microbatches": 2}, "mesh.pipeline"),
     ({"execution.matmul_precision": "fp8_tensorwise"}, "execution.matmul_precision"),
     ({"lora.rank": 4}, "lora.rank"),
+    ({"mesh.expert": 3}, "mesh.expert"),  # 4 experts do not split 3 ways
 ])
 def test_what_moe_cannot_run_with_is_refused_in_one_line(over, field):
     with pytest.raises(ConfigError) as e:

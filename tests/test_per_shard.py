@@ -20,8 +20,8 @@ pytestmark = pytest.mark.usefixtures("devices8")  # meshes over 8 simulated devi
 
 def _mesh(pipeline=1, data=1, fsdp=1, tensor=1, context=1):
     devices = np.array(jax.devices()[:pipeline * data * fsdp * context * tensor])
-    return Mesh(devices.reshape(pipeline, data, fsdp, context, tensor), MESH_AXES,
-                axis_types=(AxisType.Auto,) * 5)
+    return Mesh(devices.reshape(pipeline, data, fsdp, 1, context, tensor), MESH_AXES,
+                axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def _qkv(B, S, Hq, Hkv, D=16):

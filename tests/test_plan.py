@@ -145,9 +145,9 @@ def test_pipeline_bubble_and_hand_computed_communication():
     cfg = plan_config(_70b("mesh.fsdp=-1", "mesh.pipeline=2", "mesh.tensor=2",
                            "pipeline.microbatches=8", "train.batch_size=32"), cluster)
     layout = layout_for(cfg, cluster)
-    assert layout.degrees == {"pipeline": 2, "data": 1, "fsdp": 4, "context": 1, "tensor": 2}
+    assert layout.degrees == {"pipeline": 2, "data": 1, "fsdp": 4, "expert": 1, "context": 1, "tensor": 2}
     # tensor, then fsdp fill a domain of 8; pipeline crosses domains
-    assert layout.inner == {"pipeline": 1, "data": 1, "fsdp": 4, "context": 1, "tensor": 2}
+    assert layout.inner == {"pipeline": 1, "data": 1, "fsdp": 4, "expert": 1, "context": 1, "tensor": 2}
     est = estimate(cfg, cluster, layout)
     assert est.bubble == pytest.approx((2 - 1) / (8 + 2 - 1))
     n_params = param_counts(cfg.model)[0]

@@ -33,7 +33,7 @@ def _70b(*overrides):
 
 
 def _deg(**kw):
-    return {"pipeline": 1, "data": 1, "fsdp": 1, "context": 1, "tensor": 1, **kw}
+    return {"pipeline": 1, "data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1, **kw}
 
 
 def _estimate(cluster, *overrides, eff=EFFICIENCIES):
@@ -236,7 +236,7 @@ def test_nemo_like_layout_with_cp2_plans_and_fits(tmp_path, capsys):
     cluster = Cluster("h100", 8)
     cp = make_plan(_70b(*NEMO, "mesh.fsdp=2", "mesh.context=2"), cluster, compile_step=False)
     proxy = make_plan(_70b(*NEMO, "mesh.fsdp=4"), cluster, compile_step=False)
-    assert cp["layout"]["degrees"] == {"pipeline": 4, "data": 1, "fsdp": 2, "context": 2,
+    assert cp["layout"]["degrees"] == {"pipeline": 4, "data": 1, "fsdp": 2, "expert": 1, "context": 2,
                                        "tensor": 4}
     # tensor then context fill the node; pipeline and fsdp cross nodes
     assert cp["layout"]["inside_nvlink_domain"]["context"] == 2

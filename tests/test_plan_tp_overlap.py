@@ -65,7 +65,7 @@ def test_hidden_share_per_formula():
     assert tp_hidden_share(1024, True, 2, R, BW) == pytest.approx(2 * 1024 * BW / R)
     assert tp_hidden_share(1e6, True, 2, R, BW) == 1.0
     widths = {c.matmul: c.width for c in tp_layer_collectives(_8b(), StepShape.of(
-        _8b(), {"pipeline": 1, "data": 1, "fsdp": 2, "context": 1, "tensor": 4}))}
+        _8b(), {"pipeline": 1, "data": 1, "fsdp": 2, "expert": 1, "context": 1, "tensor": 4}))}
     assert widths == {"qkv": (32 + 2 * 8) * 128 / 4, "wo": 32 * 128 / 4,
                       "gate_up": 2 * 14336 / 4, "w_down": 14336 / 4}
 
@@ -105,7 +105,7 @@ def test_fp8_and_1f1b_get_no_overlap():
     plain = _8b("mesh.tensor=1", "mesh.fsdp=8", "execution.tp_overlap=true")
     fp8 = dataclasses.replace(plain, model=dataclasses.replace(
         plain.model, matmul_precision="fp8_tensorwise"))
-    deg = {"pipeline": 1, "data": 1, "fsdp": 2, "context": 1, "tensor": 4}
+    deg = {"pipeline": 1, "data": 1, "fsdp": 2, "expert": 1, "context": 1, "tensor": 4}
     assert tp_overlap_applies(plain, StepShape.of(plain, deg))
     assert not tp_overlap_applies(fp8, StepShape.of(fp8, deg))
     onef1b = _8b("mesh.tensor=1", "mesh.fsdp=4", "mesh.pipeline=2", "pipeline.schedule=1f1b",

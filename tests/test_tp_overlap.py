@@ -50,7 +50,7 @@ def test_flag_names_exist_in_this_jaxlib():
 
 # --- the HLO reader ----------------------------------------------------------------------------
 
-MESH = {"pipeline": 1, "data": 2, "fsdp": 1, "context": 1, "tensor": 4}
+MESH = {"pipeline": 1, "data": 2, "fsdp": 1, "expert": 1, "context": 1, "tensor": 4}
 
 
 def _instr(line: str) -> hlo_text.Instr:
@@ -102,8 +102,8 @@ ENTRY %main (p: bf16[4,1024,64]) -> bf16[4,1024,64] {
 
 def _mesh(data=2, tensor=4, pipeline=1, context=1):
     devices = np.array(jax.devices()[:pipeline * data * context * tensor])
-    return Mesh(devices.reshape(pipeline, data, 1, context, tensor), MESH_AXES,
-                axis_types=(AxisType.Auto,) * 5)
+    return Mesh(devices.reshape(pipeline, data, 1, 1, context, tensor), MESH_AXES,
+                axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def _products(dtype, grad_reduce):

@@ -29,6 +29,8 @@ from titanax.hf.exporter import export_hf
 from titanax.hf.importer import import_hf
 from titanax.models import model_spec
 from titanax.models.common.block import BlockOptions, DecoderBlock
+from titanax.parallel.mesh import single_device_mesh
+from titanax.parallel.rules import model_context
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,8 +113,29 @@ def prepare(name: str, tmp: pathlib.Path, tokens_path: pathlib.Path) -> tuple[di
              "tokens": str(tokens_path), "out": str(out / "export_logits.npy")},
             {"op": "make", "model_type": case.model_type, "config": case.hf_config, "seed": 0,
              "dir": str(out / "hf"), "tokens": str(tokens_path),
-             "out": str(out / "hf_logits.npy"), "count_out": str(out / "hf_count.json")}]
+             "out": str(out / "hf_logits.npy"), "count_out": str(out / "hf_count.json")},
+            {"op": "greedy", "dir": str(out / "export"), "ids": greedy_prompt(tokens_path),
+             "max_new_tokens": GREEDY_TOKENS, "out": str(out / "greedy.json")}]
     return original, jobs
+
+
+GREEDY_TOKENS = 8
+
+
+def greedy_prompt(tokens_path: pathlib.Path) -> list[int]:
+    return [int(t) for t in np.load(tokens_path)[0, :12]]
+
+
+def check_greedy(name: str, tmp: pathlib.Path):
+    """Our greedy continuation (generate.py: prefill, then one token at a time through the KV
+    cache) of the export's prompt is transformers' (generate, do_sample=False)."""
+    from titanax.generate import generate
+
+    cfg, graphdef, params = load_run(tmp / name / "run")
+    with model_context(single_device_mesh()):
+        ours = list(generate(cfg, graphdef, params, greedy_prompt(tmp / "tokens.npy"),
+                             max_new_tokens=GREEDY_TOKENS))
+    assert ours == json.loads((tmp / name / "greedy.json").read_text())
 
 
 def check_export_parity(name: str, tmp: pathlib.Path, tokens):

@@ -9,6 +9,9 @@ Jobs:
       creates a random model of TYPE (norm weights randomised too, so their mapping is
       tested), saves it with save_pretrained, its logits and its parameter count (tied
       weights once).
+  {"op": "greedy", "dir": HF_DIR, "ids": [..], "max_new_tokens": N, "out": G.json}
+      greedy generation (do_sample=False, KV cache) of exactly N new ids after the prompt,
+      no end-of-sequence stop.
 """
 
 import json
@@ -45,12 +48,22 @@ def job_make(job):
         json.dump(sum(p.numel() for p in model.parameters()), f)
 
 
+def job_greedy(job):
+    model = AutoModelForCausalLM.from_pretrained(job["dir"], dtype=torch.float32).eval()
+    n = job["max_new_tokens"]
+    with torch.no_grad():
+        out = model.generate(torch.tensor([job["ids"]]), do_sample=False, max_new_tokens=n,
+                             min_new_tokens=n, eos_token_id=None, pad_token_id=0)
+    with open(job["out"], "w") as f:
+        json.dump(out[0, len(job["ids"]):].tolist(), f)
+
+
 def main():
     torch.set_num_threads(2)
     with open(sys.argv[1]) as f:
         jobs = json.load(f)
     for job in jobs:
-        {"logits": job_logits, "make": job_make}[job["op"]](job)
+        {"logits": job_logits, "make": job_make, "greedy": job_greedy}[job["op"]](job)
 
 
 if __name__ == "__main__":

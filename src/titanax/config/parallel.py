@@ -22,11 +22,14 @@ class MeshConfig:
     # chunks; parallel/context.py), attention exchanging K/V between them.
     # (execution.context_strategy picks how attention exchanges K/V over it.)
     context: int = 1
+    # Expert parallelism (mixture-of-experts models): the experts split over this many devices,
+    # tokens sent to their experts' devices and back by all-to-all; also splits the batch.
+    expert: int = 1
     nvlink_domain: int = 0  # GPUs per NVLink domain; 0: devices per process
 
     def degrees(self) -> dict[str, int]:
         return {"pipeline": self.pipeline, "data": self.data, "fsdp": self.fsdp,
-                "context": self.context, "tensor": self.tensor}
+                "expert": self.expert, "context": self.context, "tensor": self.tensor}
 
     def __post_init__(self):
         check_types("mesh", self)
@@ -35,7 +38,7 @@ class MeshConfig:
             if d == 0 or d < -1:
                 fail(f"mesh.{name}", f"must be a positive degree or -1 (fill), got {d}")
         if sum(d == -1 for d in degrees.values()) > 1:
-            fail("mesh", "only one of data/fsdp/context/tensor/pipeline may be -1 (fill)")
+            fail("mesh", "only one of data/fsdp/expert/context/tensor/pipeline may be -1 (fill)")
         if self.nvlink_domain < 0:
             fail("mesh.nvlink_domain", "must be >= 0 (0: devices per process)")
 

@@ -185,15 +185,29 @@ def check_parallel_layout(cfg: Config, degrees: dict[str, int]) -> None:
             fail("pipeline.schedule", "1f1b computes gradients inside its schedule, where "
                  "fp8_delayed's amax histories (carried as gradients) cannot pass; use "
                  "execution.matmul_precision=fp8_tensorwise or pipeline.schedule=gpipe")
-    if degrees["data"] > 0 and degrees["fsdp"] > 0:
-        ways = degrees["data"] * degrees["fsdp"]
+    expert = degrees.get("expert", 1)
+    if expert != 1:
+        _check_expert(cfg, expert)
+    if degrees["data"] > 0 and degrees["fsdp"] > 0 and expert > 0:
+        ways = degrees["data"] * degrees["fsdp"] * expert
         micro = cfg.pipeline.microbatches if pp > 1 else 1
         rows = cfg.train.batch_size // (cfg.train.known_grad_accum * micro)
         if cfg.train.batch_size % ways or rows % ways:
             fail("train.batch_size", f"{cfg.train.batch_size} sequences in microbatches of "
                  f"{rows} (grad_accum={cfg.train.grad_accum}, pipeline microbatches={micro}) "
-                 f"do not split over mesh data x fsdp = {ways}; make each microbatch a "
-                 f"multiple of {ways}")
+                 f"do not split over mesh data x fsdp{' x expert' if expert > 1 else ''} = "
+                 f"{ways}; make each microbatch a multiple of {ways}")
+
+
+def _check_expert(cfg: Config, expert: int) -> None:
+    """mesh.expert > 1 (or -1) needs experts to split."""
+    if not isinstance(cfg.model, MoEModelConfig):
+        fail("mesh.expert", f"{expert}: expert parallelism splits a mixture-of-experts "
+             f"model's experts, and model.arch={cfg.model.arch!r} has none; set mesh.expert=1 "
+             "(use mesh.data or mesh.fsdp for more data parallelism)")
+    if expert > 0 and cfg.model.n_experts % expert:
+        fail("mesh.expert", f"{expert} does not divide model.n_experts={cfg.model.n_experts}; "
+             "choose a divisor (each expert rank holds n_experts / mesh.expert experts)")
 
 
 def _check_lora(cfg: Config) -> None:

@@ -22,9 +22,10 @@ from titanax.config import Config, ConfigError, MeshConfig, check_parallel_layou
 from titanax.parallel.rules import MESH_AXES
 
 # Filled inside a domain in this order: tensor first (its all-reduces are on the critical path
-# of every layer), then context (K/V blocks pass around its ring inside every attention), then
+# of every layer), then expert (two all-to-alls of the MoE layers' tokens every layer), then
+# context (K/V blocks pass around its ring inside every attention), then
 # fsdp (parameter all-gathers every layer), then data and pipeline.
-_INNER_FILL_ORDER = ("tensor", "context", "fsdp", "data", "pipeline")
+_INNER_FILL_ORDER = ("tensor", "expert", "context", "fsdp", "data", "pipeline")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """THE table: logical axis names (used by model code) -> mesh axes (pipeline, data, fsdp,
-context, tensor).
+expert, context, tensor).
 
 Parameters and activations get separate tables (as in levanter): FSDP shards parameters and
 optimizer state along 'embed', while activations are sharded along 'batch' over both data and
@@ -25,7 +25,7 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-MESH_AXES = ("pipeline", "data", "fsdp", "context", "tensor")
+MESH_AXES = ("pipeline", "data", "fsdp", "expert", "context", "tensor")
 
 PARAM_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("layers", "pipeline"),  # stage s holds its consecutive layers [L/PP, ...]
@@ -37,17 +37,19 @@ PARAM_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("mlp", "tensor"),
     ("norm", None),
     ("lora_rank", None),  # LoRA adapters' rank axis (small): the weight's other axes shard them
-    # MoE: the experts axis of expert weights [L, E, ...] (every device holds every expert
-    # until expert parallelism, issue 37) and the router's output axis [L, D, E].
-    ("expert", None),
+    # MoE: the experts axis of expert weights [L, E, ...], split over 'expert' (expert
+    # parallelism: models/common/moe_ep.py), and the router's output axis [L, D, E].
+    ("expert", "expert"),
     ("router_experts", None),
 )
 
 ACTIVATION_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
-    ("batch", ("data", "fsdp")),
+    # 'expert' splits the rows too: outside the experts an expert rank is a data-parallel one
+    # (first, so that the experts' shard_map takes its share of the rows without a reshuffle).
+    ("batch", ("expert", "data", "fsdp")),
     # The loss head after a gpipe/circular pipeline: each stage takes its own share of the
     # rows instead of every stage computing the output layer for all of them.
-    ("loss_batch", ("data", "fsdp", "pipeline")),
+    ("loss_batch", ("expert", "data", "fsdp", "pipeline")),
     ("seq", "context"),  # in parallel/context.py's load-balanced order when context > 1
     ("norm_seq", ("context", "tensor")),  # sequence parallelism: residual stream and norms
     ("embed", None),

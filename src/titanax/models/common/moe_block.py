@@ -17,6 +17,7 @@ from flax import nnx
 from titanax.models.common.block import DecoderBlock
 from titanax.models.common.layers import make_param
 from titanax.models.common.moe import balance_sums, experts_ragged, route, routing_stats
+from titanax.models.common.moe_ep import expert_parallelism, experts_ep
 from titanax.parallel.rules import shard_activation
 
 
@@ -34,7 +35,7 @@ class MoEBlock(DecoderBlock):
         """The routing sums before the first layer (what __call__'s third output adds to)."""
         E, zero = self.cfg.n_experts, jnp.zeros((), jnp.float32)
         return {"routed_E": jnp.zeros(E, jnp.float32), "prob_E": jnp.zeros(E, jnp.float32),
-                "rows": zero, "z_sum": zero, "max_over_mean_load": zero}
+                "rows": zero, "z_sum": zero, "max_over_mean_load": zero, "dropped": zero}
 
     def moe(self, h_BSD):
         """(the feed-forward's output [B, S, D], this layer's routing sums)."""
@@ -46,9 +47,16 @@ class MoEBlock(DecoderBlock):
         logits_TE = jnp.einsum("td,de->te", h_TD.astype(jnp.float32),
                                self.router[...].astype(jnp.float32), precision=precision)
         r = route(logits_TE, cfg.experts_per_token, norm_topk=cfg.norm_topk_prob)
-        y_TD = experts_ragged(h_TD, r, self.w_gate[...], self.w_up[...], self.w_down[...],
-                              dtype=jnp.dtype(ex.dtype), precision=precision)
-        aux = {**balance_sums(r),
+        weights = (self.w_gate[...], self.w_up[...], self.w_down[...])
+        if expert_parallelism() > 1:
+            y_TD, dropped = experts_ep(h_TD, r, *weights, dtype=jnp.dtype(ex.dtype),
+                                       precision=precision,
+                                       capacity_factor=cfg.expert_capacity_factor or None)
+        else:
+            y_TD = experts_ragged(h_TD, r, *weights, dtype=jnp.dtype(ex.dtype),
+                                  precision=precision)
+            dropped = jnp.zeros((), jnp.float32)
+        aux = {**balance_sums(r), "dropped": jax.lax.stop_gradient(dropped),
                "z_sum": jnp.sum(jnp.square(jax.nn.logsumexp(logits_TE, axis=-1))),
                "max_over_mean_load": jax.lax.stop_gradient(
                    routing_stats(r)["max_over_mean_load"])}
