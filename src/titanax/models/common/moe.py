@@ -1,5 +1,5 @@
-"""Mixture-of-experts feed-forward as pure functions (issue 37; the block that calls them and
-the expert mesh axis come next): a softmax top-k router as Mixtral's and Qwen3-MoE's, SwiGLU
+"""Mixture-of-experts feed-forward as pure functions (common/moe_block.py calls them; with
+mesh.expert > 1 common/moe_ep.py runs the experts instead): a softmax top-k router as Mixtral's and Qwen3-MoE's, SwiGLU
 experts run dropless through grouped GEMMs (jax.lax.ragged_dot over the tokens sorted by
 expert), the load-balancing auxiliary loss as transformers computes it, the router z-loss, and
 the routing statistics the step log reports. `experts_dense` is the reference: every expert on
@@ -83,7 +83,8 @@ def routing_stats(r: Routing) -> dict[str, jax.Array]:
             "idle_expert_fraction": jnp.mean((load_E == 0).astype(jnp.float32))}
 
 
-def _swiglu(gate, up):
+def swiglu(gate, up):
+    """The experts' activation: silu(x W_gate) * (x W_up)."""
     return jax.nn.silu(gate) * up
 
 
@@ -100,7 +101,7 @@ def experts_ragged(x_TD, r: Routing, w_gate_EDF, w_up_EDF, w_down_EFD, *, dtype,
     xs_ND = x_TD.astype(dtype)[order // K]
     mm = lambda a, w: jax.lax.ragged_dot(a, w.astype(dtype), sizes_E, precision=precision,  # noqa: E731
                                          preferred_element_type=jnp.float32)
-    h_NF = _swiglu(mm(xs_ND, w_gate_EDF), mm(xs_ND, w_up_EDF)).astype(dtype)
+    h_NF = swiglu(mm(xs_ND, w_gate_EDF), mm(xs_ND, w_up_EDF)).astype(dtype)
     ys_ND = mm(h_NF, w_down_EFD)
     y_TKD = jnp.zeros_like(ys_ND).at[order].set(ys_ND).reshape(T, K, -1)
     return jnp.einsum("tkd,tk->td", y_TKD, r.gate_TK).astype(dtype)
@@ -113,7 +114,7 @@ def experts_dense(x_TD, r: Routing, w_gate_EDF, w_up_EDF, w_down_EFD, *, dtype,
     x = x_TD.astype(dtype)
     ein = lambda s, a, w: jnp.einsum(s, a, w.astype(dtype), precision=precision,  # noqa: E731
                                      preferred_element_type=jnp.float32)
-    h_ETF = _swiglu(ein("td,edf->etf", x, w_gate_EDF), ein("td,edf->etf", x, w_up_EDF))
+    h_ETF = swiglu(ein("td,edf->etf", x, w_gate_EDF), ein("td,edf->etf", x, w_up_EDF))
     y_ETD = ein("etf,efd->etd", h_ETF.astype(dtype), w_down_EFD)
     T = x_TD.shape[0]
     weight_TE = jnp.zeros((T, r.n_experts), jnp.float32).at[

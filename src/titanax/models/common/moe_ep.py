@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from titanax.models.common.moe import Routing, _swiglu
+from titanax.models.common.moe import Routing, swiglu
 
 AXIS = "expert"
 
@@ -90,7 +90,7 @@ def _local(x_TD, expert_TK, gate_TK, w_gate, w_up, w_down, *, ep, dtype, precisi
     mm = lambda a, w: jax.lax.ragged_dot(a, w.astype(dtype), sizes, precision=precision,  # noqa: E731
                                          preferred_element_type=jnp.float32)
     xs = recv_x[by_expert]
-    h = _swiglu(mm(xs, w_gate), mm(xs, w_up)).astype(dtype)
+    h = swiglu(mm(xs, w_gate), mm(xs, w_up)).astype(dtype)
     ys = jnp.zeros((ep * C, D), dtype).at[by_expert].set(mm(h, w_down).astype(dtype))
     back = a2a(ys.reshape(ep, C, D))  # [ep, C, D]: our pairs' rows, by destination and slot
     y_sorted = jnp.where(kept[:, None], back.at[dest, slot].get(mode="fill", fill_value=0), 0)
