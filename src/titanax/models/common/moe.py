@@ -84,7 +84,7 @@ def routing_stats(r: Routing) -> dict[str, jax.Array]:
 
 
 def swiglu(gate, up):
-    """The experts' activation: silu(x W_gate) * (x W_up)."""
+    """The experts' activation on their two projections: silu(gate) * up."""
     return jax.nn.silu(gate) * up
 
 
