@@ -27,6 +27,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from titanax.checkpoint.lora_base import MissingBase
 from titanax.checkpoint.orbax_io import (
     Checkpointer,
     _legacy_abstract,
@@ -228,7 +229,7 @@ def restore_params(ckpt: Checkpointer, step: int, abstract):
         if base is not None:
             out["params"] = ckpt.read_base(base, {"params": params}, by=ckpt.step_dir(step),
                                            concurrent_gb=cap)["params"]
-    except FileNotFoundError:  # the base is gone (lora_base.MissingBase): its own message
+    except MissingBase:  # the LoRA base step is gone: its own message names it and the fix
         raise
     except Exception as e:  # noqa: BLE001 - whatever orbax raised, the step is unusable
         raise unreadable(ckpt, step, "its parameters", e) from e
