@@ -16,6 +16,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.grouped_matmul import grouped_matmul
+
 
 @dataclasses.dataclass(frozen=True)
 class Routing:
@@ -88,6 +90,18 @@ def swiglu(gate, up):
     return jax.nn.silu(gate) * up
 
 
+def grouped_mm(a_ND, w_EDF, sizes_E, *, dtype, precision=None):
+    """Rows of a grouped by expert times their expert's weight, float32 out: a grouped GEMM
+    (pallas_kernels.grouped_matmul: XLA's ragged_dot on CPU, whose GPU lowering is a dense
+    dot over every expert; a Mosaic kernel on Hopper)."""
+    if precision is not None:  # 'highest' (float32 checks): XLA's exact ragged_dot
+        return jax.lax.ragged_dot(a_ND, w_EDF.astype(dtype), sizes_E, precision=precision,
+                                  preferred_element_type=jnp.float32)
+    out = grouped_matmul(a_ND.astype(dtype), w_EDF.astype(dtype), sizes_E,
+                         preferred_element_type=jnp.float32)
+    return out.astype(jnp.float32)
+
+
 def experts_ragged(x_TD, r: Routing, w_gate_EDF, w_up_EDF, w_down_EFD, *, dtype,
                    precision=None):
     """sum_k gate[t, k] * expert_{e[t, k]}(x[t]), dropless: the T x K (token, expert) pairs are
@@ -99,8 +113,7 @@ def experts_ragged(x_TD, r: Routing, w_gate_EDF, w_up_EDF, w_down_EFD, *, dtype,
     order = jnp.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert
     sizes_E = jnp.zeros(r.n_experts, jnp.int32).at[flat].add(1)
     xs_ND = x_TD.astype(dtype)[order // K]
-    mm = lambda a, w: jax.lax.ragged_dot(a, w.astype(dtype), sizes_E, precision=precision,  # noqa: E731
-                                         preferred_element_type=jnp.float32)
+    mm = lambda a, w: grouped_mm(a, w, sizes_E, dtype=dtype, precision=precision)  # noqa: E731
     h_NF = swiglu(mm(xs_ND, w_gate_EDF), mm(xs_ND, w_up_EDF)).astype(dtype)
     ys_ND = mm(h_NF, w_down_EFD)
     y_TKD = jnp.zeros_like(ys_ND).at[order].set(ys_ND).reshape(T, K, -1)

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from titanax.models.common.moe import Routing, swiglu
+from titanax.models.common.moe import Routing, grouped_mm, swiglu
 
 AXIS = "expert"
 
@@ -87,8 +87,7 @@ def _local(x_TD, expert_TK, gate_TK, w_gate, w_up, w_down, *, ep, dtype, precisi
     # Local experts' rows in expert order; empty slots (E_l) sort last, past every group.
     by_expert = jnp.argsort(recv_e, stable=True)
     sizes = jnp.zeros(E_l + 1, jnp.int32).at[recv_e].add(1)[:E_l]
-    mm = lambda a, w: jax.lax.ragged_dot(a, w.astype(dtype), sizes, precision=precision,  # noqa: E731
-                                         preferred_element_type=jnp.float32)
+    mm = lambda a, w: grouped_mm(a, w, sizes, dtype=dtype, precision=precision)  # noqa: E731
     xs = recv_x[by_expert]
     h = swiglu(mm(xs, w_gate), mm(xs, w_up)).astype(dtype)
     ys = jnp.zeros((ep * C, D), dtype).at[by_expert].set(mm(h, w_down).astype(dtype))
