@@ -77,7 +77,7 @@ def test_expert_parallel_layouts_equal_one_device(over, n, one_device):
 
 
 def test_expert_capacity_drops_the_pairs_past_it_and_counts_them():
-    """model.expert_capacity_factor: a rank sends at most ceil(factor x pairs / ep) rows to
+    """execution.expert_capacity_factor: a rank sends at most ceil(factor x pairs / ep) rows to
     each expert rank; later pairs (in expert order) add nothing and are counted. Against
     experts_ragged with exactly those pairs' gates zeroed, computed here independently."""
     from titanax.config import MeshConfig

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pallas_kernels.flash_attention.backends import BACKENDS as _ATTENTION_BACKENDS
 from pallas_kernels.fp8.backends import MX_SCALE_ROUNDINGS as _MX_SCALE_ROUNDINGS
 from pallas_kernels.fp8.backends import RECIPES as FP8_RECIPES
-from titanax.config.errors import check_choice, check_positive, check_types
+from titanax.config.errors import check_choice, check_positive, check_types, fail
 
 # Backend and recipe names come from the kernels' tables (plain data: no jax imported here).
 # 'auto': pallas_kernels.flash_attention picks the kernel by GPU generation (xla on a CPU).
@@ -56,6 +56,12 @@ class ExecutionConfig:
     # twice the reduce-scatter traffic). FP8 recipes keep their own gradient dtypes.
     grad_reduce_dtype: str = "compute"
     init_std: float = 0.02  # a new run's weights only
+    # Mixture of experts with mesh.expert > 1: the rows a device may send to each expert
+    # device, as a multiple of its (token, expert) pairs / mesh.expert (GShard's capacity
+    # factor; pairs past it are dropped and counted in the step log as aux/dropped_fraction).
+    # 0: dropless (room for every pair on one device: mesh.expert times the all-to-all buffers
+    # of a factor of 1). A resume may change it: it decides what is computed, not the weights.
+    expert_capacity_factor: float = 0.0
 
     def __post_init__(self):
         check_types("execution", self)
@@ -68,3 +74,6 @@ class ExecutionConfig:
         check_choice("execution.dtype", self.dtype, DTYPES)
         check_choice("execution.remat", self.remat, REMAT_POLICIES)
         check_choice("execution.grad_reduce_dtype", self.grad_reduce_dtype, GRAD_REDUCE_DTYPES)
+        if self.expert_capacity_factor < 0:
+            fail("execution.expert_capacity_factor",
+                 f"must be >= 0 (0: dropless), got {self.expert_capacity_factor}")

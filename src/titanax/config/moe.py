@@ -23,11 +23,6 @@ class MoEModelConfig(ModelConfig):
     # router_aux_loss_coef; pooled over the layers as transformers pools it).
     router_aux_loss_coef: float = 0.001
     router_z_loss_coef: float = 0.0  # weight of ST-MoE's router z-loss (0: off)
-    # With mesh.expert > 1: the rows a device may send to each expert device, as a multiple of
-    # its (token, expert) pairs / mesh.expert (GShard's capacity factor; pairs past it are
-    # dropped and counted in the step log as aux/dropped_fraction). 0: dropless (room for every
-    # pair on one device: mesh.expert times the all-to-all buffers of a factor of 1).
-    expert_capacity_factor: float = 0.0
 
     def __post_init__(self):
         super().__post_init__()
@@ -36,7 +31,7 @@ class MoEModelConfig(ModelConfig):
         if not 1 <= self.experts_per_token <= self.n_experts:
             fail("model.experts_per_token", f"{self.experts_per_token} must lie in [1, "
                  f"model.n_experts={self.n_experts}]")
-        for name in ("router_aux_loss_coef", "router_z_loss_coef", "expert_capacity_factor"):
+        for name in ("router_aux_loss_coef", "router_z_loss_coef"):
             if getattr(self, name) < 0:
                 fail(f"model.{name}", f"must be >= 0, got {getattr(self, name)}")
 

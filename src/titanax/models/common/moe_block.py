@@ -51,7 +51,7 @@ class MoEBlock(DecoderBlock):
         if expert_parallelism() > 1:
             y_TD, dropped = experts_ep(h_TD, r, *weights, dtype=jnp.dtype(ex.dtype),
                                        precision=precision,
-                                       capacity_factor=cfg.expert_capacity_factor or None)
+                                       capacity_factor=ex.expert_capacity_factor or None)
         else:
             y_TD = experts_ragged(h_TD, r, *weights, dtype=jnp.dtype(ex.dtype),
                                   precision=precision)

@@ -14,7 +14,7 @@ On each expert rank, for its T local tokens (T x K pairs):
     weighted by its gate and summed per token.
 
 C, the rows a rank may send to one destination: T x K (every pair to one rank: nothing is ever
-dropped) unless model.expert_capacity_factor is set, then ceil(factor x T x K / ep) as
+dropped) unless execution.expert_capacity_factor is set, then ceil(factor x T x K / ep) as
 Switch/GShard's capacity; pairs past it are dropped (they add nothing to their token's output,
 the residual carries the token on) and counted in the step log (`aux/dropped_fraction`).
 """
