@@ -11,6 +11,7 @@ from torch_peer import run_jobs
 
 from tests.helpers import model_suite as suite
 from titanax.config import ConfigError, apply_overrides
+from titanax.hf.source import merge_config
 from titanax.models import model_spec, preset
 
 pytestmark = pytest.mark.usefixtures("devices8")  # meshes over 8 simulated devices
@@ -104,6 +105,16 @@ def test_moe_configs_both_ways_and_refused_ones():
     assert written["moe_intermediate_size"] == 48 and written["num_experts"] == 8
     v5 = {k: v for k, v in written.items() if k != "num_experts"} | {"num_local_experts": 8}
     assert hf.mismatches(v5, qwen) == []
+    # An imported source's dense intermediate_size (unused: every layer is sparse) goes back
+    # out as it came in; ours is the expert width, which a dense model's must stay.
+    source = {**written, "intermediate_size": 6144, "moe_intermediate_size": 768}
+    merged = merge_config(written, source, qwen.max_seq_len, hf.source_keeps)
+    assert (merged["intermediate_size"], merged["moe_intermediate_size"]) == (6144, 48)
+    llama = suite.hf_config_of("llama3").model
+    ours = model_spec(llama).hf.to_config(llama, dtype="float32", bos_id=0, eos_id=1)
+    merged = merge_config(ours, {**ours, "intermediate_size": 6144}, llama.max_seq_len,
+                          model_spec(llama).hf.source_keeps)
+    assert merged["intermediate_size"] == llama.ffn_dim
     for refused, match in (({"decoder_sparse_step": 2}, "decoder_sparse_step=2"),
                            ({"mlp_only_layers": [0]}, "mlp_only_layers=.0."),
                            ({"use_sliding_window": True}, "sliding-window")):

@@ -8,6 +8,7 @@ in one line."""
 from __future__ import annotations
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -62,18 +63,54 @@ def test_layouts_equal_one_device(over, one_device):
     cfg = tiny_config(**{**MOE, **over})
     want = one_device if cfg.model.arch == "mixtral" else \
         loss_and_grads(tiny_config(**{**MOE, "model.arch": "qwen3_moe"}), jax.devices()[:1])[:2]
-    assert_matches(loss_and_grads(cfg, jax.devices()[:4])[:2], want)
+    loss, grads, jaxpr = loss_and_grads(cfg, jax.devices()[:4])
+    assert_dispatch_is_per_device(cfg, jaxpr)
+    assert_matches((loss, grads), want)
+
+
+def assert_dispatch_is_per_device(cfg, jaxpr: str) -> None:
+    """The (token, expert) pairs are sorted per device (models/common/moe_ep.py), one device's
+    B x S x K / token shards of them (expert parallelism sorts the rows it receives too): a
+    global dispatch would sort all B x S x K."""
+    m = cfg.mesh
+    microbatches = cfg.pipeline.microbatches if m.pipeline > 1 else 1
+    local = (cfg.train.batch_size * cfg.train.seq_len * cfg.model.experts_per_token
+             // (m.data * m.fsdp * m.expert * m.context * microbatches))
+    sorts = re.findall(r"[^\n]* = sort\[", jaxpr)
+    sizes = {int(n) for n in re.findall(r"i32\[(\d+)\][^=\n]* = sort\[", jaxpr)}
+    assert min(sizes) == local, f"pairs sorted: {sizes}, one device's: {local}"
+    if m.pipeline == 1:  # (a pipeline stage runs its shard_maps without varying types)
+        # Inside the experts' shard_map (its values carry their varying axes): per device.
+        assert all("{V:" in line for line in sorts), sorts
+
+
+PP2 = {"mesh.pipeline": 2, "pipeline.microbatches": 2}
 
 
 @pytest.mark.parametrize("over, n", [({"mesh.expert": 2}, 2), ({"mesh.expert": 4}, 4),
-                                     ({"mesh.expert": 2, "mesh.fsdp": 2, "mesh.tensor": 2}, 8)],
-                         ids=["ep2", "ep4", "ep2_fsdp2_tp2"])
+                                     ({"mesh.expert": 2, "mesh.fsdp": 2, "mesh.tensor": 2}, 8),
+                                     ({"mesh.expert": 2, **PP2}, 4)],
+                         ids=["ep2", "ep4", "ep2_fsdp2_tp2", "ep2_pp2"])
 def test_expert_parallel_layouts_equal_one_device(over, n, one_device):
     """Experts split over mesh.expert, tokens sent by all-to-all (models/common/moe_ep.py),
     dropless: the loss and every gradient of one device."""
     loss, grads, jaxpr = loss_and_grads(tiny_config(**{**MOE, **over}), jax.devices()[:n])
     assert jaxpr.count("all_to_all") >= 3, "the experts did not run expert-parallel"
+    assert_dispatch_is_per_device(tiny_config(**{**MOE, **over}), jaxpr)
     assert_matches((loss, grads), one_device)
+
+
+@pytest.mark.parametrize("over, n", [({"mesh.data": 2}, 4),
+                                     ({"pipeline.schedule": "circular", "mesh.expert": 2}, 4)],
+                         ids=["gpipe_dp2", "circular_ep2"])
+def test_pipelines_carry_the_routing_sums(over, n):
+    """The routing sums travel through the pipeline's ticks (parallel/pipeline.py), pooled
+    over every microbatch as one device pools them: 4 layers on 2 stages (circular: x 2
+    chunks each)."""
+    four = {**MOE, "model.n_layers": 4}
+    want = loss_and_grads(tiny_config(**four), jax.devices()[:1])[:2]
+    assert_matches(loss_and_grads(tiny_config(**{**four, **PP2, **over}), jax.devices()[:n])[:2],
+                   want)
 
 
 def test_expert_capacity_drops_the_pairs_past_it_and_counts_them():
@@ -82,7 +119,7 @@ def test_expert_capacity_drops_the_pairs_past_it_and_counts_them():
     experts_ragged with exactly those pairs' gates zeroed, computed here independently."""
     from titanax.config import MeshConfig
     from titanax.models.common.moe import Routing, experts_ragged
-    from titanax.models.common.moe_ep import capacity, experts_ep
+    from titanax.models.common.moe_ep import capacity, experts_sharded
     ep, T, K, E, D, F = 2, 12, 2, 4, 8, 16
     ks = jax.random.split(jax.random.key(3), 5)
     x = jax.random.normal(ks[0], (T, D))
@@ -97,9 +134,10 @@ def test_expert_capacity_drops_the_pairs_past_it_and_counts_them():
     kw = dict(dtype=jnp.float32, precision="highest")
     for factor in (None, 2.0, 0.5):
         with jax.set_mesh(mesh):
-            y, dropped = jax.jit(lambda x, g, *w: experts_ep(
-                x, Routing(expert, g, r.probs_TE), *w, capacity_factor=factor, **kw))(
-                    x, gate, *w)
+            y, dropped = jax.jit(lambda x, g, *w: experts_sharded(
+                x[:, None], Routing(expert, g, r.probs_TE), *w, capacity_factor=factor,
+                **kw))(x, gate, *w)
+        y = y[:, 0]
         # Each source rank's tokens are T / ep consecutive rows; its pairs in expert order
         # fill each destination's C slots first come first served.
         C = capacity(T // ep * K, ep, factor)
@@ -177,7 +215,7 @@ def test_expert_parallelism_needs_an_moe_model():
 
 
 @pytest.mark.parametrize("over, field", [
-    ({"mesh.pipeline": 2, "pipeline.microbatches": 2}, "mesh.pipeline"),
+    ({**PP2, "pipeline.schedule": "1f1b"}, "pipeline.schedule"),
     ({"execution.matmul_precision": "fp8_tensorwise"}, "execution.matmul_precision"),
     ({"lora.rank": 4}, "lora.rank"),
     ({"mesh.expert": 3}, "mesh.expert"),  # 4 experts do not split 3 ways

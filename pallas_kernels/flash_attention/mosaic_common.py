@@ -7,7 +7,6 @@ no kernel file imports another (no private cross-imports, no import cycles).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 
@@ -16,6 +15,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from ..mosaic_interpret import interpret_ctx  # noqa: F401  (the kernels import it from here)
 from . import kernel_bwd
 from .config import default_config
 
@@ -25,12 +25,6 @@ MASK = -1e30
 LOG2E = math.log2(math.e)
 # Columns per TMEM -> SMEM epilogue piece: one 128-byte swizzle tile of a bf16 output.
 COLUMN_SLICE = 64
-
-
-def interpret_ctx(interpret: bool):
-    # The Mosaic GPU interpreter (CPU) models SMEM, mbarriers, TMA and wgmma.
-    return plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()) if interpret \
-        else contextlib.nullcontext()
 
 
 def q_block(name: str, n_blocks: int, causal: bool):

@@ -27,6 +27,7 @@ import types
 import jax
 import jax.numpy as jnp
 
+from ..mosaic_interpret import interpret_ctx
 from ..target import compute_capability, sm_count, target_platform
 from .config import GroupedMatmulConfig
 
@@ -78,7 +79,32 @@ def _mosaic_bwd(cfg, interpret, res, dy):
     dy = dy.astype(x.dtype)
     dx = _forward(dy, w, sizes, cfg, interpret, transpose_rhs=True)
     dw = _weight_grad(x, dy, sizes, cfg, interpret)
-    return dx, dw, None
+    return _as_cotangent(dx, x, dy, w), _as_cotangent(dw, w, x, dy), None
+
+
+def _vma(a) -> frozenset:
+    """The manual mesh axes a value varies over inside a shard_map (empty outside one)."""
+    return jax.typeof(a).mat.varying
+
+
+def _varying(y, *sources):
+    """A kernel's output y, whose type carries no varying mesh axes (Mosaic GPU calls do not
+    propagate them), typed as varying over every axis its sources vary over inside a
+    shard_map: what it is. Without it a psum of y would count it as replicated (x axis size)."""
+    have = frozenset().union(*(_vma(s) for s in sources))
+    missing = tuple(sorted(have - _vma(y)))
+    return jax.lax.pcast(y, missing, to="varying") if missing else y
+
+
+def _as_cotangent(ct, primal, *sources):
+    """ct, computed by a kernel from `sources`, with primal's type: summed over the axes the
+    sources vary over and the primal does not (the transpose of the implicit broadcast that
+    met them in the forward, e.g. a weight replicated over the token shards: its gradient is
+    the sum of theirs), as vma-checked autodiff would."""
+    ct = _varying(ct, *sources)
+    extra = tuple(sorted(_vma(ct) - _vma(primal)))
+    ct = jax.lax.psum(ct, extra) if extra else ct
+    return _varying(ct, primal)
 
 
 _mosaic.defvjp(_mosaic_fwd, _mosaic_bwd)
@@ -87,32 +113,31 @@ _mosaic.defvjp(_mosaic_fwd, _mosaic_bwd)
 def _forward(x, w, sizes, cfg, interpret, *, transpose_rhs):
     """x [M, K] @ w[g] (or w[g]^T) per row group; rows past the groups zeroed (the kernel
     leaves them unwritten)."""
+    y = _ragged_dot_kernel(x, w, sizes, cfg, interpret, transpose_rhs)
+    rows = jnp.arange(x.shape[0], dtype=jnp.int32)[:, None]
+    return _varying(jnp.where(rows < jnp.sum(sizes), y, jnp.zeros((), y.dtype)), x, w, sizes)
+
+
+def _ragged_dot_kernel(x, w, sizes, cfg, interpret, transpose_rhs):
+    """jax's Mosaic GPU ragged_dot as it is (rows past the groups unwritten)."""
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
-    with _interpret(interpret):
-        y = ragged_dot_mgpu.ragged_dot(
+    with interpret_ctx(interpret):
+        return ragged_dot_mgpu.ragged_dot(
             x, w, group_sizes=sizes, block_m=cfg.block_m, block_n=cfg.block_n,
             block_k=cfg.block_k, max_concurrent_steps=cfg.max_concurrent_steps,
             grid_block_n=cfg.grid_block_n, transpose_rhs=transpose_rhs)
-    rows = jnp.arange(x.shape[0], dtype=jnp.int32)[:, None]
-    return jnp.where(rows < jnp.sum(sizes), y, jnp.zeros((), y.dtype))
 
 
 def _weight_grad(x, dy, sizes, cfg, interpret):
-    """dw[g] = x_g^T dy_g: [G, K, N]."""
+    """dw[g] = x_g^T dy_g: [G, K, N], jax's Mosaic GPU transposed_ragged_dot."""
     from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu as trd
 
-    with _interpret(interpret), _sm_count_for(trd):
+    with interpret_ctx(interpret), _sm_count_for(trd):
         return trd.transposed_ragged_dot(
             x, dy, group_sizes=sizes, block_m=cfg.block_m, block_n=cfg.block_n,
             block_k=cfg.block_k, max_concurrent_steps=cfg.max_concurrent_steps,
             grid_block_n=cfg.grid_block_n)
-
-
-def _interpret(interpret: bool):
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-    return plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()) if interpret \
-        else contextlib.nullcontext()
 
 
 @contextlib.contextmanager

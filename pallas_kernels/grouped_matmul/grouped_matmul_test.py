@@ -58,6 +58,71 @@ def test_mosaic_sm90_matches_ragged_dot():
     assert not got[2][1].any()  # the empty group's weight gradient
 
 
+def test_mosaic_sm90_gradients_inside_shard_map(devices8, monkeypatch):
+    """Inside a shard_map (the experts' per-device dispatch, models/common/moe_ep.py) on data 2
+    x tensor 2: rows split over data, the weight's output width over tensor. The kernels'
+    outputs carry no varying axes, so the custom VJP types them itself: dx is summed over
+    tensor (x was replicated there), dw over data (w was). Against ragged_dot, whose autodiff
+    does that on its own, in the same shard_map.
+
+    The two kernels are replaced by host callbacks computing the same products (their outputs
+    too carry no varying axes): the Mosaic GPU interpreter keeps one shared memory for every
+    device and asserts at each kernel's end that no barrier is left in it, which another
+    device's kernel running at the same time breaks. The kernels' values are checked on one
+    device above."""
+    from jax.sharding import AxisType
+    from jax.sharding import PartitionSpec as P
+
+    from pallas_kernels.grouped_matmul import api
+
+    def host(fn, shape, *args):
+        out = jax.ShapeDtypeStruct(shape, args[0].dtype)
+        return jax.pure_callback(lambda *a: np.asarray(fn(*a), out.dtype), out, *args)
+
+    def ragged(x, w, sizes, cfg, interpret, transpose_rhs):
+        n = w.shape[1] if transpose_rhs else w.shape[2]
+        def np_dot(x, w, sizes):
+            w = np.swapaxes(w, 1, 2) if transpose_rhs else w
+            ends = np.cumsum(sizes)
+            return np.concatenate([x[e - s:e].astype(np.float32) @ w[g].astype(np.float32)
+                                   for g, (s, e) in enumerate(zip(sizes, ends))]
+                                  + [np.zeros((x.shape[0] - ends[-1], n), np.float32)])
+        return host(np_dot, (x.shape[0], n), x, w, sizes)
+
+    def weight_grad(x, dy, sizes, cfg, interpret):
+        def np_dw(x, dy, sizes):
+            ends = np.cumsum(sizes)
+            return np.stack([x[e - s:e].astype(np.float32).T @ dy[e - s:e].astype(np.float32)
+                             for s, e in zip(sizes, ends)])
+        return host(np_dw, (sizes.shape[0], x.shape[1], dy.shape[1]), x, dy, sizes)
+
+    monkeypatch.setattr(api, "_ragged_dot_kernel", ragged)
+    monkeypatch.setattr(api, "_weight_grad", weight_grad)
+    mesh = jax.make_mesh((2, 2), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2,
+                         devices=jax.devices()[:4])
+    G, Ml = 2, 128
+    ks = jax.random.split(jax.random.key(1), 3)
+    x = jax.random.normal(ks[0], (2 * Ml, K), jnp.float32).astype(jnp.bfloat16)
+    w = (0.1 * jax.random.normal(ks[1], (G, K, 2 * N), jnp.float32)).astype(jnp.bfloat16)
+    dy = jax.random.normal(ks[2], (2 * Ml, 2 * N), jnp.float32).astype(jnp.bfloat16)
+    sizes = jnp.asarray([[70, 40], [0, 128]], jnp.int32)  # each data shard's own groups
+
+    def grads(mm):
+        body = lambda x, w, s, dy: jax.vjp(lambda x, w: mm(x, w, s[0]), x, w)[1](dy)  # noqa: E731
+        return jax.jit(jax.shard_map(
+            body, mesh=mesh, in_specs=(P("data"), P(None, None, "tensor"), P("data"),
+                                       P("data", "tensor")),
+            out_specs=(P("data"), P(None, None, "tensor"))))(x, w, sizes, dy)
+
+    got = grads(lambda x, w, s: grouped_matmul(x, w, s, impl="mosaic_sm90"))
+    want = grads(lambda x, w, s: jax.lax.ragged_dot(
+        x, w, s, preferred_element_type=jnp.float32).astype(x.dtype))
+    for name, g, r in zip(("dx", "dw"), got, want):
+        g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
+        err = np.max(np.abs(g - r)) / np.max(np.abs(r))
+        assert err < TOL, f"{name}: relative error {err:.2e} >= {TOL:.2e}"
+
+
 def test_config_and_dispatch_refuse_what_cannot_run():
     with pytest.raises(ValueError, match="block_k=32"):
         GroupedMatmulConfig(block_k=32)

@@ -203,9 +203,9 @@ def _write_configs(cfg: Config, workdir: pathlib.Path, tmp: pathlib.Path, dtype:
     bos_id = eos_id = None
     if tok_path is not None:
         bos_id, eos_id = write_tokenizer(tok_path, tmp, cfg.model.max_seq_len)
-    ours = model_spec(cfg.model).hf.to_config(cfg.model, dtype=dtype, bos_id=bos_id,
-                                               eos_id=eos_id)
-    config = merge_config(ours, source_config(workdir), cfg.model.max_seq_len)
+    hf = model_spec(cfg.model).hf
+    ours = hf.to_config(cfg.model, dtype=dtype, bos_id=bos_id, eos_id=eos_id)
+    config = merge_config(ours, source_config(workdir), cfg.model.max_seq_len, hf.source_keeps)
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     kept = source_file(workdir, "generation_config.json")
     if kept is not None:

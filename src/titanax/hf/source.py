@@ -68,14 +68,17 @@ def base_origin(workdir: pathlib.Path) -> tuple[str | None, str | None]:
     return origin.get("name_or_path"), origin.get("revision")
 
 
-def merge_config(ours: dict, source: dict | None, max_seq_len: int) -> dict:
+def merge_config(ours: dict, source: dict | None, max_seq_len: int,
+                 source_keeps: tuple[str, ...] = ()) -> dict:
     """config.json for export: the source's keys in their order, the architecture's keys over
-    them. max_position_embeddings stays the source's (the context the model supports, which
-    training at a shorter model.max_seq_len does not shrink) unless max_seq_len exceeds it."""
+    them but for source_keeps (keys the architecture writes and does not use:
+    HFInterop.source_keeps). max_position_embeddings stays the source's (the context the model
+    supports, which training at a shorter model.max_seq_len does not shrink) unless
+    max_seq_len exceeds it."""
     if source is None:
         return ours
     merged = {**source, **ours}
-    for key in _SOURCE_WINS:
+    for key in _SOURCE_WINS + tuple(source_keeps):
         if key in source:
             merged[key] = source[key]
     if isinstance(source.get("max_position_embeddings"), int):

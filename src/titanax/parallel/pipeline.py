@@ -141,13 +141,17 @@ def _split_histories(tree):
 
 
 def run_pipelined(layer_fn, layer_state, x_BSD, extras, schedule: PipelineSchedule,
-                  *, with_busy: bool = False):
+                  *, with_busy: bool = False, aux_zeros=None):
     """layer_fn(x_bSD, one_layer_state, extras_b) -> x_bSD applied over all stacked layers, as
     jax.lax.scan would, but staged over the 'pipeline' axis. extras: a pytree of [B, ...] arrays
     split into microbatches with x (positions, segment ids). with_busy: also return how many
     ticks each stage did real work ([PP] int32), for bubble measurements. The output's rows
     are split over the stages too when M divides by them (rules.py 'loss_batch'), else
-    replicated on every stage."""
+    replicated on every stage.
+
+    aux_zeros: a pytree of sums the layers also return (an MoE layer's routing sums:
+    layer_fn -> (x_bSD, aux)); their total over every layer and microbatch comes back as a
+    second output (after the outputs, before busy), on every stage."""
     stages, V, M = pipeline_stages(), schedule.virtual_stages, schedule.microbatches
     if x_BSD.shape[0] % M:
         raise ValueError(f"batch of {x_BSD.shape[0]} does not split into {M} microbatches")
@@ -156,26 +160,40 @@ def run_pipelined(layer_fn, layer_state, x_BSD, extras, schedule: PipelineSchedu
     x_MbSD = _to_microbatches(x_BSD, M)
     extras_M = jax.tree.map(lambda a: _to_microbatches(a, M), extras)
     scatter = M % stages == 0
-    out_MbSD, busy_P = jax.shard_map(
-        _stage_fn(layer_fn, stages, V, M, scatter), in_specs=(P(AXIS), P(), P()),
-        out_specs=(P(AXIS) if scatter else P(), P(AXIS)),
-        axis_names={AXIS})(layer_state, x_MbSD, extras_M)
-    out_BSD = _from_microbatches(out_MbSD)
-    return (out_BSD, busy_P) if with_busy else out_BSD
+    if aux_zeros is None:  # the stage program's aux sums are then empty
+        plain = layer_fn
+        layer_fn = lambda x, state, ex: (plain(x, state, ex), {})  # noqa: E731
+    # An MoE layer's experts run in a shard_map of their own (models/common/moe_ep.py), which
+    # jax 0.11.2 can only differentiate inside this one with varying-axis checks off in both:
+    # with them on, the nested one's residuals and transpose come out sharded over
+    # 'pipeline', which Shardy refuses ("operates on axis 'pipeline' which is already bound
+    # by a parent sdy.manual_computation op"). Unchecked, shard_map's transpose divides the
+    # replicated outputs' cotangents by the axis size and sums the replicated inputs' ones:
+    # the same gradients (tests/test_moe_model.py).
+    check = aux_zeros is None
+    out_MbSD, aux, busy_P = jax.shard_map(
+        _stage_fn(layer_fn, stages, V, M, scatter, aux_zeros or {}, check),
+        in_specs=(P(AXIS), P(), P()), out_specs=(P(AXIS) if scatter else P(), P(), P(AXIS)),
+        axis_names={AXIS}, check_vma=check)(layer_state, x_MbSD, extras_M)
+    out = (_from_microbatches(out_MbSD),) + ((aux,) if aux_zeros is not None else ())
+    out += (busy_P,) if with_busy else ()
+    return out if len(out) > 1 else out[0]
 
 
 def _chunk_runner(layer_fn, with_histories):
-    """run_chunk(v, x_bSD, extras_b, histories): this stage's layer chunk v. with_histories:
-    _split_histories' merge, giving the stage's rows as [V, Lc, ...] with `histories` in."""
-    def chunk_forward(v, x_bSD, extras_b, histories):
+    """run_chunk(v, x_bSD, extras_b, histories, aux_zeros) -> (x_bSD, the chunk's aux sums):
+    this stage's layer chunk v. with_histories: _split_histories' merge, giving the stage's
+    rows as [V, Lc, ...] with `histories` in."""
+    def chunk_forward(v, x_bSD, extras_b, histories, aux_zeros):
         chunk = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, v, keepdims=False),
                              with_histories(histories))
 
-        def one(x, layer):
-            x = checkpoint_name(x, _LAYER_INPUT)
-            return layer_fn(x, layer, extras_b), None
+        def one(carry, layer):
+            x, total = carry
+            x, aux = layer_fn(checkpoint_name(x, _LAYER_INPUT), layer, extras_b)
+            return (x, jax.tree.map(jnp.add, total, aux)), None
 
-        return jax.lax.scan(one, x_bSD, chunk)[0]
+        return jax.lax.scan(one, (x_bSD, aux_zeros), chunk)[0]
 
     # The backward keeps each layer's input and nothing else per tick: without this the
     # chunk of weights picked by the (traced) v would be saved on every tick, a copy of the
@@ -184,9 +202,10 @@ def _chunk_runner(layer_fn, with_histories):
                           policy=jax.checkpoint_policies.save_only_these_names(_LAYER_INPUT))
 
 
-def _stage_fn(layer_fn, stages: int, V: int, M: int, scatter: bool):
+def _stage_fn(layer_fn, stages: int, V: int, M: int, scatter: bool, aux_zeros, check: bool):
     """One stage's program under shard_map: the tick loop (module docstring) over its layer
-    rows; returns (its outputs, how many ticks it was busy [1])."""
+    rows; returns (its outputs, the layers' aux sums over all stages and busy ticks, how many
+    ticks it was busy [1]). check: the shard_map checks varying axes (run_pipelined)."""
     ticks = M * V + stages - 1
     ring = [(k, (k + 1) % stages) for k in range(stages)]
 
@@ -197,14 +216,15 @@ def _stage_fn(layer_fn, stages: int, V: int, M: int, scatter: bool):
         # fp8_delayed amax histories travel through the tick loop (_fork_histories).
         histories, with_histories = _split_histories(chunks)
         run_chunk = _chunk_runner(layer_fn, with_histories)
-        vary = lambda a: jax.lax.pcast(a, AXIS, to="varying")
+        vary = (lambda a: jax.lax.pcast(a, AXIS, to="varying")) if check else (lambda a: a)
         # Stage 0's inputs: the fresh microbatches, overwritten by items coming back round.
         parked_MbSD = vary(x_MbSD)
         out_MbSD = vary(jnp.zeros_like(x_MbSD))
         recv_bSD = vary(jnp.zeros_like(x_MbSD[0]))
+        zeros = jax.tree.map(vary, aux_zeros)
 
         def tick(carry, t):
-            parked_MbSD, out_MbSD, recv_bSD, histories = carry
+            parked_MbSD, out_MbSD, recv_bSD, histories, aux_total = carry
             back = t - stages  # the item the last stage finished at tick t-1, now at stage 0
             slot = jnp.remainder(back, M)
             park = (s == 0) & (back >= 0) & (back < M * (V - 1))  # it has trips left
@@ -219,15 +239,17 @@ def _stage_fn(layer_fn, stages: int, V: int, M: int, scatter: bool):
             used = histories
             if histories:
                 histories, used = _fork_histories(histories, busy)
-            y_bSD = run_chunk(v, x_bSD, extras_b, used)
+            y_bSD, aux = run_chunk(v, x_bSD, extras_b, used, zeros)
+            # An idle tick ran a clipped item's layers: its sums count for nothing.
+            aux_total = jax.tree.map(lambda a, b: a + jnp.where(busy, b, 0), aux_total, aux)
             done = busy & (s == stages - 1) & (v == V - 1)
             out_MbSD = jax.lax.dynamic_update_index_in_dim(
                 out_MbSD, jnp.where(done, y_bSD, out_MbSD[m]), m, 0)
             recv_bSD = jax.lax.ppermute(y_bSD, AXIS, ring)
-            return (parked_MbSD, out_MbSD, recv_bSD, histories), busy
+            return (parked_MbSD, out_MbSD, recv_bSD, histories, aux_total), busy
 
-        (_, out_MbSD, _, _), busy_T = jax.lax.scan(
-            tick, (parked_MbSD, out_MbSD, recv_bSD, histories), jnp.arange(ticks))
+        (_, out_MbSD, _, _, aux_total), busy_T = jax.lax.scan(
+            tick, (parked_MbSD, out_MbSD, recv_bSD, histories, zeros), jnp.arange(ticks))
         # Only the last stage holds the outputs. Scattered, each stage gets M/PP of the
         # microbatches, so what follows (the output layer and the loss) runs once per
         # microbatch, spread over the stages, not on every stage for all of them.
@@ -235,6 +257,7 @@ def _stage_fn(layer_fn, stages: int, V: int, M: int, scatter: bool):
             out_MbSD = _from_last_stage(out_MbSD, s, stages, M // stages)
         else:  # every stage gets all of them (out_specs P() needs a psum's invariant type)
             out_MbSD = jax.lax.psum(jnp.where(s == stages - 1, out_MbSD, 0), AXIS)
-        return out_MbSD, busy_T.sum(dtype=jnp.int32)[None]
+        aux_total = jax.tree.map(lambda a: jax.lax.psum(a, AXIS), aux_total)
+        return out_MbSD, aux_total, busy_T.sum(dtype=jnp.int32)[None]
 
     return stage_fn

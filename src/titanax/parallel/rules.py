@@ -99,6 +99,17 @@ def activation_spec(names: tuple[str | None, ...], shape=None) -> P:
     return _to_spec(names, ACTIVATION_RULES, shape)
 
 
+def expert_specs(tokens_shape) -> tuple[P, P, P]:
+    """How the experts' shard_map (models/common/moe_ep.py) splits its operands, so that each
+    device dispatches only its own tokens: (tokens [B, S, ...]: rows as 'batch', sequence as
+    'seq', each token whole; up projections [E, D, F]: experts as 'expert', width as 'mlp';
+    the down projection [E, F, D] likewise). 'embed' is left out: FSDP gathers the experts'
+    weights at the shard_map's edge as it gathers every weight for its use."""
+    return (activation_spec(("batch", "seq", None), tokens_shape),
+            _to_spec(("expert", None, "mlp"), PARAM_RULES),
+            _to_spec(("expert", "mlp", None), PARAM_RULES))
+
+
 def batch_input_spec() -> P:
     """How a step's [B, S] token ids, targets, positions and segment ids arrive: rows split as
     'batch', each row whole on its devices (the model puts a context-parallel sequence in its

@@ -93,10 +93,6 @@ def plan_config(cfg: Config, cluster: Cluster) -> Config:
 
 def layout_for(cfg: Config, cluster: Cluster) -> Layout:
     """The mesh cfg gets on the cluster; ConfigError (naming the field) when it cannot tile."""
-    if cfg.mesh.expert != 1:
-        raise ConfigError(f"mesh.expert: {cfg.mesh.expert}: the planner does not model expert "
-                          "parallelism yet (its memory, time and all-to-all models count "
-                          "every expert on every device); plan with mesh.expert=1")
     degrees = resolve_degrees(cfg.mesh, cluster.n_gpus)
     check_parallel_layout(cfg, degrees)
     size = cfg.mesh.nvlink_domain or cluster.nvlink_domain

@@ -1,5 +1,5 @@
 """Communication time of one train step per device: one function per mesh axis (fsdp, data,
-tensor, pipeline, context) and one for the host link of the offload options.
+tensor, pipeline, context, expert) and one for the host link of the offload options.
 
 Collective time over an axis of degree n (ring, as NCCL runs it): bytes moved per device
 (all-gather / reduce-scatter (n-1)/n x S, all-reduce 2(n-1)/n x S) over the axis' bus
@@ -14,6 +14,13 @@ LoRA (lora.rank > 0): FSDP still gathers the frozen base for every forward and b
 only the adapters have gradients to reduce: their d_model-side factors are sharded over
 fsdp x context (reduce-scattered), their other side is whole on each FSDP rank (all-reduced);
 plan/lora.py.
+
+Mixture of experts (docs/moe.md, Planner): FSDP gathers and reduces each parameter at its size
+over the other mesh axes (the experts' weights split over 'expert' as well: plan/param_layout.py);
+the data-parallel all-reduce sums each gradient over the batch axes the parameter is whole
+over, 'expert' too for all but the experts' weights; 'expert' carries the dispatch's
+all-to-alls (expert_comm, plan/moe.py), on the critical path, over NVLink or InfiniBand as any
+ring over the axis.
 """
 
 from __future__ import annotations
@@ -27,7 +34,9 @@ from titanax.plan.compute_model import attention_passes, attention_seconds
 from titanax.plan.efficiencies import Efficiencies
 from titanax.plan.lora import adapter_params
 from titanax.plan.memory_model import param_shards, param_split
-from titanax.plan.step_shape import StepShape
+from titanax.plan.moe import EXPERT_AXIS, all_to_all_bytes, is_moe
+from titanax.plan.param_layout import fsdp_gathered, fsdp_group_axes, grads_by_replica_group
+from titanax.plan.step_shape import StepShape, activation_axes
 
 # The sequence-parallel collectives on 'tensor' of one layer, per pass. The row-parallel side
 # (after wo and w_down, and dx of the column matmuls in the backward) reduces; XLA does that as
@@ -115,7 +124,8 @@ def fsdp_comm(cfg: Config, shape: StepShape, n_params: int, net: Network) -> Axi
     # the parameters are sharded over: fsdp x context.
     deg, accum, act_bytes = shape.deg, shape.accum, shape.act_bytes
     shards, tp, pp = param_shards(deg), deg["tensor"], deg["pipeline"]
-    fsdp_group_params = n_params / (tp * pp)
+    fsdp_group_params = (fsdp_gathered(cfg.model, deg) if is_moe(cfg)
+                         else n_params / (tp * pp))
     share = (shards - 1) / shards
     if cfg.lora.enabled:  # the base gathered; the adapters' gradients reduced (docstring)
         embed_side, other_side = adapter_params(cfg.model, cfg.lora) \
@@ -131,11 +141,47 @@ def fsdp_comm(cfg: Config, shape: StepShape, n_params: int, net: Network) -> Axi
 def data_comm(cfg: Config, shape: StepShape, n_params: int, net: Network) -> AxisComm | None:
     # All-reduce of the gradients of this device's shard, per microbatch (LoRA: the adapters').
     deg, accum = shape.deg, shape.accum
+    if is_moe(cfg):
+        return _moe_data_comm(cfg, shape, net)
     dp = deg["data"]
     local_params = (adapter_params(cfg.model, cfg.lora).per_device(deg) if cfg.lora.enabled
                     else param_split(cfg.model, n_params, deg).total)
     return net.ring("data", accum * 2 * (dp - 1) / dp * local_params * _grad_bytes(cfg, shape),
                     accum * (cfg.model.n_layers // deg["pipeline"] + 2), overlapped=True)
+
+
+def _moe_data_comm(cfg: Config, shape: StepShape, net: Network) -> AxisComm | None:
+    """data_comm of a mixture of experts: each gradient all-reduced over the batch axes
+    beside the FSDP group's that its parameter is whole over (the experts' weights over data,
+    the rest over expert x data), one ring per such group, reported as one row."""
+    replicas = tuple(a for a in activation_axes("batch") if a not in fsdp_group_axes())
+    groups = grads_by_replica_group(cfg.model, shape.deg, replicas)
+    calls = shape.accum * (cfg.model.n_layers // shape.deg["pipeline"] + 2)
+    rings = []
+    for axes, elems in groups.items():
+        n = math.prod(shape.deg.get(a, 1) for a in axes)
+        if n > 1:
+            nbytes = shape.accum * 2 * (n - 1) / n * elems * _grad_bytes(cfg, shape)
+            rings.append(net.ring("data", nbytes, calls, overlapped=True, over=axes))
+    if not rings:
+        return None
+    widest = max(rings, key=lambda c: c.degree)
+    return AxisComm("data", widest.degree, widest.link, sum(c.bytes_per_step for c in rings),
+                    widest.bus_bandwidth, sum(c.calls for c in rings),
+                    sum(c.seconds for c in rings), overlapped=True,
+                    over=() if widest.over == ("data",) else widest.over)
+
+
+def expert_comm(cfg: Config, shape: StepShape, net: Network) -> AxisComm | None:
+    """Expert parallelism's all-to-alls over 'expert' (plan/moe.py: per MoE layer and
+    microbatch, (ep - 1)/ep of each [ep, C, D] buffer sent, forward, backward and the remat's
+    recompute): the layer's experts wait for them, so they are exposed. The axis' link and
+    bandwidth as for a ring over it (NVLink while tensor x expert fit in a domain)."""
+    recomputes = cfg.execution.remat in RECOMPUTING_REMATS
+    nbytes, calls = all_to_all_bytes(cfg, shape, recomputes)
+    if not calls:
+        return None
+    return net.ring(EXPERT_AXIS, nbytes, calls, overlapped=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,7 +335,7 @@ def axis_comms(cfg: Config, shape: StepShape, n_params: int, net: Network
     """{axis: its traffic} for every mesh axis of degree above 1."""
     comms = (fsdp_comm(cfg, shape, n_params, net), data_comm(cfg, shape, n_params, net),
              tensor_comm(cfg, shape, net), pipeline_comm(cfg, shape, net),
-             context_comm(cfg, shape, net))
+             context_comm(cfg, shape, net), expert_comm(cfg, shape, net))
     return {c.axis: c for c in comms if c is not None}
 
 

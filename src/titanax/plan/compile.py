@@ -194,10 +194,11 @@ def _fit(cfg: Config, cluster: Cluster, target: str, fit: dict, need: dict,
     """plan.fit's answer for cfg on the cluster, candidates compiled here, one by one."""
     from titanax.plan.cluster import layout_for
     from titanax.plan.fit import search_fit
+    from titanax.plan.step_shape import batch_ways
 
     degrees = layout_for(cfg, cluster).degrees
     answer = search_fit(cfg, lambda c: compile_train_step(c, cluster, target, audit=audit),
-                        fit["capacity"], fit["where"], degrees["data"] * degrees["fsdp"], need=need,
+                        fit["capacity"], fit["where"], batch_ways(degrees), need=need,
                         log=lambda msg: print(msg, file=sys.stderr, flush=True))
     return {"line": answer.line(), "fits": answer.fits, "overrides": answer.overrides,
             "bytes": answer.fit_bytes, "tried": answer.tried, "set_flags": answer.set_flags(),

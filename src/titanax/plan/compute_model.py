@@ -11,7 +11,10 @@ forward's worth fewer (4 N instead of 6 N per token without remat; the output la
 while the adapters' own matmuls (2 x their parameters per token and forward) run every pass.
 Those are rank-r products, far below the GEMM roofline: they are counted as HBM traffic (each
 adapter reads its input and adds to its output per pass, in elementwise_seconds), not at GEMM
-rate. MFU stays the model's 6 N + 12 L d S (docs/planner.md)."""
+rate. MFU stays the model's 6 N + 12 L d S (docs/planner.md).
+
+A mixture of experts computes its active parameters (the K experts a token is routed to, as
+ModelSpec.flops counts them), at the dense GEMM efficiency with the routing balanced."""
 
 from __future__ import annotations
 
@@ -21,7 +24,8 @@ from titanax.plan.cluster import Cluster
 from titanax.plan.documents import attention_share
 from titanax.plan.efficiencies import Efficiencies
 from titanax.plan.lora import adapter_params, projection_widths
-from titanax.plan.step_shape import StepShape
+from titanax.plan.moe import active_layer_params, elementwise_values_per_token
+from titanax.plan.step_shape import StepShape, batch_ways
 
 # Forward passes (in units of one forward) each remat policy runs per step: the backward is
 # two forwards' worth of matmuls; full remat recomputes the forward once more.
@@ -53,7 +57,9 @@ def gemm_seconds(cfg: Config, shape: StepShape, cluster: Cluster, n_no_embed: in
     # parameter and token); the output layer is not rematerialised: 3 forwards' worth. LoRA
     # computes no weight gradient for either: one forward's worth less (module docstring).
     frozen = 1.0 if cfg.lora.enabled else 0.0
-    layer_flops = 2.0 * (n_no_embed - d * V) * tokens * (_gemm_passes(cfg, shape) - frozen)
+    # (A mixture of experts: the experts a token is routed to, plan/moe.py.)
+    active = active_layer_params(cfg, n_no_embed)
+    layer_flops = 2.0 * (active - d * V) * tokens * (_gemm_passes(cfg, shape) - frozen)
     output_flops = 2.0 * (3.0 - frozen) * d * V * tokens
     # The output layer and loss run once per microbatch, spread over the pipeline stages
     # (gpipe and circular with microbatches divisible by the stages); otherwise one stage
@@ -87,10 +93,11 @@ def elementwise_seconds(cfg: Config, shape: StepShape, cluster: Cluster,
                         eff: Efficiencies) -> float:
     m, hw, deg = cfg.model, cluster.hardware, shape.deg
     # Elementwise traffic per token and layer, one forward: two RMSNorms, RoPE on q and k,
-    # SwiGLU and two residual adds read/write ~ 12 d + 3 f values.
-    fwd_bytes = ((12 * m.d_model + 3 * m.ffn_dim + lora_values_per_token(cfg))
+    # SwiGLU and two residual adds read/write ~ 12 d + 3 f values (an MoE: SwiGLU per routed
+    # expert and the dispatch's copies, plan/moe.py).
+    fwd_bytes = ((12 * m.d_model + elementwise_values_per_token(cfg) + lora_values_per_token(cfg))
                  * shape.act_bytes * m.n_layers * shape.tokens
-                 / (deg["data"] * deg["fsdp"] * shape.context * deg["tensor"] * deg["pipeline"]))
+                 / (batch_ways(deg) * shape.context * deg["tensor"] * deg["pipeline"]))
     return fwd_bytes * _gemm_passes(cfg, shape) / (hw.hbm_bandwidth * eff.hbm)
 
 

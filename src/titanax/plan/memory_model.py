@@ -18,6 +18,12 @@ float32 gradients and the update rule's state (optimizer state is tx.init(adapte
 'base_weights', 'adapters', 'adapter_optimizer', 'adapter_gradients' replace 'weights',
 'optimizer', 'gradients'. Activations are the same as full fine-tuning's.
 
+Mixture of experts (docs/moe.md, Planner): parameters, gradients and optimizer state are counted
+leaf by leaf as parallel/rules.py splits them (plan/param_layout.py: the experts also over
+'expert', the router not over tensor); with mesh.expert > 1 the batch's rows split over
+expert x data x fsdp, and one layer's all-to-all buffers are a row of their own
+('expert_buffers', plan/moe.py).
+
 Names: N parameters, L layers, d width, f MLP width, V vocabulary, tp/fsdp/cp/pp/dp mesh
 degrees, a = train.grad_accum, m = pipeline microbatches, v = virtual stages.
 """
@@ -27,8 +33,12 @@ from __future__ import annotations
 import dataclasses
 
 from titanax.config import Config, ModelConfig, grad_accum_in_place_unsupported
+from titanax.config.moe import MoEModelConfig
 from titanax.models.registry import model_spec
 from titanax.plan.lora import adapter_params
+from titanax.plan.moe import dispatch_buffer_bytes, is_moe, layer_transient_bytes
+from titanax.plan.param_layout import exact_split
+from titanax.plan.step_shape import StepShape, batch_ways
 from titanax.train.optim import update_rule
 
 
@@ -49,8 +59,8 @@ def saved_elems_per_token(m: ModelConfig, remat: str) -> float:
 @dataclasses.dataclass(frozen=True)
 class ParamSplit:
     """Parameters per device: the stacked decoder layers (sharded over fsdp x context, tensor
-    and pipeline) and the rest (embedding, output layer, final norm: fsdp x context and tensor
-    only; every pipeline stage holds them)."""
+    and pipeline; an MoE's experts over expert too) and the rest (embedding, output layer,
+    final norm: fsdp x context and tensor only; every pipeline stage holds them)."""
     layers: float
     other: float
     one_layer: float  # one decoder layer's parameters over tensor (what FSDP gathers)
@@ -67,6 +77,10 @@ def param_shards(deg: dict[str, int]) -> int:
 
 
 def param_split(m: ModelConfig, n_params: int, deg: dict[str, int]) -> ParamSplit:
+    """Dense: n_params split uniformly (exact but for the norm scales); a mixture of experts:
+    leaf by leaf (its parameters split unalike; n_params is not read)."""
+    if isinstance(m, MoEModelConfig):
+        return ParamSplit(*exact_split(m, deg))
     tp, shards, pp = deg["tensor"], param_shards(deg), deg["pipeline"]
     # the parameters outside the layer stack: embedding, output layer (none when tied), norm
     other = (1 if m.tie_embeddings else 2) * m.vocab_size * m.d_model + m.d_model
@@ -91,10 +105,10 @@ def memory_per_device(cfg: Config, deg: dict[str, int], n_params: int
                       ) -> tuple[dict[str, float], dict[str, float]]:
     """({component: bytes in HBM, 'total'}, {component: bytes in pinned host memory, 'total'})
     per device for cfg on a mesh of degrees `deg`."""
-    t, dp, fsdp, cp = cfg.train, deg["data"], deg["fsdp"], deg.get("context", 1)
-    # Tokens of one grad-accumulation microbatch on this device: its data x fsdp share of the
-    # rows, and its 1/context share of each row's sequence.
-    tokens = t.batch_size * t.seq_len / (t.grad_accum * dp * fsdp * cp)
+    t, cp = cfg.train, deg.get("context", 1)
+    # Tokens of one grad-accumulation microbatch on this device: its (expert x) data x fsdp
+    # share of the rows, and its 1/context share of each row's sequence.
+    tokens = t.batch_size * t.seq_len / (t.grad_accum * batch_ways(deg) * cp)
     device, host = _state_bytes(cfg, deg, n_params)
     saved = _saved_activation_bytes(cfg, deg, tokens)
     if cfg.execution.remat == "full_offload":  # the layer inputs wait in pinned host memory
@@ -106,6 +120,8 @@ def memory_per_device(cfg: Config, deg: dict[str, int], n_params: int
         device["accumulation"] = _in_place_loop_bytes(cfg, deg)
     if cp > 1:
         device["context_kv"] = context_kv_bytes(cfg, deg, tokens)
+    if is_moe(cfg) and (expert := dispatch_buffer_bytes(cfg, StepShape.of(cfg, deg))):
+        device["expert_buffers"] = expert
     device["total"] = sum(device.values())
     host["total"] = sum(host.values())
     return device, host
@@ -216,6 +232,9 @@ def _transient_bytes(cfg: Config, deg: dict[str, int], tokens: float,
     # every row of docs/planner.md's compiled-memory table (scripts/planner_memory_table.py).
     layer_transient = (tokens_micro * (6 * m.ffn_dim + 4 * d) * abytes / tp
                        + 6 * d * m.ffn_dim / tp * abytes)
+    if is_moe(cfg):  # the same buffers over the experts' rows (plan/moe.py)
+        layer_transient = layer_transient_bytes(cfg, StepShape.of(cfg, deg),
+                                                param_split(m, 0, deg).one_layer)
     # The loss: one chunk of float32 logits, their exponentials and their gradient in the
     # compute dtype, the output weight gathered over fsdp, its float32 gradient sum (which XLA
     # keeps reduce-scattered over fsdp x context), and the last hidden states with their

@@ -17,12 +17,18 @@ from titanax.plan.compute_model import LORA_FLOP_FORMULA
 from titanax.plan.cost_model import EFFICIENCIES, Estimate, estimate
 from titanax.plan.documents import documents_summary
 from titanax.plan.fit import auto_choice
+from titanax.plan.moe import dispatch_json
+from titanax.plan.step_shape import StepShape
 from titanax.train.throughput import FLOP_FORMULA
 
-# What a mixture-of-experts plan does not model yet (issue 37): said beside its numbers.
-MOE_NOTE = ("mixture of experts: FLOPs per token count the active experts (ModelSpec.flops) "
-            "and parameters all of them, but the cost model's GEMM time and all-to-all "
-            "traffic are not modelled yet: take the compiled memory, not the predicted time")
+# What a mixture-of-experts plan does not model yet (issue 37): said beside its numbers. What
+# it does model (docs/moe.md, Planner): active-parameter GEMMs, the experts' state sharded over
+# expert x fsdp x context x tensor, the all-to-alls on 'expert', expert in --search.
+MOE_NOTE = ("mixture of experts: routing is taken as balanced (GEMM time, all-to-all sizes) "
+            "and the grouped GEMMs at the dense GEMM efficiency; the MoE layer's transient "
+            "buffers are sized from the dispatch's shapes, not fitted to a compile, and saved "
+            "activations under a remat policy other than full use the dense formula: check "
+            "the compiled memory")
 
 
 def _layout_json(layout: Layout) -> dict:
@@ -159,6 +165,8 @@ def _plan_dict(cfg: Config, cluster: Cluster, layout: Layout, est: Estimate,
         "efficiencies": dataclasses.asdict(EFFICIENCIES),
         **({"lora": _lora_json(cfg, est)} if cfg.lora.enabled else {}),
         **({"moe_note": MOE_NOTE} if isinstance(cfg.model, MoEModelConfig) else {}),
+        **({"expert_parallel": ep} if (ep := dispatch_json(
+            cfg, StepShape.of(cfg, layout.degrees))) else {}),
         **({"audit": audit} if audit is not None else {}),
     }
 

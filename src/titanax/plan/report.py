@@ -88,6 +88,21 @@ def _context_setting(plan: dict) -> str:
             "per device)")
 
 
+def _expert_lines(plan: dict) -> list[str]:
+    """The 'expert' row's exchange (plan/moe.py), and the dropless buffers' cost when dropless."""
+    ep = plan.get("expert_parallel")
+    if not ep:
+        return []
+    how = ("dropless" if ep["dropless"] else f"capacity factor {ep['capacity_factor']:g}")
+    lines = [f"  expert all-to-alls: {ep['tokens_per_device']:,} tokens x top-k = "
+             f"{ep['pairs_per_device']:,} pairs per device and layer, C = "
+             f"{ep['rows_per_destination']:,} rows per destination ({how}): each [expert, C, "
+             f"D] buffer {_gb(ep['buffer_bytes'])}"]
+    if ep.get("advice"):
+        lines.append(f"  => {ep['advice']}")
+    return lines
+
+
 def _overlap(axis: str, x: dict) -> str:
     if x["overlapped_with_compute"]:
         return "(overlapped with compute)"
@@ -142,6 +157,7 @@ def format_plan(plan: dict) -> str:
             out.append(f"  {a:8s} x{x['degree']:<3d} {x['link']:10s} {_gb(x['bytes']):>10s} at "
                        f"{x['bus_bandwidth'] / GB:.0f} GB/s -> {x['seconds']:.2f} s "
                        + _overlap(a, x) + _group(a, x))
+        out += _expert_lines(plan)
         b = plan["time_breakdown_s"]
         out += [
             "predicted step: " + ", ".join(f"{k} {v:.2f} s" for k, v in b.items() if v)

@@ -15,6 +15,13 @@ not tell them apart. Where the config refuses it (FP8 recipes, 1f1b) the candida
 
 LoRA (lora.rank > 0): host offload and, with a pipeline, the 1f1b schedule are not generated:
 the config refuses both with LoRA (docs/lora.md), so they would only swell the dropped list.
+
+Mixture of experts (config/moe.py): expert parallelism too, every mesh.expert that divides
+model.n_experts and the devices left beside tensor, context and pipeline, the rows then split
+over expert x data x fsdp. tp_overlap is not generated (the experts have no collective
+matmul: the config refuses it with an MoE, docs/moe.md); what else the config refuses for an
+MoE (a batch that does not split, pipelines with expert parallelism) is dropped with its
+message. A dense model keeps mesh.expert=1.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from pallas_kernels.flash_attention.backends import BACKENDS as ATTENTION_BACKEN
 from titanax.config import Config, ConfigError, tp_overlap_unsupported
 from titanax.plan.cluster import Cluster, layout_for
 from titanax.plan.cost_model import Estimate, estimate
+from titanax.plan.moe import is_moe
 
 REMATS = ("none", "dots", "full", "full_offload")  # dots_no_batch plans like dots here: the
 GRAD_ACCUMS = (1, 2, 4, 8, 16)                     # layer's dots have no batch dimensions
@@ -58,8 +66,10 @@ def _divisors(n: int) -> list[int]:
 
 
 def _label(tp, pp, dp, fsdp, remat, accum, pipe, offload, context=(1, "ring"),
-           tp_overlap=False) -> str:
+           tp_overlap=False, expert=1) -> str:
     parts = [f"tensor={tp}", f"pipeline={pp}", f"data={dp}", f"fsdp={fsdp}"]
+    if expert > 1:
+        parts.append(f"expert={expert}")
     if context[0] > 1:
         parts.append(f"context={context[0]}({context[1]})")
     if pp > 1:
@@ -101,7 +111,8 @@ def _context_options(tp: int, domain: int, max_context: int = 0):
 
 
 def _meshes(cluster: Cluster, max_context: int):
-    """(tensor, (context, strategy), pipeline, the rest for data x fsdp) that tile the cluster."""
+    """(tensor, (context, strategy), pipeline, the rest for data x fsdp (x expert)) that tile
+    the cluster."""
     n, domain = cluster.n_gpus, cluster.nvlink_domain
     for tp in (t for t in _divisors(domain) if t <= 8):
         for cp, strategy in _context_options(tp, domain, max_context):
@@ -109,17 +120,29 @@ def _meshes(cluster: Cluster, max_context: int):
                 yield tp, (cp, strategy), pp, n // (tp * cp * pp)
 
 
+def _expert_options(cfg: Config, rest: int) -> list[int]:
+    """mesh.expert degrees: those dividing both model.n_experts and the devices left (1 only
+    for a dense model)."""
+    if not is_moe(cfg):
+        return [1]
+    return [e for e in _divisors(rest) if cfg.model.n_experts % e == 0]
+
+
 def candidates(cfg: Config, cluster: Cluster, max_context: int = 0):
-    lora = cfg.lora.enabled
-    for tp, context, pp, rest in _meshes(cluster, max_context):
+    lora, moe = cfg.lora.enabled, is_moe(cfg)
+    meshes = ((tp, context, pp, rest, ep) for tp, context, pp, rest in
+              _meshes(cluster, max_context) for ep in _expert_options(cfg, rest))
+    for tp, context, pp, rest, ep in meshes:
         for fsdp, remat, accum, offload in itertools.product(
-                _divisors(rest), REMATS, GRAD_ACCUMS, OFFLOADS[:1] if lora else OFFLOADS):
+                _divisors(rest // ep), REMATS, GRAD_ACCUMS, OFFLOADS[:1] if lora else OFFLOADS):
             for pipe in _pipeline_options(pp, cfg.model.n_layers, lora):
-                overlap = _tp_overlap(cfg, tp, pp, pipe["pipeline.schedule"])
-                label = _label(tp, pp, rest // fsdp, fsdp, remat, accum, pipe, offload, context,
-                               overlap)
-                overrides = {"execution.tp_overlap": overlap, "mesh.tensor": tp, "mesh.pipeline": pp, "mesh.fsdp": fsdp,
-                             "mesh.data": rest // fsdp, "mesh.context": context[0],
+                dp = rest // (ep * fsdp)
+                overlap = not moe and _tp_overlap(cfg, tp, pp, pipe["pipeline.schedule"])
+                label = _label(tp, pp, dp, fsdp, remat, accum, pipe, offload, context,
+                               overlap, ep)
+                overrides = {"execution.tp_overlap": overlap, "mesh.tensor": tp,
+                             "mesh.pipeline": pp, "mesh.fsdp": fsdp, "mesh.data": dp,
+                             "mesh.expert": ep, "mesh.context": context[0],
                              "execution.context_strategy": context[1], "execution.remat": remat,
                              "train.grad_accum": accum, "train.offload_optimizer": offload[0],
                              "train.offload_params": offload[1], **pipe}

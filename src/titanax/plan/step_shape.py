@@ -1,19 +1,37 @@
 """The quantities of one train step that the memory, compute and communication models all read:
 mesh degrees, accumulation and pipeline microbatching, tokens, activation width in bytes.
 
-Context parallelism splits every sequence over mesh.context devices, so a device holds the
-tokens of its data x fsdp rows divided by context: every per-device token count here is."""
+A device holds the tokens of its share of the rows (parallel/rules.py's 'batch': data x fsdp,
+and expert for a mixture of experts, whose expert ranks are data-parallel ones outside the
+experts) and of its share of each sequence ('seq': context): every per-device token count
+here is."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from titanax.config import Config
+from titanax.parallel.rules import ACTIVATION_RULES
+
+_ACTIVATIONS = dict(ACTIVATION_RULES)
+
+
+def activation_axes(name: str) -> tuple[str, ...]:
+    """The mesh axes the activation rule `name` ('batch', 'seq') splits over."""
+    entry = _ACTIVATIONS[name]
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def batch_ways(deg) -> int:
+    """How many ways a step's rows split (the 'batch' rule's mesh axes: expert x data x fsdp);
+    deg: mesh degrees by axis (a dict, or a mesh's shape)."""
+    return math.prod(deg.get(a, 1) for a in activation_axes("batch"))
 
 
 @dataclasses.dataclass(frozen=True)
 class StepShape:
-    deg: dict[str, int]  # mesh degree per axis: pipeline, data, fsdp, context, tensor
+    deg: dict[str, int]  # mesh degree per axis: pipeline, data, fsdp, expert, context, tensor
     accum: int  # train.grad_accum
     micro: int  # pipeline microbatches (1 without a pipeline)
     virtual: int  # virtual stages per device (1 without a pipeline)
@@ -39,7 +57,6 @@ class StepShape:
 
     @property
     def tokens_pipe_micro(self) -> float:
-        """Tokens of one (accumulation, pipeline) microbatch on one data x fsdp x context
-        shard: its rows' share of the sequence (all of it without context parallelism)."""
-        return self.tokens / (self.accum * self.deg["data"] * self.deg["fsdp"] * self.context
-                              * self.micro)
+        """Tokens of one (accumulation, pipeline) microbatch on one device: its share of the
+        rows (batch_ways) and of each sequence (all of it without context parallelism)."""
+        return self.tokens / (self.accum * batch_ways(self.deg) * self.context * self.micro)

@@ -216,6 +216,12 @@ class Decoder(nnx.Module):
         """x after all layers. extras: one_layer's per-token inputs after kv ([B, S, ...]
         each, or None), split into microbatches with x by a pipeline."""
         if pipeline is not None and pipeline_stages() > 1:
+            if hasattr(self.layers, "aux_zeros"):  # an MoE block: the stages carry its sums
+                x_BSD, total = run_pipelined(
+                    lambda x, state, ex: one_layer(x, state, None, *ex)[::2], layer_state,
+                    x_BSD, extras, pipeline, aux_zeros=self.layers.aux_zeros())
+                self.layer_aux = nnx.Intermediate(total)
+                return x_BSD
             return run_pipelined(lambda x, state, ex: one_layer(x, state, None, *ex)[0],
                                  layer_state, x_BSD, extras, pipeline)
         slot = accumulate.pending()

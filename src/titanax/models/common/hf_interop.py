@@ -43,6 +43,9 @@ class HFInterop:
     from_config: Callable[[dict], dict]
     # (output layer, input embedding) HF names: a tied checkpoint has only the second.
     tied_names: tuple[str, str] = ("lm_head.weight", "model.embed_tokens.weight")
+    # config.json keys titanax writes but does not use, where an imported source's own value
+    # is kept on export (hf/source.merge_config): e.g. Qwen3-MoE's dense intermediate_size.
+    source_keeps: tuple[str, ...] = ()
 
     def mismatches(self, hf: dict, cfg: ModelConfig) -> list[str]:
         """'model.field=ours but config.json says theirs' for every field that disagrees."""

@@ -1,7 +1,7 @@
-"""Mixture-of-experts feed-forward as pure functions (common/moe_block.py calls them; with
-mesh.expert > 1 common/moe_ep.py runs the experts instead): a softmax top-k router as Mixtral's and Qwen3-MoE's, SwiGLU
-experts run dropless through grouped GEMMs (jax.lax.ragged_dot over the tokens sorted by
-expert), the load-balancing auxiliary loss as transformers computes it, the router z-loss, and
+"""Mixture-of-experts feed-forward as pure functions (common/moe_block.py calls them; on a
+mesh, common/moe_ep.py runs the experts on each device's own tokens): a softmax top-k router
+as Mixtral's and Qwen3-MoE's, SwiGLU experts run dropless through grouped GEMMs
+(jax.lax.ragged_dot over the tokens sorted by expert), the load-balancing auxiliary loss as transformers computes it, the router z-loss, and
 the routing statistics the step log reports. `experts_dense` is the reference: every expert on
 every token, weighted by the same gates.
 
@@ -12,6 +12,7 @@ experts per token.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -91,15 +92,17 @@ def swiglu(gate, up):
 
 
 def grouped_mm(a_ND, w_EDF, sizes_E, *, dtype, precision=None):
-    """Rows of a grouped by expert times their expert's weight, float32 out: a grouped GEMM
+    """Rows of a grouped by expert times their expert's weight: a grouped GEMM
     (pallas_kernels.grouped_matmul: XLA's ragged_dot on CPU, whose GPU lowering is a dense
-    dot over every expert; a Mosaic kernel on Hopper)."""
+    dot over every expert; a Mosaic kernel on Hopper). Accumulated in float32 and returned in
+    `dtype`, as a dense layer's matmul (the [pairs, D] rows are the MoE layer's largest
+    arrays: K per token); float32 under 'highest'."""
     if precision is not None:  # 'highest' (float32 checks): XLA's exact ragged_dot
         return jax.lax.ragged_dot(a_ND, w_EDF.astype(dtype), sizes_E, precision=precision,
                                   preferred_element_type=jnp.float32)
     out = grouped_matmul(a_ND.astype(dtype), w_EDF.astype(dtype), sizes_E,
                          preferred_element_type=jnp.float32)
-    return out.astype(jnp.float32)
+    return out.astype(dtype)
 
 
 def experts_ragged(x_TD, r: Routing, w_gate_EDF, w_up_EDF, w_down_EFD, *, dtype,
@@ -108,16 +111,69 @@ def experts_ragged(x_TD, r: Routing, w_gate_EDF, w_up_EDF, w_down_EFD, *, dtype,
     sorted by expert, each expert's contiguous rows go through its SwiGLU with grouped GEMMs
     (ragged_dot: one GEMM per expert over exactly its rows, no padding to a capacity), and the
     outputs return to token order. Operands in `dtype`, accumulation in float32."""
-    T, K = r.expert_TK.shape
-    flat = r.expert_TK.reshape(-1)
-    order = jnp.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert
-    sizes_E = jnp.zeros(r.n_experts, jnp.int32).at[flat].add(1)
-    xs_ND = x_TD.astype(dtype)[order // K]
+    return experts_of_pairs(x_TD, r.expert_TK, r.gate_TK, w_gate_EDF, w_up_EDF, w_down_EFD,
+                            dtype=dtype, precision=precision)
+
+
+def experts_of_pairs(x_TD, expert_TK, gate_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, dtype,
+                     precision=None):
+    """experts_ragged on the routing's choices and weights alone (the experts' shard_map in
+    common/moe_ep.py has no router probabilities): E is the weights' expert count."""
+    T, K = expert_TK.shape
+    flat = expert_TK.reshape(-1)
+    order, inverse = sort_pairs(flat)
+    sizes_E = jnp.zeros(w_gate_EDF.shape[0], jnp.int32).at[flat].add(1)
+    xs_ND = gather_pairs(x_TD.astype(dtype), order, inverse, K)
     mm = lambda a, w: grouped_mm(a, w, sizes_E, dtype=dtype, precision=precision)  # noqa: E731
-    h_NF = swiglu(mm(xs_ND, w_gate_EDF), mm(xs_ND, w_up_EDF)).astype(dtype)
-    ys_ND = mm(h_NF, w_down_EFD)
-    y_TKD = jnp.zeros_like(ys_ND).at[order].set(ys_ND).reshape(T, K, -1)
-    return jnp.einsum("tkd,tk->td", y_TKD, r.gate_TK).astype(dtype)
+    h_NF = swiglu(mm(xs_ND, w_gate_EDF).astype(jnp.float32),
+                  mm(xs_ND, w_up_EDF).astype(jnp.float32)).astype(dtype)
+    return combine_pairs(mm(h_NF, w_down_EFD), inverse, gate_TK).astype(dtype)
+
+
+# The dispatch moves [pairs, D] rows (K per token: the MoE layer's largest arrays) only by
+# permutations and by gathers whose gradients are gathers too: a gather's own transpose is a
+# scatter-add over rows XLA cannot know to be distinct, which its GPU lowering turns into
+# several more [pairs, D] buffers (u32 indices and float32 partial sums: 17 GB each for one
+# Qwen3-30B-A3B layer on 8 H100s; docs/moe.md). As MaxText's sort_activations.
+
+
+def sort_pairs(flat_N):
+    """(order: the pairs grouped by expert, stably; inverse: each pair's place in that order),
+    int32 [N] each."""
+    order = jnp.argsort(flat_N, stable=True).astype(jnp.int32)
+    n = flat_N.shape[0]
+    inverse = jnp.zeros(n, jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32),
+                                                    unique_indices=True)
+    return order, inverse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def gather_pairs(x_TD, order_N, inverse_N, k: int):
+    """x[order // k]: each pair's token row, in expert order. Backward: the rows' cotangents
+    put back in (token, choice) order and summed over each token's k choices."""
+    return x_TD.at[order_N // k].get(indices_are_sorted=False)
+
+
+def _gather_pairs_fwd(x_TD, order_N, inverse_N, k):
+    return gather_pairs(x_TD, order_N, inverse_N, k), (inverse_N, x_TD.shape[0])
+
+
+def _gather_pairs_bwd(k, res, ct_ND):
+    inverse_N, tokens = res
+    ct_TKD = ct_ND.at[inverse_N].get(unique_indices=True).reshape(tokens, k, -1)
+    return jnp.sum(ct_TKD, axis=1, dtype=jnp.float32).astype(ct_ND.dtype), None, None
+
+
+gather_pairs.defvjp(_gather_pairs_fwd, _gather_pairs_bwd)
+
+
+def combine_pairs(ys_ND, inverse_N, gate_TK):
+    """y[t] = sum_k gate[t, k] * ys[pair (t, k)], float32 [T, D]: the expert-ordered rows
+    put back in (token, choice) order (a permutation: its gradient is the inverse one)."""
+    T, K = gate_TK.shape
+    ys_TKD = ys_ND.at[inverse_N].get(unique_indices=True).reshape(T, K, -1)
+    return jnp.einsum("tkd,tk->td", ys_TKD, gate_TK.astype(ys_ND.dtype),
+                      preferred_element_type=jnp.float32)
 
 
 def experts_dense(x_TD, r: Routing, w_gate_EDF, w_up_EDF, w_down_EFD, *, dtype,

@@ -17,7 +17,7 @@ from flax import nnx
 from titanax.models.common.block import DecoderBlock
 from titanax.models.common.layers import make_param
 from titanax.models.common.moe import balance_sums, experts_ragged, route, routing_stats
-from titanax.models.common.moe_ep import expert_parallelism, experts_ep
+from titanax.models.common.moe_ep import experts_sharded, on_mesh
 from titanax.parallel.rules import shard_activation
 
 
@@ -48,19 +48,20 @@ class MoEBlock(DecoderBlock):
                                self.router[...].astype(jnp.float32), precision=precision)
         r = route(logits_TE, cfg.experts_per_token, norm_topk=cfg.norm_topk_prob)
         weights = (self.w_gate[...], self.w_up[...], self.w_down[...])
-        if expert_parallelism() > 1:
-            y_TD, dropped = experts_ep(h_TD, r, *weights, dtype=jnp.dtype(ex.dtype),
-                                       precision=precision,
-                                       capacity_factor=ex.expert_capacity_factor or None)
+        if on_mesh():  # each device dispatches its own tokens (common/moe_ep.py)
+            y_BSD, dropped = experts_sharded(
+                h_BSD, r, *weights, dtype=jnp.dtype(ex.dtype), precision=precision,
+                capacity_factor=ex.expert_capacity_factor or None)
         else:
-            y_TD = experts_ragged(h_TD, r, *weights, dtype=jnp.dtype(ex.dtype),
-                                  precision=precision)
+            y_BSD = experts_ragged(h_TD, r, *weights, dtype=jnp.dtype(ex.dtype),
+                                   precision=precision).reshape(B, S, D)
             dropped = jnp.zeros((), jnp.float32)
         aux = {**balance_sums(r), "dropped": jax.lax.stop_gradient(dropped),
                "z_sum": jnp.sum(jnp.square(jax.nn.logsumexp(logits_TE, axis=-1))),
+               # Weighted by the tokens: the log's mean over layers and pipeline microbatches.
                "max_over_mean_load": jax.lax.stop_gradient(
-                   routing_stats(r)["max_over_mean_load"])}
-        return y_TD.reshape(B, S, D), aux
+                   routing_stats(r)["max_over_mean_load"]) * (B * S)}
+        return y_BSD, aux
 
     def __call__(self, x_BSD, positions_BS, segment_ids_BS, kv=None, cache_index=None,
                  lora_dropout=None):

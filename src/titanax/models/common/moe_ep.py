@@ -1,11 +1,20 @@
-"""Expert parallelism (mesh.expert > 1): the experts are split over the `expert` mesh axis
-(E / ep per device) and each (token, expert) pair travels to the device holding its expert and
-back with two all-to-alls, inside a jax.shard_map manual over `expert` only (the other mesh
-axes stay automatic: FSDP gathers, tensor-parallel expert widths, data and context split the
-rest as before). parallel/rules.py puts `expert` into the batch's split too, so outside the
-experts an expert rank is one more data-parallel rank, as TorchTitan and MaxText use it.
+"""The experts on a mesh: each device dispatches only its own tokens. A jax.shard_map manual
+over the token axes (the rows' 'batch' and the sequence's 'seq' axes: data, fsdp, expert,
+context) and the experts' axes ('expert', and 'mlp' = tensor for their width) runs the
+routing's sort and gather per device; without it XLA's partitioner would see one global sort
+of every (token, expert) pair of the step and replicate it (656 GB of temporaries for
+Qwen3-30B-A3B on 8 H100s, docs/moe.md). parallel/rules.expert_specs says how each operand
+splits; FSDP gathers the experts' weights at the shard_map's edge as it gathers any weight.
 
-On each expert rank, for its T local tokens (T x K pairs):
+mesh.tensor > 1: each tensor rank runs its slice of every expert's width F (Megatron's expert
+tensor parallelism: up projections column-split, the down projection row-split) on the same
+tokens, and the outputs are summed over 'tensor'.
+
+mesh.expert = ep > 1: the experts are split over the `expert` axis (E / ep per device) and each
+(token, expert) pair travels to the device holding its expert and back with two all-to-alls.
+parallel/rules.py puts `expert` into the batch's split too, so outside the experts an expert
+rank is one more data-parallel rank, as TorchTitan and MaxText use it. On each device, for its
+T tokens (T x K pairs):
 
     pairs sorted by expert (so by destination rank), each given its slot in a [ep, C, D] send
     buffer (C rows per destination) -> all_to_all -> the received [ep x C] rows sorted by local
@@ -27,7 +36,16 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from titanax.models.common.moe import Routing, grouped_mm, swiglu
+from titanax.models.common.moe import (
+    Routing,
+    combine_pairs,
+    experts_of_pairs,
+    gather_pairs,
+    grouped_mm,
+    sort_pairs,
+    swiglu,
+)
+from titanax.parallel.rules import expert_specs
 
 AXIS = "expert"
 
@@ -40,6 +58,20 @@ def expert_parallelism() -> int:
     return dict(mesh.shape).get(AXIS, 1)
 
 
+def on_mesh() -> bool:
+    """Whether a mesh of more than one device is in context (the experts then run sharded)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh is not None and not mesh.empty and mesh.size > 1
+
+
+def in_shard_map() -> bool:
+    """Whether some mesh axes are already manual (a pipeline stage of an MoE model,
+    parallel/pipeline.py, which runs it with varying-axis checks off: jax 0.11.2 can only
+    differentiate the experts' shard_map nested in the stage's with both unchecked)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh is not None and not mesh.empty and bool(mesh.manual_axes)
+
+
 def capacity(pairs: int, ep: int, factor: float | None) -> int:
     """Rows one rank may send to each destination rank."""
     if factor is None:
@@ -47,53 +79,102 @@ def capacity(pairs: int, ep: int, factor: float | None) -> int:
     return max(1, min(pairs, math.ceil(factor * pairs / ep)))
 
 
-def experts_ep(x_TD, r: Routing, w_gate_EDF, w_up_EDF, w_down_EFD, *, dtype, precision=None,
-               capacity_factor: float | None = None):
-    """experts_ragged over the `expert` axis: (y [T, D] in dtype, pairs dropped [] float32).
-    x_TD and r's tokens are split over the mesh's batch axes (T whole here: the shard_map takes
-    its `expert` share); the weights' expert axis is split over `expert`."""
+def _spec_axes(spec) -> tuple[str, ...]:
+    return tuple(a for entry in spec if entry is not None
+                 for a in ((entry,) if isinstance(entry, str) else entry))
+
+
+def experts_sharded(x_BSD, r: Routing, w_gate_EDF, w_up_EDF, w_down_EFD, *, dtype,
+                    precision=None, capacity_factor: float | None = None):
+    """experts_ragged per device on a mesh: (y [B, S, D] in dtype, pairs dropped [] float32,
+    summed over the step's devices). r's [T, K] arrays are over T = B x S tokens; the weights
+    arrive as the parameters are sharded (the shard_map takes its share)."""
+    B, S, D = x_BSD.shape
+    K = r.expert_TK.shape[-1]
+    tokens, up, down = expert_specs(x_BSD.shape)
+    token_axes = _spec_axes(tokens)
+    width_axes = tuple(a for a in _spec_axes(up) if a != AXIS)
     ep = expert_parallelism()
-    fn = lambda x, e, g, wg, wu, wd: _local(  # noqa: E731
-        x, e, g, wg, wu, wd, ep=ep, dtype=dtype, precision=precision,
-        capacity_factor=capacity_factor)
-    rows, experts = P(AXIS), P(AXIS)
-    y_TD, dropped = jax.shard_map(
-        fn, in_specs=(rows, rows, rows, experts, experts, experts), out_specs=(rows, P()),
-        axis_names=frozenset({AXIS}), check_vma=False,
-    )(x_TD, r.expert_TK, r.gate_TK, w_gate_EDF, w_up_EDF, w_down_EFD)
-    return y_TD, dropped
+    if ep > 1 and AXIS not in token_axes:
+        raise ValueError(f"{B} rows do not split over the {ep} expert ranks: expert "
+                         "parallelism needs every expert rank to hold its own tokens")
+    C = capacity(B * S * K // _size(token_axes), ep, capacity_factor)
+
+    def local(x_BSD, expert_BSK, gate_BSK, wg, wu, wd):
+        b, s = x_BSD.shape[:2]
+        x_TD = x_BSD.reshape(b * s, D)
+        e_TK, g_TK = expert_BSK.reshape(b * s, K), gate_BSK.reshape(b * s, K)
+        if ep > 1:
+            y_TD = _exchange(x_TD, e_TK, g_TK, wg, wu, wd, ep=ep, C=C, dtype=dtype,
+                             precision=precision)
+        else:
+            y_TD = experts_of_pairs(x_TD, e_TK, g_TK, wg, wu, wd, dtype=dtype,
+                                    precision=precision)
+        if width_axes:  # each tensor rank computed its slice of the experts' width
+            y_TD = jax.lax.psum(y_TD, width_axes)
+        return y_TD.reshape(b, s, D)
+
+    expert_BSK = r.expert_TK.reshape(B, S, K)
+    nested = in_shard_map()
+    y_BSD = jax.shard_map(local, in_specs=(tokens, tokens, tokens, up, up, down),
+                          out_specs=tokens, axis_names=frozenset(token_axes + width_axes),
+                          check_vma=not nested)(
+        x_BSD.astype(dtype), expert_BSK, r.gate_TK.reshape(B, S, K),
+        w_gate_EDF.astype(dtype), w_up_EDF.astype(dtype), w_down_EFD.astype(dtype))
+    if ep == 1 or C == B * S * K // _size(token_axes):  # dropless: nothing to count
+        return y_BSD, jnp.zeros((), jnp.float32)
+    E_l = w_gate_EDF.shape[0] // ep
+
+    def dropped(expert_BSK):
+        kept = _slots(expert_BSK.reshape(-1), E_l, ep, C)[-1]
+        return jax.lax.psum(jnp.sum(~kept).astype(jnp.float32), token_axes)
+
+    count = jax.shard_map(dropped, in_specs=tokens, out_specs=P(),
+                          axis_names=frozenset(token_axes), check_vma=not nested)(expert_BSK)
+    return y_BSD, count
 
 
-def _local(x_TD, expert_TK, gate_TK, w_gate, w_up, w_down, *, ep, dtype, precision,
-           capacity_factor):
-    """One expert rank's share (inside the shard_map)."""
+def _size(axes) -> int:
+    shape = dict(jax.sharding.get_abstract_mesh().shape)
+    return math.prod(shape[a] for a in axes)
+
+
+def _slots(flat_N, E_l: int, ep: int, C: int):
+    """Each pair's place in the [ep, C] send buffer: (order, inverse: sort_pairs' (the pairs by
+    expert, hence by destination rank); dest and slot of each pair in that order; kept:
+    slot < C)."""
+    order, inverse = sort_pairs(flat_N)
+    dest = flat_N[order] // E_l
+    per_dest = jnp.zeros(ep, jnp.int32).at[dest].add(1)
+    slot = jnp.arange(flat_N.shape[0], dtype=jnp.int32) - (jnp.cumsum(per_dest) - per_dest)[dest]
+    return order, inverse, dest, slot, slot < C
+
+
+def _exchange(x_TD, expert_TK, gate_TK, w_gate, w_up, w_down, *, ep, C, dtype, precision):
+    """One expert rank's experts over its tokens' pairs, via two all-to-alls (module
+    docstring): y [T, D] in dtype. Every row moves by a gather or scatter whose indices are
+    distinct (moe.py: their gradients are gathers and scatters of the same kind)."""
     T, K = expert_TK.shape
     E_l, D = w_gate.shape[0], x_TD.shape[-1]
-    N = T * K
-    C = capacity(N, ep, capacity_factor)
     flat = expert_TK.reshape(-1)
-    order = jnp.argsort(flat, stable=True)  # pairs by expert, hence by destination rank
-    dest = flat[order] // E_l
-    per_dest = jnp.zeros(ep, jnp.int32).at[dest].add(1)
-    slot = jnp.arange(N, dtype=jnp.int32) - (jnp.cumsum(per_dest) - per_dest)[dest]
-    kept = slot < C
-    slot = jnp.where(kept, slot, C)  # out of range: dropped by the scatters below
-    send_x = jnp.zeros((ep, C, D), dtype).at[dest, slot].set(
-        x_TD.astype(dtype)[order // K], mode="drop")
+    order, inverse, dest, slot, kept = _slots(flat, E_l, ep, C)
+    # Dropped pairs: each its own slot past the buffer, so the indices stay distinct and the
+    # scatter and gather below skip them.
+    slot = jnp.where(kept, slot, C + jnp.arange(flat.shape[0], dtype=jnp.int32))
+    rows = gather_pairs(x_TD.astype(dtype), order, inverse, K)
+    send_x = jnp.zeros((ep, C, D), dtype).at[dest, slot].set(rows, mode="drop",
+                                                             unique_indices=True)
     send_e = jnp.full((ep, C), E_l, jnp.int32).at[dest, slot].set(flat[order] % E_l,
                                                                     mode="drop")
     a2a = lambda a: jax.lax.all_to_all(a, AXIS, 0, 0, tiled=True)  # noqa: E731
     recv_x, recv_e = a2a(send_x).reshape(ep * C, D), a2a(send_e).reshape(ep * C)
     # Local experts' rows in expert order; empty slots (E_l) sort last, past every group.
-    by_expert = jnp.argsort(recv_e, stable=True)
+    by_expert, back_order = sort_pairs(recv_e)
     sizes = jnp.zeros(E_l + 1, jnp.int32).at[recv_e].add(1)[:E_l]
     mm = lambda a, w: grouped_mm(a, w, sizes, dtype=dtype, precision=precision)  # noqa: E731
-    xs = recv_x[by_expert]
-    h = swiglu(mm(xs, w_gate), mm(xs, w_up)).astype(dtype)
-    ys = jnp.zeros((ep * C, D), dtype).at[by_expert].set(mm(h, w_down).astype(dtype))
+    xs = recv_x.at[by_expert].get(unique_indices=True)
+    h = swiglu(mm(xs, w_gate).astype(jnp.float32), mm(xs, w_up).astype(jnp.float32))
+    ys = mm(h.astype(dtype), w_down).astype(dtype).at[back_order].get(unique_indices=True)
     back = a2a(ys.reshape(ep, C, D))  # [ep, C, D]: our pairs' rows, by destination and slot
-    y_sorted = jnp.where(kept[:, None], back.at[dest, slot].get(mode="fill", fill_value=0), 0)
-    y_ND = jnp.zeros((N, D), dtype).at[order].set(y_sorted)
-    y_TD = jnp.einsum("tkd,tk->td", y_ND.reshape(T, K, D).astype(jnp.float32), gate_TK)
-    dropped = jax.lax.psum(jnp.sum(~kept).astype(jnp.float32), AXIS)
-    return y_TD.astype(dtype), dropped
+    y_sorted = back.at[dest, slot].get(mode="fill", fill_value=0, unique_indices=True)
+    return combine_pairs(y_sorted, inverse, gate_TK).astype(dtype)

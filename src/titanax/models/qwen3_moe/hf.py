@@ -5,7 +5,8 @@ rows with the per-head q/k norms and the hub's per-expert mlp tensors
 Every layer is sparse in titanax: a config.json with dense layers (decoder_sparse_step other
 than 1, or mlp_only_layers) or sliding-window attention is refused on import. model.ffn_dim is
 each expert's width, moe_intermediate_size; export also writes it as intermediate_size, the
-dense MLP width that no layer then uses."""
+dense MLP width that no layer then uses, unless the run was imported: then the source's
+intermediate_size is written back as it was (HFInterop.source_keeps)."""
 
 from __future__ import annotations
 
@@ -58,4 +59,4 @@ def model_overrides(hf: dict) -> dict[str, object]:
 
 
 HF = HFInterop(model_type="qwen3_moe", tensor_table=tensor_table, to_config=hf_config,
-               from_config=model_overrides)
+               from_config=model_overrides, source_keeps=("intermediate_size",))
