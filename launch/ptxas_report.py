@@ -9,6 +9,9 @@ Prints a table; exits 1 when a kernel spills or breaks an SM budget (titanax.per
     python -m launch.ptxas_report --sm90-fwd-overlap --regs 0 168 200 232
         # the sm90 forward, FlashConfig.fwd_overlap off and on, at each compute-warpgroup
         # register budget (0: the shipped one): how close each runs to its setmaxnreg budget
+    python -m launch.ptxas_report --sm90-bwd-fused --head-dims 64 128
+        # the sm90 fused backward (FlashConfig.bwd_fused) at each head dim, also where
+        # flash_bwd does not run it yet (kernel_sm90_bwd.FUSED_MAX_HEAD_DIM): its spills there
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ def main(argv=None) -> None:
                    help="compile for the local GPU instead (one --gpu, of its kind)")
     p.add_argument("--sm90-fwd-overlap", action="store_true",
                    help="only the Hopper forward, fwd_overlap off and on, at each --regs budget")
+    p.add_argument("--sm90-bwd-fused", action="store_true",
+                   help="only the Hopper fused backward, at every --head-dims, gate lifted")
     p.add_argument("--regs", nargs="+", type=int, default=[0],
                    help="with --sm90-fwd-overlap: setmaxnreg budgets (0: the shipped one)")
     args = p.parse_args(argv)
@@ -58,6 +63,8 @@ def main(argv=None) -> None:
                          "bash scripts/dev.sh cuda-plugin installs it")
     if args.sm90_fwd_overlap:
         rows = collect("h100", tuple(args.head_dims), overlap_budgets=tuple(args.regs))
+    elif args.sm90_bwd_fused:
+        rows = collect("h100", tuple(args.head_dims), fused_bwd=True)
     else:
         rows = collect_all(tuple(args.gpu), tuple(args.head_dims), args.on_device)
     print(markdown_table(rows))

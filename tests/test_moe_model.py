@@ -89,8 +89,9 @@ PP2 = {"mesh.pipeline": 2, "pipeline.microbatches": 2}
 
 @pytest.mark.parametrize("over, n", [({"mesh.expert": 2}, 2), ({"mesh.expert": 4}, 4),
                                      ({"mesh.expert": 2, "mesh.fsdp": 2, "mesh.tensor": 2}, 8),
-                                     ({"mesh.expert": 2, **PP2}, 4)],
-                         ids=["ep2", "ep4", "ep2_fsdp2_tp2", "ep2_pp2"])
+                                     ({"mesh.expert": 2, **PP2}, 4),
+                                     ({"mesh.expert": 2, "mesh.context": 2}, 4)],
+                         ids=["ep2", "ep4", "ep2_fsdp2_tp2", "ep2_pp2", "ep2_cp2"])
 def test_expert_parallel_layouts_equal_one_device(over, n, one_device):
     """Experts split over mesh.expert, tokens sent by all-to-all (models/common/moe_ep.py),
     dropless: the loss and every gradient of one device."""
@@ -111,6 +112,36 @@ def test_pipelines_carry_the_routing_sums(over, n):
     want = loss_and_grads(tiny_config(**four), jax.devices()[:1])[:2]
     assert_matches(loss_and_grads(tiny_config(**{**four, **PP2, **over}), jax.devices()[:n])[:2],
                    want)
+
+
+def test_experts_on_rows_the_mesh_cannot_split():
+    """One row (a decode step) on fsdp 2 x tensor 2: the tokens are whole on every device, the
+    experts' weights split over fsdp (D) and tensor (F, each tensor rank its slice of every
+    expert's width, summed over tensor). Values and gradients equal experts_ragged's: no
+    gradient summed over the replicated tokens' copies."""
+    from titanax.config import MeshConfig
+    from titanax.models.common.moe import experts_ragged, route
+    from titanax.models.common.moe_ep import experts_sharded
+    T, E, D, F = 6, 4, 8, 16
+    ks = jax.random.split(jax.random.key(5), 5)
+    x = jax.random.normal(ks[0], (T, D))
+    r = route(jax.random.normal(ks[1], (T, E)), 2, norm_topk=True)
+    w = [jax.random.normal(k, s) * 0.3 for k, s in zip(jax.random.split(ks[2], 3),
+                                                       ((E, D, F), (E, D, F), (E, F, D)))]
+    kw = dict(dtype=jnp.float32, precision="highest")
+
+    def loss(f, x, *w):
+        return jnp.sum(jnp.sin(f(x, *w)))
+
+    sharded = lambda x, *w: experts_sharded(x[None], r, *w, **kw)[0][0]  # noqa: E731
+    mesh = build_mesh(MeshConfig(data=1, fsdp=2, tensor=2), jax.devices()[:4])
+    with jax.set_mesh(mesh):
+        got = jax.jit(jax.value_and_grad(lambda *a: loss(sharded, *a), argnums=(0, 1, 2, 3)))(
+            x, *w)
+    want = jax.value_and_grad(lambda *a: loss(lambda x, *w: experts_ragged(x, r, *w, **kw), *a),
+                              argnums=(0, 1, 2, 3))(x, *w)
+    for g, r_ in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r_), rtol=1e-5, atol=1e-6)
 
 
 def test_expert_capacity_drops_the_pairs_past_it_and_counts_them():

@@ -64,9 +64,10 @@ from .mosaic_common import (
     interpret_ctx,
     masked_plain_masked,
     q_block,
-    q_tile_loader,
+    q_ring_producer,
     ring_producer,
     ring_slot,
+    store_dkv,
     tile_mask,
 )
 from .tile_ranges import tile_ranges
@@ -429,24 +430,17 @@ def _dkv(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, conf
                                      functools.partial(step, base=base), carry)
 
             dk, dv = lax.fori_loop(0, G, head, (_zeros((bkv, D)), _zeros((bkv, D))))
-            k_smem[...] = (dk * scale).astype(dtype)
-            v_smem[...] = dv.astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[rows], commit_group=False)
-            plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[rows], commit_group=False)
-            plgpu.commit_smem_to_gmem_group()
-            plgpu.wait_smem_to_gmem(0)
+            store_dkv(dk, dv, k_smem, v_smem, dk_ref, dv_ref, rows, scale=scale, dtype=dtype)
 
         @pl.when(wg == wgs)
         def _producer_wg():
             refs = (q_ref, do_ref, lse_ref, delta_ref) + ((qseg_ref,) if has_seg else ())
-            load = q_tile_loader(refs, (q_smem, do_smem, lse_smem, delta_smem, qseg_smem),
-                                 ring_bars, batch=batch, kv_head=kv_head, G=G, bq=bq,
-                                 q_start=lambda: q_start(0),
-                                 per_head=lambda: per_head(0))
-            if has_seg:  # the first warpgroup's copy holds the CTA's range too
-                plgpu.barrier_wait(own_bars.at[2 * wgs])
-            ring_producer(G * per_head(0), steps, load, consumed, REGS_PRODUCER)
+            # With documents, the first warpgroup's copy holds the CTA's range too.
+            q_ring_producer(refs, (q_smem, do_smem, lse_smem, delta_smem, qseg_smem),
+                            ring_bars, consumed, batch=batch, kv_head=kv_head, G=G, bq=bq,
+                            q_start=lambda: q_start(0), per_head=lambda: per_head(0),
+                            steps=steps, regs=REGS_PRODUCER,
+                            range_ready=own_bars.at[2 * wgs] if has_seg else None)
 
     def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
         if has_seg:

@@ -150,6 +150,31 @@ def ring_producer(total, steps, load, consumed, regs: int):
         plgpu.barrier_wait(consumed.at[ring_slot(t, steps)])
 
 
+def q_ring_producer(refs, smems, ring_bars, consumed, *, batch, kv_head, G, bq, q_start,
+                    per_head, steps, regs, range_ready=None):
+    """The producer warpgroup of an sm90 backward that streams query tiles per key CTA
+    (kernel_sm90_bwd.py's dkv kernel, kernel_sm90_bwd_fused.py): q_tile_loader's loads through
+    ring_producer. range_ready: the barrier after which the CTA's query range, held in SMEM by
+    the first consumer (packed documents), can be read."""
+    load = q_tile_loader(refs, smems, ring_bars, batch=batch, kv_head=kv_head, G=G, bq=bq,
+                         q_start=q_start, per_head=per_head)
+    if range_ready is not None:
+        plgpu.barrier_wait(range_ready)
+    ring_producer(G * per_head(), steps, load, consumed, regs)
+
+
+def store_dkv(dk, dv, k_smem, v_smem, dk_ref, dv_ref, rows, *, scale, dtype):
+    """A key CTA's epilogue: dK (times the softmax scale) and dV through its K and V tiles'
+    SMEM, whose last reader is done, to HBM by TMA."""
+    k_smem[...] = (dk * scale).astype(dtype)
+    v_smem[...] = dv.astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[rows], commit_group=False)
+    plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[rows], commit_group=False)
+    plgpu.commit_smem_to_gmem_group()
+    plgpu.wait_smem_to_gmem(0)
+
+
 def q_tile_loader(refs, smems, ring_bars, *, batch, kv_head, G, bq, q_start, per_head):
     """load(t, slot) for a backward that streams, per key CTA, query tiles
     [q_start(), q_start() + per_head()) of each of the kv head's G q heads: step t's Q, dO,

@@ -163,13 +163,15 @@ def _worker_env(dump_dir: str, on_device: bool) -> dict:
 
 
 def collect(kind: str, head_dims=(64, 128, 256), on_device: bool = False, *,
-            timeout: int = 900, overlap_budgets=None) -> list[dict]:
+            timeout: int = 900, overlap_budgets=None, fused_bwd: bool = False) -> list[dict]:
     """Compiles every kernel for `kind` (h100/h200: sm_90a; b200/gb200: sm_100a) in a
     subprocess; one row per kernel entry with its verdict ("ok", "why"). Deviceless by default
     (the CUDA plugin of .venv/cuda-plugin); on_device=True compiles for the local GPU, which
     must be of that architecture. overlap_budgets (sm_90a only): instead, the sm90 forward with
     fwd_overlap off and on at each of these compute-warpgroup register budgets (0: shipped;
-    ptxas_worker.overlap_budget_cases)."""
+    ptxas_worker.overlap_budget_cases). fused_bwd (sm_90a only): instead, the fused backward
+    (FlashConfig.bwd_fused) at every head dim, its flash_bwd gate lifted
+    (ptxas_worker.fused_bwd_cases)."""
     if kind not in ARCH:
         raise ValueError(f"unknown GPU kind {kind!r}; known: {sorted(ARCH)}")
     from pallas_kernels import aot
@@ -178,7 +180,8 @@ def collect(kind: str, head_dims=(64, 128, 256), on_device: bool = False, *,
         budgets = ([f"--overlap-budgets={','.join(map(str, overlap_budgets))}"]
                    if overlap_budgets else [])
         cmd = [sys.executable, "-m", "titanax.perf.ptxas_worker", kind, out,
-               *(["--on-device"] if on_device else []), *budgets, *map(str, head_dims)]
+               *(["--on-device"] if on_device else []), *budgets,
+               *(["--fused-bwd"] if fused_bwd else []), *map(str, head_dims)]
         proc = subprocess.run(cmd, env=_worker_env(os.path.join(tmp, "xla"), on_device),
                               cwd=aot.REPO, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0 or not os.path.exists(out):

@@ -150,6 +150,44 @@ def overlap_budget_cases(head_dims, regs):
             yield dict(meta, variant=meta["variant"] + tag), fn, args, reg or shipped
 
 
+def fused_bwd_cases(head_dims):
+    """(meta, fn, args): the sm90 fused backward (FlashConfig.bwd_fused) at every head_dim,
+    causal and causal+segments, including those where flash_bwd does not run it yet
+    (kernel_sm90_bwd.FUSED_MAX_HEAD_DIM; main lifts the gate for these compiles): the
+    register and spill figures of the kernel at head dims still being worked on."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.flash_attention.api import flash_attention_fwd
+    from pallas_kernels.flash_attention.config import default_config
+
+    for d in head_dims:
+        cfg = default_config("mosaic_sm90", d)
+        q = jax.ShapeDtypeStruct((B, SEQ, HQ, d), jnp.bfloat16)
+        kv = jax.ShapeDtypeStruct((B, SEQ, HKV, d), jnp.bfloat16)
+        lse = jax.eval_shape(lambda q, k, v, cfg=cfg: flash_attention_fwd(
+            q, k, v, causal=True, impl="mosaic_sm90", config=cfg), q, kv, kv)[1]
+        for seg in (None, jax.ShapeDtypeStruct((B, SEQ), jnp.int32)):
+            meta = dict(op="attention", impl="mosaic_sm90", head_dim=d, config=repr(cfg),
+                        variant="causal" + ("+segments" if seg is not None else ""))
+            yield _fused_bwd(meta, cfg, (q, kv, kv, q, lse, q, *(() if seg is None else (seg,))))
+
+
+@contextlib.contextmanager
+def _fused_gate_lifted(lifted: bool):
+    """kernel_sm90_bwd.FUSED_MAX_HEAD_DIM out of the way while the cases compile (lifted)."""
+    if not lifted:
+        yield
+        return
+    from pallas_kernels.flash_attention import kernel_sm90_bwd
+
+    shipped, kernel_sm90_bwd.FUSED_MAX_HEAD_DIM = kernel_sm90_bwd.FUSED_MAX_HEAD_DIM, 1 << 30
+    try:
+        yield
+    finally:
+        kernel_sm90_bwd.FUSED_MAX_HEAD_DIM = shipped
+
+
 def fp8_cases(arch: str):
     import jax
     import jax.numpy as jnp
@@ -274,9 +312,9 @@ def _check_local_gpu(arch: str) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """argv: KIND OUT [--on-device] [--overlap-budgets=R1,R2,...] HEAD_DIM..."""
+    """argv: KIND OUT [--on-device] [--overlap-budgets=R1,R2,...] [--fused-bwd] HEAD_DIM..."""
     kind, out_path, *rest = argv
-    on_device = "--on-device" in rest
+    on_device, fused = "--on-device" in rest, "--fused-bwd" in rest
     budgets = [a.split("=", 1)[1] for a in rest if a.startswith("--overlap-budgets=")]
     head_dims = [int(x) for x in rest if not x.startswith("--")]
     arch = rep.ARCH[kind]
@@ -285,6 +323,8 @@ def main(argv: list[str]) -> None:
     dump_dir = os.environ["TITANAX_PTXAS_XLA_DUMP"]
     if budgets:
         cases = list(overlap_budget_cases(head_dims, [int(r) for r in budgets[0].split(",")]))
+    elif fused:
+        cases = [(*c, None) for c in fused_bwd_cases(head_dims)]
     else:
         cases = [(*c, None) for c in (*attention_cases(arch, head_dims), *fp8_cases(arch))]
     rows = []
@@ -294,7 +334,7 @@ def main(argv: list[str]) -> None:
             log_path = os.path.join(tmp, f"{name}.log")
             base = dict(meta, gpu=kind, arch=arch)
             try:
-                with _compute_registers(budget):
+                with _compute_registers(budget), _fused_gate_lifted(fused):
                     compile_case(kind, name, fn, args, on_device, log_path)
                 log = pathlib.Path(log_path).read_text(errors="replace")
                 entries = mosaic_entries(log) + triton_entries(dump_dir, name)
