@@ -114,6 +114,22 @@ def test_pipelines_carry_the_routing_sums(over, n):
                    want)
 
 
+@pytest.mark.parametrize("fsdp, expert_dim, embed_dim", [(2, ("fsdp",), None),
+                                                       (8, None, ("fsdp",))])
+def test_fsdp_splits_the_experts_when_they_divide(fsdp, expert_dim, embed_dim):
+    """parallel/rules.expert_weight_axes: 4 experts over fsdp 2 are split along E (their
+    leading axis, gathered without a transposed copy); over fsdp 8 they do not divide, and D
+    is split as for every other weight."""
+    cfg = tiny_config(**{**MOE, "mesh.fsdp": fsdp})
+    mesh = build_mesh(cfg.mesh, jax.devices()[:fsdp])
+    state = create_train_state(cfg, mesh, make_optimizer(cfg))[1]
+    axes = lambda entry: None if entry is None else tuple(  # noqa: E731
+        a for a in ((entry,) if isinstance(entry, str) else entry) if mesh.shape[a] > 1) or None
+    for name, d in (("w_gate", 2), ("w_down", 3)):
+        spec = state["params"]["layers"][name].sharding.spec
+        assert (axes(spec[1]), axes(spec[d])) == (expert_dim, embed_dim), (name, spec)
+
+
 def test_experts_on_rows_the_mesh_cannot_split():
     """One row (a decode step) on fsdp 2 x tensor 2: the tokens are whole on every device, the
     experts' weights split over fsdp (D) and tensor (F, each tensor rank its slice of every

@@ -193,8 +193,8 @@ def check_layout(name: str) -> str | None:
         try:
             tiny_config(**over, **LAYOUTS[LAYOUT])
         except ConfigError as e:
-            assert str(e).startswith("mesh.pipeline:"), e
-            return f"{name} refuses pipeline parallelism: {case.layouts_in} runs its layouts"
+            assert str(e).startswith("pipeline.schedule: '1f1b'"), e
+            return f"{name} refuses the 1f1b pipeline: {case.layouts_in} runs its layouts"
         raise AssertionError(f"{name} accepts {LAYOUT}: drop layouts_in")
     if not case.layout:
         assert is_llamas_layer(name), f"{name} is not Llama's layer: set layout=True"

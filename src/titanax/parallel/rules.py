@@ -40,6 +40,10 @@ PARAM_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # MoE: the experts axis of expert weights [L, E, ...], split over 'expert' (expert
     # parallelism: models/common/moe_ep.py), and the router's output axis [L, D, E].
     ("expert", "expert"),
+    # Expert weights whose experts divide by expert x fsdp x context (expert_weight_axes):
+    # FSDP splits the experts, and their D stays whole.
+    ("expert_fsdp", ("expert", "fsdp", "context")),
+    ("expert_embed", None),
     ("router_experts", None),
 )
 
@@ -62,6 +66,8 @@ ACTIVATION_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("cache_seq", None),
     ("lora_rank", None),
     ("expert", None),
+    ("expert_fsdp", None),
+    ("expert_embed", None),
     ("router_experts", None),
 )
 
@@ -108,6 +114,23 @@ def expert_specs(tokens_shape) -> tuple[P, P, P]:
     return (activation_spec(("batch", "seq", None), tokens_shape),
             _to_spec(("expert", None, "mlp"), PARAM_RULES),
             _to_spec(("expert", "mlp", None), PARAM_RULES))
+
+
+def expert_weight_axes(axes: tuple[str, ...], n_experts: int) -> tuple[str, ...]:
+    """The logical names an expert weight ([L, E, ...], `axes` naming E 'expert' and D
+    'embed') is stored under on the mesh in context. FSDP splits its experts when they divide
+    by expert x fsdp x context: a layer's slice is then gathered along its leading axis. Split
+    along D instead (as every other weight, the fallback), XLA gathers a non-leading axis by
+    keeping a D-major float32 copy of every layer's experts for the whole step (docs/moe.md).
+    The bytes per device are the same either way."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return axes
+    ways = math.prod(dict(mesh.shape).get(a, 1) for a in _axes(dict(PARAM_RULES)["expert_fsdp"]))
+    if n_experts % ways:
+        return axes
+    rename = {"expert": "expert_fsdp", "embed": "expert_embed"}
+    return tuple(rename.get(a, a) for a in axes)
 
 
 def batch_input_spec() -> P:

@@ -18,7 +18,7 @@ from titanax.models.common.block import DecoderBlock
 from titanax.models.common.layers import make_param
 from titanax.models.common.moe import balance_sums, experts_ragged, route, routing_stats
 from titanax.models.common.moe_ep import experts_sharded, on_mesh
-from titanax.parallel.rules import shard_activation
+from titanax.parallel.rules import expert_weight_axes, shard_activation
 
 
 class MoEBlock(DecoderBlock):
@@ -27,9 +27,10 @@ class MoEBlock(DecoderBlock):
     def _make_mlp(self, cfg, axes, rngs: nnx.Rngs, std, out_std, pdt) -> None:
         L, E, D, F = cfg.n_layers, cfg.n_experts, cfg.d_model, cfg.ffn_dim
         self.router = make_param(rngs, (L, D, E), axes["router"], std, pdt)
-        self.w_gate = make_param(rngs, (L, E, D, F), axes["w_gate"], std, pdt)
-        self.w_up = make_param(rngs, (L, E, D, F), axes["w_up"], std, pdt)
-        self.w_down = make_param(rngs, (L, E, F, D), axes["w_down"], out_std, pdt)
+        stored = lambda name: expert_weight_axes(axes[name], E)  # noqa: E731
+        self.w_gate = make_param(rngs, (L, E, D, F), stored("w_gate"), std, pdt)
+        self.w_up = make_param(rngs, (L, E, D, F), stored("w_up"), std, pdt)
+        self.w_down = make_param(rngs, (L, E, F, D), stored("w_down"), out_std, pdt)
 
     def aux_zeros(self) -> dict:
         """The routing sums before the first layer (what __call__'s third output adds to)."""
