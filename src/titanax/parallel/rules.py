@@ -76,6 +76,11 @@ def _axes(entry) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def spec_axes(spec: P) -> tuple[str, ...]:
+    """Every mesh axis a PartitionSpec splits some dimension over, in order."""
+    return tuple(a for entry in spec for a in _axes(entry))
+
+
 def _to_spec(names: tuple[str | None, ...], rules, shape=None) -> P:
     """The PartitionSpec of logical `names`. Mesh axes the mesh in context lacks are left out
     (a mesh built without 'context' still works); with `shape`, so are trailing axes of a rule

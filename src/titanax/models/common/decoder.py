@@ -217,9 +217,11 @@ class Decoder(nnx.Module):
         each, or None), split into microbatches with x by a pipeline."""
         if pipeline is not None and pipeline_stages() > 1:
             if hasattr(self.layers, "aux_zeros"):  # an MoE block: the stages carry its sums
-                x_BSD, total = run_pipelined(
-                    lambda x, state, ex: one_layer(x, state, None, *ex)[::2], layer_state,
-                    x_BSD, extras, pipeline, aux_zeros=self.layers.aux_zeros())
+                def x_and_sums(x, state, ex):
+                    x, _, sums = one_layer(x, state, None, *ex)
+                    return x, sums
+                x_BSD, total = run_pipelined(x_and_sums, layer_state, x_BSD, extras, pipeline,
+                                             aux_zeros=self.layers.aux_zeros())
                 self.layer_aux = nnx.Intermediate(total)
                 return x_BSD
             return run_pipelined(lambda x, state, ex: one_layer(x, state, None, *ex)[0],

@@ -1,8 +1,8 @@
 """Mixture-of-experts feed-forward as pure functions (common/moe_block.py calls them; on a
 mesh, common/moe_ep.py runs the experts on each device's own tokens): a softmax top-k router
 as Mixtral's and Qwen3-MoE's, SwiGLU experts run dropless through grouped GEMMs
-(jax.lax.ragged_dot over the tokens sorted by expert), the load-balancing auxiliary loss as transformers computes it, the router z-loss, and
-the routing statistics the step log reports. `experts_dense` is the reference: every expert on
+(jax.lax.ragged_dot over the tokens sorted by expert), the load-balancing auxiliary loss as
+transformers computes it, the router z-loss, and the routing statistics the step log reports. `experts_dense` is the reference: every expert on
 every token, weighted by the same gates.
 
 Shapes: T tokens (batch x sequence flattened), D model width, F expert width, E experts, K

@@ -45,7 +45,7 @@ from titanax.models.common.moe import (
     sort_pairs,
     swiglu,
 )
-from titanax.parallel.rules import expert_specs
+from titanax.parallel.rules import expert_specs, spec_axes
 
 AXIS = "expert"
 
@@ -79,11 +79,6 @@ def capacity(pairs: int, ep: int, factor: float | None) -> int:
     return max(1, min(pairs, math.ceil(factor * pairs / ep)))
 
 
-def _spec_axes(spec) -> tuple[str, ...]:
-    return tuple(a for entry in spec if entry is not None
-                 for a in ((entry,) if isinstance(entry, str) else entry))
-
-
 def experts_sharded(x_BSD, r: Routing, w_gate_EDF, w_up_EDF, w_down_EFD, *, dtype,
                     precision=None, capacity_factor: float | None = None):
     """experts_ragged per device on a mesh: (y [B, S, D] in dtype, pairs dropped [] float32,
@@ -92,8 +87,8 @@ def experts_sharded(x_BSD, r: Routing, w_gate_EDF, w_up_EDF, w_down_EFD, *, dtyp
     B, S, D = x_BSD.shape
     K = r.expert_TK.shape[-1]
     tokens, up, down = expert_specs(x_BSD.shape)
-    token_axes = _spec_axes(tokens)
-    width_axes = tuple(a for a in _spec_axes(up) if a != AXIS)
+    token_axes = spec_axes(tokens)
+    width_axes = tuple(a for a in spec_axes(up) if a != AXIS)
     ep = expert_parallelism()
     if ep > 1 and AXIS not in token_axes:
         raise ValueError(f"{B} rows do not split over the {ep} expert ranks: expert "
@@ -105,33 +100,21 @@ def experts_sharded(x_BSD, r: Routing, w_gate_EDF, w_up_EDF, w_down_EFD, *, dtyp
         x_TD = x_BSD.reshape(b * s, D)
         e_TK, g_TK = expert_BSK.reshape(b * s, K), gate_BSK.reshape(b * s, K)
         if ep > 1:
-            y_TD = _exchange(x_TD, e_TK, g_TK, wg, wu, wd, ep=ep, C=C, dtype=dtype,
-                             precision=precision)
+            y_TD, dropped = _exchange(x_TD, e_TK, g_TK, wg, wu, wd, ep=ep, C=C, dtype=dtype,
+                                      precision=precision)
         else:
             y_TD = experts_of_pairs(x_TD, e_TK, g_TK, wg, wu, wd, dtype=dtype,
                                     precision=precision)
+            dropped = jnp.zeros((), jnp.float32)
         if width_axes:  # each tensor rank computed its slice of the experts' width
             y_TD = jax.lax.psum(y_TD, width_axes)
-        return y_TD.reshape(b, s, D)
+        return y_TD.reshape(b, s, D), jax.lax.psum(dropped, token_axes)
 
-    expert_BSK = r.expert_TK.reshape(B, S, K)
-    nested = in_shard_map()
-    y_BSD = jax.shard_map(local, in_specs=(tokens, tokens, tokens, up, up, down),
-                          out_specs=tokens, axis_names=frozenset(token_axes + width_axes),
-                          check_vma=not nested)(
-        x_BSD.astype(dtype), expert_BSK, r.gate_TK.reshape(B, S, K),
-        w_gate_EDF.astype(dtype), w_up_EDF.astype(dtype), w_down_EFD.astype(dtype))
-    if ep == 1 or C == B * S * K // _size(token_axes):  # dropless: nothing to count
-        return y_BSD, jnp.zeros((), jnp.float32)
-    E_l = w_gate_EDF.shape[0] // ep
-
-    def dropped(expert_BSK):
-        kept = _slots(expert_BSK.reshape(-1), E_l, ep, C)[-1]
-        return jax.lax.psum(jnp.sum(~kept).astype(jnp.float32), token_axes)
-
-    count = jax.shard_map(dropped, in_specs=tokens, out_specs=P(),
-                          axis_names=frozenset(token_axes), check_vma=not nested)(expert_BSK)
-    return y_BSD, count
+    return jax.shard_map(
+        local, in_specs=(tokens, tokens, tokens, up, up, down), out_specs=(tokens, P()),
+        axis_names=frozenset(token_axes + width_axes), check_vma=not in_shard_map(),
+    )(x_BSD.astype(dtype), r.expert_TK.reshape(B, S, K), r.gate_TK.reshape(B, S, K),
+      w_gate_EDF.astype(dtype), w_up_EDF.astype(dtype), w_down_EFD.astype(dtype))
 
 
 def _size(axes) -> int:
@@ -139,25 +122,19 @@ def _size(axes) -> int:
     return math.prod(shape[a] for a in axes)
 
 
-def _slots(flat_N, E_l: int, ep: int, C: int):
-    """Each pair's place in the [ep, C] send buffer: (order, inverse: sort_pairs' (the pairs by
-    expert, hence by destination rank); dest and slot of each pair in that order; kept:
-    slot < C)."""
-    order, inverse = sort_pairs(flat_N)
-    dest = flat_N[order] // E_l
-    per_dest = jnp.zeros(ep, jnp.int32).at[dest].add(1)
-    slot = jnp.arange(flat_N.shape[0], dtype=jnp.int32) - (jnp.cumsum(per_dest) - per_dest)[dest]
-    return order, inverse, dest, slot, slot < C
-
-
 def _exchange(x_TD, expert_TK, gate_TK, w_gate, w_up, w_down, *, ep, C, dtype, precision):
     """One expert rank's experts over its tokens' pairs, via two all-to-alls (module
-    docstring): y [T, D] in dtype. Every row moves by a gather or scatter whose indices are
-    distinct (moe.py: their gradients are gathers and scatters of the same kind)."""
+    docstring): (y [T, D] in dtype, pairs dropped [] float32). Every row moves by a gather or
+    scatter whose indices are distinct (moe.py: their gradients are gathers and scatters of
+    the same kind)."""
     T, K = expert_TK.shape
     E_l, D = w_gate.shape[0], x_TD.shape[-1]
     flat = expert_TK.reshape(-1)
-    order, inverse, dest, slot, kept = _slots(flat, E_l, ep, C)
+    order, inverse = sort_pairs(flat)  # by expert, hence by destination rank
+    dest = flat[order] // E_l
+    per_dest = jnp.zeros(ep, jnp.int32).at[dest].add(1)
+    slot = jnp.arange(flat.shape[0], dtype=jnp.int32) - (jnp.cumsum(per_dest) - per_dest)[dest]
+    kept = slot < C
     # Dropped pairs: each its own slot past the buffer, so the indices stay distinct and the
     # scatter and gather below skip them.
     slot = jnp.where(kept, slot, C + jnp.arange(flat.shape[0], dtype=jnp.int32))
@@ -177,4 +154,5 @@ def _exchange(x_TD, expert_TK, gate_TK, w_gate, w_up, w_down, *, ep, C, dtype, p
     ys = mm(h.astype(dtype), w_down).astype(dtype).at[back_order].get(unique_indices=True)
     back = a2a(ys.reshape(ep, C, D))  # [ep, C, D]: our pairs' rows, by destination and slot
     y_sorted = back.at[dest, slot].get(mode="fill", fill_value=0, unique_indices=True)
-    return combine_pairs(y_sorted, inverse, gate_TK).astype(dtype)
+    return (combine_pairs(y_sorted, inverse, gate_TK).astype(dtype),
+            jnp.sum(~kept).astype(jnp.float32))

@@ -21,8 +21,9 @@ def moe_aux_losses(model) -> dict:
 
 def moe_aux_metrics(model) -> dict:
     """The unweighted load-balancing loss (K when balanced), the busiest expert's load over
-    the mean, averaged over the layers (and a pipeline's microbatches; 1.0: perfect balance), and the share of (token,
-    expert) pairs expert parallelism's capacity dropped (0 when dropless)."""
+    the mean, averaged over the layers and a pipeline's microbatches by tokens (1.0: perfect
+    balance), and the share of (token, expert) pairs expert parallelism's capacity dropped
+    (0 when dropless)."""
     sums, cfg = model.layer_aux.get_value(), model.cfg
     return {"load_balance_loss": load_balancing_loss(sums),
             "max_over_mean_load": sums["max_over_mean_load"] / sums["rows"],
