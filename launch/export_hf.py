@@ -1,5 +1,5 @@
 """python -m launch.export_hf --workdir DIR --out DIR [--step N] [--dtype bfloat16|float32]
-                              [--max-shard-size 5GB] [--adapter | --base]
+                              [--max-shard-size 5GB] [--adapter | --base] [--drop-router-bias]
                               [--push-to-hub ORG/NAME [--private]
                               [--revision BRANCH] [--commit-message TEXT]]
 Writes a run's checkpoint as a Hugging Face folder of its model.arch (e.g. LlamaForCausalLM:
@@ -38,6 +38,10 @@ def main(argv=None) -> None:
     which.add_argument("--adapter", action="store_true",
                        help="write a PEFT adapter folder (peft.PeftModel.from_pretrained(base, OUT))")
     which.add_argument("--base", action="store_true", help="write the frozen base weights alone")
+    p.add_argument("--drop-router-bias", action="store_true",
+                   help="an MoE trained with model.router_bias_update_rate > 0: export without "
+                        "its routing bias, which the HF format has no tensor for (the HF model "
+                        "then chooses experts by the router alone)")
     hub = p.add_argument_group("upload (after the export)")
     hub.add_argument("--push-to-hub", metavar="ORG/NAME", default=None,
                      help="upload the exported folder to this hub model repository")
@@ -64,7 +68,8 @@ def main(argv=None) -> None:
     try:
         max_bytes = parse_size(args.max_shard_size)
         r = export_hf(args.workdir, args.out, step=args.step, dtype=args.dtype,
-                      max_shard_bytes=max_bytes, lora=lora_export)
+                      max_shard_bytes=max_bytes, lora=lora_export,
+                      drop_unmapped=args.drop_router_bias)
     except (FileNotFoundError, FileExistsError, ValueError) as e:  # ConfigError is a ValueError
         fail(str(e))
     except UnreadableCheckpoint as e:  # a damaged run, not a bad flag

@@ -235,9 +235,9 @@ OTHER_MODEL_VALUES = {
     "sliding_window": 100000,
     # the MoE architectures' (config/moe.py)
     "n_experts": 4, "experts_per_token": 1, "norm_topk_prob": False,
-    "router_aux_loss_coef": 0.01, "router_z_loss_coef": 0.001}
+    "router_aux_loss_coef": 0.01, "router_z_loss_coef": 0.001, "router_bias_update_rate": 0.001}
 MOE_FIELDS = ("n_experts", "experts_per_token", "norm_topk_prob", "router_aux_loss_coef",
-              "router_z_loss_coef")
+              "router_z_loss_coef", "router_bias_update_rate")
 OTHER_EXECUTION_VALUES = {
     "init_std": 0.01, "attention_impl": "cudnn", "context_strategy": "all_gather",
     "tp_overlap": True, "matmul_precision": "highest", "fp8_amax_history": 16,

@@ -5,6 +5,7 @@ architecture-specific facts (published sizes, refused sliding windows)."""
 
 import types
 
+import jax
 import numpy as np
 import pytest
 from torch_peer import run_jobs
@@ -130,3 +131,28 @@ def test_moe_configs_both_ways_and_refused_ones():
     unnormalised = apply_overrides(suite.hf_config_of("mixtral"), {"model.norm_topk_prob": False})
     with pytest.raises(ValueError, match="model.norm_topk_prob=False: Mixtral"):
         hf.to_config(unnormalised.model, dtype="float32", bos_id=0, eos_id=1)
+
+
+def test_moe_routing_bias_starts_at_zero_on_import_and_export_must_drop_it(peer, tmp_path):
+    """DeepSeek-V3's routing bias (model.router_bias_update_rate > 0) has no tensor in
+    Mixtral's HF format: an import starts it at 0 (the plain router, as a new run's), and an
+    export of such a run is refused in one line naming --drop-router-bias, which exports the
+    HF tensors alone."""
+    from titanax.checkpoint.reader import CheckpointReader
+    from titanax.hf.exporter import export_hf
+    from titanax.hf.folder import locate
+    from titanax.hf.importer import import_hf
+
+    cfg = apply_overrides(suite.hf_config_of("mixtral"), {"model.router_bias_update_rate": 1e-3})
+    source = peer.tmp / "mixtral" / "export"
+    import_hf(source, cfg, tmp_path / "run", devices=jax.devices()[:1], progress=False,
+              log=lambda *_: None)
+    reader = CheckpointReader(tmp_path / "run" / "checkpoints")
+    bias = reader.read(("layers", "router_bias"))
+    assert bias.shape == (cfg.model.n_layers, cfg.model.n_experts) and not bias.any()
+    with pytest.raises(ValueError, match=r"\['layers.router_bias'\] .*--drop-router-bias"):
+        export_hf(tmp_path / "run", tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+    export_hf(tmp_path / "run", tmp_path / "out", dtype="float32", progress=False,
+              drop_unmapped=True)
+    assert set(locate(tmp_path / "out")) == set(locate(source))

@@ -1,8 +1,8 @@
 """The fields every mixture-of-experts decoder adds to the model section (MoEModelConfig, the
 base of models/mixtral/config.py and models/qwen3_moe/config.py): how many experts, how many
-each token uses, and the router's losses. Every layer's feed-forward is the MoE one (no dense
-layers between), each expert a SwiGLU of model.ffn_dim (Mixtral's intermediate_size,
-Qwen3-MoE's moe_intermediate_size)."""
+each token uses, the router's losses and its balancing bias. Every layer's feed-forward is the
+MoE one (no dense layers between), each expert a SwiGLU of model.ffn_dim (Mixtral's
+intermediate_size, Qwen3-MoE's moe_intermediate_size)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,14 @@ class MoEModelConfig(ModelConfig):
     # router_aux_loss_coef; pooled over the layers as transformers pools it).
     router_aux_loss_coef: float = 0.001
     router_z_loss_coef: float = 0.0  # weight of ST-MoE's router z-loss (0: off)
+    # DeepSeek-V3's auxiliary-loss-free balancing (its bias update speed; TorchTitan's
+    # load_balance_coeff; 0.001 in DeepSeek-V3): > 0 gives every layer a routing bias [E]
+    # (params layers.router_bias, float32, starting at 0) added to the router's probabilities
+    # for the choice of experts only (the gates stay unbiased), and after each step moves it
+    # by this much per expert towards balance: up for the experts below the layer's mean load,
+    # down for those above (centred). The optimizer does not train it (common/moe_bias.py).
+    # 0: off, no such parameter. Usually with router_aux_loss_coef small or 0.
+    router_bias_update_rate: float = 0.0
 
     def __post_init__(self):
         super().__post_init__()
@@ -31,7 +39,7 @@ class MoEModelConfig(ModelConfig):
         if not 1 <= self.experts_per_token <= self.n_experts:
             fail("model.experts_per_token", f"{self.experts_per_token} must lie in [1, "
                  f"model.n_experts={self.n_experts}]")
-        for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+        for name in ("router_aux_loss_coef", "router_z_loss_coef", "router_bias_update_rate"):
             if getattr(self, name) < 0:
                 fail(f"model.{name}", f"must be >= 0, got {getattr(self, name)}")
 

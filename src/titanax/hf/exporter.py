@@ -116,6 +116,24 @@ def _check_params(reader: CheckpointReader, cfg: Config) -> None:
                              f"shape {got}, but its config implies {want}")
 
 
+def _refuse_unmapped(reader: CheckpointReader, cfg: Config, table) -> None:
+    """Refuses a checkpoint with self-updated parameters (models/spec.py SelfUpdated: an
+    MoE's routing bias, model.router_bias_update_rate > 0) that the HF table has no tensor
+    for: they change the model's outputs, so leaving them out must be asked for."""
+    own = model_spec(cfg.model).self_updated(cfg.model)
+    mapped = {t.param for t in table}
+    lost = sorted(".".join(p) for p in reader.params() if own is not None
+                  and own.selects(p) and p not in mapped)
+    if lost:
+        arch = model_spec(cfg.model).hf.model_type
+        raise ValueError(
+            f"{reader.state_dir.parent}: parameters {lost} (model.router_bias_update_rate="
+            f"{cfg.model.router_bias_update_rate}: the routing bias that decides which experts "
+            f"each token uses) have no tensor in Hugging Face's {arch} format, so the exported "
+            "model would route differently from the trained one; export anyway without them "
+            "with --drop-router-bias (drop_unmapped=True)")
+
+
 def _write_shards(reader: CheckpointReader, cfg: Config, shards, tmp: pathlib.Path,
                   out_dtype, max_shard_bytes: int, bar, adapted: dict | None = None) -> int:
     """Writes every shard and the index into tmp; returns the tensor bytes written. adapted
@@ -243,14 +261,19 @@ LORA_EXPORTS = ("merged", "adapter", "base")
 
 def export_hf(workdir: str | pathlib.Path, out: str | pathlib.Path, *, step: int | None = None,
               dtype: str = "bfloat16", max_shard_bytes: int = 5 * 10**9,
-              progress: bool = True, lora: str = "merged") -> ExportResult:
+              progress: bool = True, lora: str = "merged",
+              drop_unmapped: bool = False) -> ExportResult:
     """Writes the run's checkpoint (latest, or `step`) to `out` as an HF folder of its
     architecture (e.g. LlamaForCausalLM). `out` must not exist or be empty;
     the folder appears complete or not at all.
 
     lora (a LoRA run's; ignored for others): 'merged' writes W + (alpha/r) A B for every
     adapted weight, a plain model; 'adapter' writes a PEFT adapter folder for the base
-    (adapter_config.json + adapter_model.safetensors); 'base' writes the frozen base alone."""
+    (adapter_config.json + adapter_model.safetensors); 'base' writes the frozen base alone.
+
+    drop_unmapped: export a model whose self-updated parameters (an MoE's routing bias) the HF
+    architecture has no tensor for; without it such a run is refused, since the HF model
+    would route differently from the trained one."""
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"dtype {dtype!r}: choose one of {list(EXPORT_DTYPES)}")
     if lora not in LORA_EXPORTS:
@@ -264,6 +287,8 @@ def export_hf(workdir: str | pathlib.Path, out: str | pathlib.Path, *, step: int
     if model_spec(cfg.model).hf is None:
         raise ValueError(f"model.arch={cfg.model.arch!r} has no Hugging Face export")
     table = model_spec(cfg.model).hf.tensor_table(cfg.model)
+    if not drop_unmapped:
+        _refuse_unmapped(reader, cfg, table)
     adapted = _adapted(reader, cfg, table, lora)
     _check_params(reader, cfg)
     out_dtype = EXPORT_DTYPES[dtype]

@@ -184,8 +184,16 @@ def _build_params(sources, cfg: Config, mesh, abstract_params, bar):
         by_param.setdefault(t.param, []).append(t)
     tick = (lambda: bar.update(1)) if bar is not None else (lambda: None)
 
+    own = model_spec(cfg.model).self_updated(cfg.model)
+
     def build(keypath, target):
-        tensors = by_param[_param_path(keypath)]
+        path = _param_path(keypath)
+        if path not in by_param and own is not None and own.selects(path):
+            # A parameter HF has no tensor for and the step sets (an MoE's routing bias,
+            # model.router_bias_update_rate > 0): it starts where a new run's does, at 0.
+            return jax.jit(lambda: jnp.zeros(target.shape, target.dtype),
+                           out_shardings=target.sharding)()
+        tensors = by_param[path]
         if tensors[0].layer is None:
             tick()
             return _put(_load(sources[tensors[0].name], tensors[0], target.dtype),

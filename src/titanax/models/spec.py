@@ -3,8 +3,8 @@ models/ (its spec.py), registered by name in titanax/archs.py and chosen by `mod
 
 State creation, the train loop, sampling, HF import/export, the planner and the FLOP formula
 ask the spec; none of them imports a model class. Hooks (flops, activation_elems, aux_losses,
-no_decay, legacy_transposes) default to what a dense decoder needs; an architecture overrides
-the ones it differs in."""
+no_decay, legacy_transposes, self_updated) default to what a dense decoder needs; an
+architecture overrides the ones it differs in."""
 
 from __future__ import annotations
 
@@ -42,6 +42,30 @@ def no_legacy_layouts(model: ModelConfig) -> dict:
 def no_aux_losses(model) -> dict:
     """The default auxiliary losses: none (a dense model's loss is its token NLL alone)."""
     return {}
+
+
+# The aux_losses term that carries a statistic to SelfUpdated parameters: of value 0, its
+# derivative with respect to them is the statistic. train/step.py adds it to the loss as it
+# is (never weighted by a microbatch's token share, so microbatches add their statistics) and
+# does not log it.
+PROBE = "statistic_probe"
+
+
+@dataclasses.dataclass(frozen=True)
+class SelfUpdated:
+    """Parameters the optimizer does not train (an MoE's DeepSeek-V3 routing bias): their
+    gradient is a statistic of the step (summed over microbatches and devices as gradients
+    are), which the train step takes out before the optimizer (so it is in neither the
+    gradient norm nor the clipping) and turns into their new value."""
+    # path like ('layers', 'router_bias') -> is one of them
+    selects: Callable[[tuple[str, ...]], bool]
+    # (value, its statistic) -> the new value, both float32 arrays of the parameter's shape
+    update: Callable[[Any, Any], Any]
+
+
+def no_self_updated(model: ModelConfig) -> None:
+    """The default: every parameter is the optimizer's."""
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +108,9 @@ class ModelSpec:
     # legacy_transposes(cfg) -> {name under 'layers': (perm, current shape)} of parameters an
     # older titanax stored in another layout (checkpoint/orbax_io.py applies them on restore).
     legacy_transposes: Callable[[ModelConfig], Mapping[str, tuple]] = no_legacy_layouts
+    # self_updated(cfg) -> a SelfUpdated (parameters updated from a statistic, not by the
+    # optimizer) or None.
+    self_updated: Callable[[ModelConfig], SelfUpdated | None] = no_self_updated
 
     def count_params(self, cfg: ModelConfig, *, exclude_embedding: bool = False) -> int:
         """Exact parameter count from nnx.eval_shape: nothing is allocated. FP8 scaling state is

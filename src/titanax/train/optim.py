@@ -38,14 +38,18 @@ class UpdateRule:
         return self.moments * param_bytes
 
 
+def param_names(path) -> tuple[str, ...]:
+    """A params-tree leaf's key path as the parameter's names, e.g. ('layers', 'router'):
+    nnx state leaves end in the Variable's 'value', which is dropped."""
+    names = tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+    return names[:-1] if names[-1:] == ("value",) else names
+
+
 def decay_mask(params, no_decay: Callable[[tuple[str, ...]], bool] = no_decay_norms):
     """True for parameters that get weight decay: all but those the architecture's no_decay
     rule names (models/spec.py; by default the norm scales)."""
-    def keep(path, _):
-        names = tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
-        # nnx state leaves end in the Variable's 'value'; the rule sees the parameter's path
-        return not no_decay(names[:-1] if names[-1:] == ("value",) else names)
-    return jax.tree_util.tree_map_with_path(keep, params)
+    return jax.tree_util.tree_map_with_path(lambda path, _: not no_decay(param_names(path)),
+                                            params)
 
 
 def _adamw(o: OptimConfig, lr: optax.Schedule, no_decay) -> optax.GradientTransformation:

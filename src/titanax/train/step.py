@@ -12,9 +12,10 @@ from titanax import ops
 from titanax.config import Config, ConfigError
 from titanax.models import accumulate, model_spec
 from titanax.models.common.lora import DROPOUT_KEYS, dropout_token_keys
+from titanax.models.spec import PROBE
 from titanax.parallel.collective_matmul import use_collective_matmul
 from titanax.parallel.pipeline import PipelineSchedule, pipeline_stages
-from titanax.train import offload
+from titanax.train import offload, self_updated
 
 
 def nll_sum(graphdef, params, batch, *, document_masking: bool, loss_chunk: int,
@@ -72,6 +73,8 @@ def make_loss_fn(cfg: Config, graphdef, *, with_metrics: bool = False):
                                          aux_metrics=spec.aux_metrics)
         own = step_loss_tokens(batch["targets"])
         loss = total / (own if tokens is None else tokens)
+        # (0.0: its gradient is a statistic, which microbatches add as it is; models/spec.py)
+        loss = loss + aux.pop(PROBE, 0.0)
         if not aux and not logged:  # a dense model: the step is the token NLL alone
             return (loss, {}) if with_metrics else loss
         # The architecture's auxiliary terms (an MoE's load balancing) are means over a batch;
@@ -161,6 +164,9 @@ def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation, sch
     offload_update = offload.enabled(cfg)
     loss_fn = make_loss_fn(cfg, graphdef, with_metrics=True)
     trained = "lora" if cfg.lora.enabled else "params"
+    # Parameters set from a statistic, not trained (an MoE's routing bias); under LoRA they
+    # are part of the frozen base.
+    own = model_spec(cfg.model).self_updated(cfg.model) if trained == "params" else None
 
     def train_step(state, batch):
         params, fp8 = state[trained], state.get("fp8", nnx.State({}))
@@ -177,6 +183,10 @@ def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation, sch
             base = state["params"]
             step_loss = lambda lora, b, f=None, t=None: loss_fn(base, b, f, t, lora=lora)
         loss, grads, new_fp8, logged = _grads(cfg, step_loss, params, fp8, batch)
+        # An MoE's routing bias: its "gradient" is the step's loads, not the optimizer's.
+        raw_grads = grads
+        if own is not None:
+            grads = self_updated.without_statistics(own, grads)
         # (offload_params: the layers' gradients are in host memory, read a layer at a time)
         grad_norm = offload.global_norm(grads) if offload_update else optax.tree.norm(grads)
         # A non-finite amax (inf/NaN in an FP8 operand, e.g. an overflowing gradient that the
@@ -198,6 +208,8 @@ def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation, sch
             new_params, new_opt_state, new_fp8 = _keep_if_finite(
                 finite, (optax.apply_updates(params, updates), opt_state, new_fp8),
                 (params, state["opt_state"], fp8))
+        if own is not None:
+            new_params = self_updated.with_updates(own, new_params, params, raw_grads, finite)
         new_state = {**state, "step": state["step"] + 1, trained: new_params,
                      "opt_state": new_opt_state}
         if "fp8" in state:

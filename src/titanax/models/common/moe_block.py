@@ -5,7 +5,8 @@ sums (AUX_KEYS), which the decoder adds over the layers: the load-balancing loss
 once from the pooled sums, as transformers forms it.
 
 Parameters ([layers, ...] as every block parameter): router [L, D, E]; w_gate, w_up
-[L, E, D, F]; w_down [L, E, F, D] (ragged_dot's [groups, in, out]).
+[L, E, D, F]; w_down [L, E, F, D] (ragged_dot's [groups, in, out]); with
+model.router_bias_update_rate > 0 also router_bias [L, E] (common/moe_bias.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from flax import nnx
 from titanax.models.common.block import DecoderBlock
 from titanax.models.common.layers import make_param
 from titanax.models.common.moe import balance_sums, experts_ragged, route, routing_stats
+from titanax.models.common.moe_bias import make_router_bias, probe
 from titanax.models.common.moe_ep import experts_sharded, on_mesh
+from titanax.models.spec import PROBE
 from titanax.parallel.rules import expert_weight_axes, shard_activation
 
 
@@ -31,12 +34,19 @@ class MoEBlock(DecoderBlock):
         self.w_gate = make_param(rngs, (L, E, D, F), stored("w_gate"), std, pdt)
         self.w_up = make_param(rngs, (L, E, D, F), stored("w_up"), std, pdt)
         self.w_down = make_param(rngs, (L, E, F, D), stored("w_down"), out_std, pdt)
+        if cfg.router_bias_update_rate > 0:  # DeepSeek-V3's balancing (common/moe_bias.py)
+            self.router_bias = make_router_bias(L, E, axes["router_bias"])
 
     def aux_zeros(self) -> dict:
         """The routing sums before the first layer (what __call__'s third output adds to)."""
         E, zero = self.cfg.n_experts, jnp.zeros((), jnp.float32)
-        return {"routed_E": jnp.zeros(E, jnp.float32), "prob_E": jnp.zeros(E, jnp.float32),
+        sums = {"routed_E": jnp.zeros(E, jnp.float32), "prob_E": jnp.zeros(E, jnp.float32),
                 "rows": zero, "z_sum": zero, "max_over_mean_load": zero, "dropped": zero}
+        return {**sums, PROBE: zero} if self._biased else sums
+
+    @property
+    def _biased(self) -> bool:
+        return self.cfg.router_bias_update_rate > 0
 
     def moe(self, h_BSD):
         """(the feed-forward's output [B, S, D], this layer's routing sums)."""
@@ -47,7 +57,8 @@ class MoEBlock(DecoderBlock):
         # The router in float32 (a few thousand FLOPs per token; its softmax decides routing).
         logits_TE = jnp.einsum("td,de->te", h_TD.astype(jnp.float32),
                                self.router[...].astype(jnp.float32), precision=precision)
-        r = route(logits_TE, cfg.experts_per_token, norm_topk=cfg.norm_topk_prob)
+        bias_E = self.router_bias[...] if self._biased else None
+        r = route(logits_TE, cfg.experts_per_token, norm_topk=cfg.norm_topk_prob, bias_E=bias_E)
         weights = (self.w_gate[...], self.w_up[...], self.w_down[...])
         if on_mesh():  # each device dispatches its own tokens (common/moe_ep.py)
             y_BSD, dropped = experts_sharded(
@@ -62,6 +73,8 @@ class MoEBlock(DecoderBlock):
                # Weighted by the tokens: the log's mean over layers and pipeline microbatches.
                "max_over_mean_load": jax.lax.stop_gradient(
                    routing_stats(r)["max_over_mean_load"]) * (B * S)}
+        if self._biased:  # the bias's "gradient": this layer's tokens per expert
+            aux[PROBE] = probe(bias_E, r.tokens_per_expert())
         return y_BSD, aux
 
     def __call__(self, x_BSD, positions_BS, segment_ids_BS, kv=None, cache_index=None,

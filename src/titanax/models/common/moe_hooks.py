@@ -6,16 +6,19 @@ from __future__ import annotations
 
 from titanax.config import ModelConfig
 from titanax.models.common.moe import load_balancing_loss
-from titanax.models.spec import flops_per_token
+from titanax.models.spec import PROBE, flops_per_token
 
 
 def moe_aux_losses(model) -> dict:
     """{'load_balance': router_aux_loss_coef x the Switch/Mixtral loss pooled over the
-    layers[, 'router_z': router_z_loss_coef x the z-loss, a mean over tokens and layers]}."""
+    layers[, 'router_z': router_z_loss_coef x the z-loss, a mean over tokens and layers]
+    [, PROBE: 0.0 carrying the layers' loads to their routing biases (common/moe_bias.py)]}."""
     cfg, sums = model.cfg, model.layer_aux.get_value()
     terms = {"load_balance": cfg.router_aux_loss_coef * load_balancing_loss(sums)}
     if cfg.router_z_loss_coef:
         terms["router_z"] = cfg.router_z_loss_coef * sums["z_sum"] / sums["rows"]
+    if PROBE in sums:
+        terms[PROBE] = sums[PROBE]
     return terms
 
 

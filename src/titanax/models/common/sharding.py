@@ -41,6 +41,7 @@ def decoder_axes(*, qk_norm: bool = False) -> dict[str, tuple[str, ...]]:
 # in place of the dense MLP's.
 _MOE: dict[str, tuple[str, ...]] = {
     "router": ("layers", "embed", "router_experts"),
+    "router_bias": ("layers", "router_experts"),  # model.router_bias_update_rate > 0
     "w_gate": ("layers", "expert", "embed", "mlp"),
     "w_up": ("layers", "expert", "embed", "mlp"),
     "w_down": ("layers", "expert", "mlp", "embed"),
