@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from tests.helpers.layouts import assert_matches, loss_and_grads, make_batch, tiny_config
-from tests.helpers.small import run_small
+from tests.helpers.restore import restore_through
+from tests.helpers.small import run_small, small_config
 from titanax.config import ConfigError, apply_overrides
 from titanax.models import model_spec, preset
 from titanax.models.common import moe_block
@@ -300,3 +301,17 @@ def test_what_moe_cannot_run_with_is_refused_in_one_line(over, field):
     with pytest.raises(ConfigError) as e:
         apply_overrides(tiny_config(**MOE), over)
     assert str(e.value).startswith(f"{field}:") and "\n" not in str(e.value)
+
+
+def test_checkpoint_restores_across_the_expert_split(tmp_path):
+    """Experts saved split along D (4 experts over fsdp 8 do not divide) restore into a
+    layout that splits them along E (fsdp 2 x data 4) and back: the same values, each leaf in
+    the new layout's sharding, so checkpoints written before parallel/rules.expert_weight_axes
+    split E restore as after any change of mesh."""
+    moe = {"model.arch": "mixtral", "model.n_experts": 4, "model.experts_per_token": 2}
+    cfgs = [small_config(**moe, **{"mesh.data": 1, "mesh.fsdp": 8}),
+            small_config(**moe, **{"mesh.data": 4, "mesh.fsdp": 2}),
+            small_config(**moe, **{"mesh.data": 1, "mesh.fsdp": 8})]
+    for cfg, state in restore_through(tmp_path, cfgs):
+        w_up = state["params"]["layers"]["w_up"].sharding.spec
+        assert ("fsdp" in str(w_up[1])) == (cfg.mesh.fsdp == 2), w_up  # E split, else D
