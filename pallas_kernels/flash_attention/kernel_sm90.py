@@ -22,9 +22,10 @@ intra-warpgroup pipelining (FA3 Algorithm 2) to the ping-pong: step j issues S_j
 O += P_{j-1} V_{j-1} as two wgmma groups, waits for S_j alone (wait_group 1) and runs tile j's
 softmax while P_{j-1} V_{j-1} is still on the tensor core; tile lo's scores open the pipeline
 and the last P V closes it. Its softmax takes the max on the raw scores and folds the scale
-into exp2's FMA (p = exp2(s * scale_log2 - m), m in log2 units: the same log-sum-exp). At
-head_dim 256 with segment ids it keeps the non-overlapped loop: P_{j-1} in flight beside O
-spills at the 240-register limit (python -m launch.ptxas_report --sm90-fwd-overlap --regs 0 232 240).
+into exp2's FMA (p = exp2(s * scale_log2 - m), m in log2 units: the same log-sum-exp). Both
+loops index the Q tile through mosaic_common.unhoisted_zero, so its wgmma descriptors (32
+registers at head_dim 256) are rebuilt per step instead of held across the loop: that is what
+spilled at head_dim 256 with segment ids (python -m launch.ptxas_report --sm90-fwd-overlap).
 
 Backward: kernel_sm90_bwd.py (Mosaic dq and dkv kernels on the log-sum-exp saved here).
 
@@ -58,13 +59,13 @@ from .mosaic_common import (
     interpret_ctx,
     q_block,
     tile_mask,
+    unhoisted_zero,
 )
 from .tile_ranges import tile_ranges
 
 COMPUTE_WGS = 2
 # setmaxnreg budgets: 2 x 240 + 24 spends the 168-per-thread launch pool of 384 threads; the
-# TMA producer fits 24; at head_dim 256 with segment ids the softmax warpgroups need 240
-# (ptxas: 12 B of spills at 232).
+# TMA producer fits 24; the softmax warpgroups need up to 232 (docs/attention.md).
 REGS_COMPUTE, REGS_PRODUCER = 240, 24
 # fwd_overlap masks raw scores (the scale is applied inside exp2's FMA): a power of two, so
 # that MASK_RAW * qk_scale is exact and s * qk_scale - m, fused or not, is exactly 0 for a row
@@ -110,10 +111,7 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
     # Tiles below this index need no mask (all keys valid, no segments, left of the diagonal).
     kv_full = 0 if has_seg else kv_len // block_kv
     qk_scale = scale * LOG2E
-    # fwd_overlap holds P_{j-1} (16 registers) in flight beside O: at head_dim 256 with
-    # segment ids that spills at the 240-register limit (ptxas_report --sm90-fwd-overlap), so
-    # that case keeps the non-overlapped loop.
-    overlap = config.fwd_overlap and not (has_seg and D > 128)
+    overlap = config.fwd_overlap
     # fwd_overlap masks tile lo unless no tile needs a mask at all (not causal, no segment
     # ids, no padded keys): one masked tile instead of a fourth copy of the step.
     first_masked = has_seg or causal or kv_full < n_kv
@@ -186,8 +184,10 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
             def kv_loop(kv_step, carry, masked: bool = False):
                 acc, m_i, l_i = carry
                 slot = slot_of(kv_step)
+                q_tile = qo_smem2.at[wg + unhoisted_zero(kv_step)]  # descriptors: registers
+
                 def compute_qk(acc_ref):
-                    plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+                    plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].transpose((1, 0)))
                     sched_barrier()
                     return acc_ref[...]
                 qk = pl.run_scoped(compute_qk, plgpu.ACC((block_q, block_kv), jnp.float32))
@@ -314,9 +314,10 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
                 plgpu.barrier_wait(k_bars.at[slot])
                 plgpu.barrier_wait(v_bars.at[prev])
                 p_prev = p_operand(p16)
+                q_tile = qo_smem2.at[wg + unhoisted_zero(kv_step)]  # descriptors: registers
 
                 def issue(s_ref, o_ref):
-                    plgpu.wgmma(s_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+                    plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].transpose((1, 0)))
                     plgpu.wgmma(o_ref, p_prev, v_smem.at[prev])
                     sched_barrier()
                 acc, (p, m_i, l_i, alpha) = _overlapped(

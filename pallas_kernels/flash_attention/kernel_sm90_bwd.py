@@ -478,11 +478,10 @@ def _dkv(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, conf
                    (q, k, v, do, lse2, delta, q_seg, kv_seg), interpret)
 
 
-# Head dims FlashConfig.bwd_fused runs at: at 128 the fused kernel's consumers spill 144 B
-# (ptxas at 240 registers: dK, dV and dQ's accumulators, 160 floats per thread, beside the
-# score tiles), so 128 keeps the split kernels until that is solved (docs/attention.md). The
-# interpreter tests run the fused kernel at 128 too.
-FUSED_MAX_HEAD_DIM = 64
+# Head dims FlashConfig.bwd_fused runs at: 64 and 128, with 0 spills (ptxas at 240 registers:
+# dK, dV and dQ's accumulators, 160 floats per thread, beside the score tiles; see
+# kernel_sm90_bwd_fused.py on the descriptors it keeps out of the registers).
+FUSED_MAX_HEAD_DIM = 128
 
 # Head dims whose Mosaic wgmma backward fits the registers: at 256 a warpgroup's dQ, or its dK
 # and dV, accumulators are 128 or 256 float32 per thread, and ptxas spills 0.5-3 KB

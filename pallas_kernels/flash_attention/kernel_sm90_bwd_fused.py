@@ -8,8 +8,7 @@ tiles in SMEM and its dK, dV accumulators in registers; a producer warpgroup str
 lse2 and delta tiles (and segment ids) of all G q heads of the kv head through a TMA ring.
 Per query tile, in each consumer w:
 
-    S^T = K_w Q^T, dP^T = V_w dO^T       (issued together, waited for once, where the
-                                          registers allow: head_dim 64 without segment ids)
+    S^T = K_w Q^T, dP^T = V_w dO^T       (issued together, waited for once)
     P^T = exp2(S^T - lse2)               dV_w += P^T dO
     dS^T = P^T (dP^T - delta)            to SMEM (bf16), then  dK_w += dS^T Q
     -- both consumers' dS^T are in SMEM (an mbarrier both arrive on) --
@@ -25,9 +24,12 @@ reach step t+2 before the other arrived at t+1.
 
 Causal and packed documents: both consumers visit the CTA's union of query tiles (each step
 needs both dS^T tiles); a tile outside a consumer's own range runs masked, so it adds zeros.
-GQA sums the G heads in the accumulators. head_dim 64 and 128; at 128 ptxas spills 144 B,
-so flash_bwd runs it only up to kernel_sm90_bwd.FUSED_MAX_HEAD_DIM (64) for now; at 256 the dK
-and dV accumulators do not fit a warpgroup's registers (the grid fallback).
+GQA sums the G heads in the accumulators. head_dim 64 and 128, with 0 spills at 240 registers
+(`python -m launch.ptxas_report --sm90-bwd-fused`): the SMEM tiles that stay put for the whole
+loop (K and V, both consumers' K for dQ) are indexed through mosaic_common.unhoisted_zero, so
+their wgmma descriptors are rebuilt per step rather than held in 48 registers across the loop
+(144 B of spills at 128 before, and S^T and dP^T could not be issued together there). At 256
+the dK and dV accumulators do not fit a warpgroup's registers (the grid fallback).
 
 Interpreter (CPU): jax 0.11.2's Mosaic GPU interpreter has no TMA reduction. There each CTA
 copies its dQ columns into its own slice of a [CTAs, B, S, Hq, D] buffer (zeros where it adds
@@ -59,6 +61,7 @@ from .mosaic_common import (
     ring_slot,
     store_dkv,
     tile_mask,
+    unhoisted_zero,
 )
 from .tile_ranges import tile_ranges
 
@@ -156,10 +159,6 @@ def _kernel(q_shape, k_shape, dtype, *, has_seg, scale, causal, kv_len, config, 
     qk_scale = scale * LOG2E
     i32 = lambda x: jnp.array(x, jnp.int32)
     tx = _tx(64)
-    # dP^T issued before S^T is waited for holds both score tiles (2 x 32 floats per thread)
-    # at once: at head_dim 64 without segment ids that fits (ptxas: 0 spills; 8 B with them);
-    # at 128 it spills 224 B against 144 B issued one after the other.
-    overlap_sdp = D <= 64 and not has_seg
 
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, dq_acc,
              dk_ref, dv_ref, smem, bars):
@@ -218,14 +217,13 @@ def _kernel(q_shape, k_shape, dtype, *, has_seg, scale, causal, kv_len, config, 
                 dk, dv = carry
                 t = base + i
                 slot, par = ring_slot(t, steps), ring_slot(t, 2)
+                z = unhoisted_zero(t)  # K and V's descriptors rebuilt here (registers)
+                k_tile, v_tile = k_smem2.at[wg + z], v_smem2.at[wg + z]
                 for bar in (q_bar, do_bar, lse_bar, delta_bar):
                     plgpu.barrier_wait(bar.at[slot])
-                if overlap_sdp:  # dP^T is issued before S^T is waited for: one wait for both
-                    st, dpt = _wgmmas(((k_smem, q_smem.at[slot].transpose((1, 0))),
-                                       (v_smem, do_smem.at[slot].transpose((1, 0)))),
-                                      (bkv, bq))
-                else:
-                    st, = _wgmmas(((k_smem, q_smem.at[slot].transpose((1, 0))),), (bkv, bq))
+                # dP^T is issued before S^T is waited for: one wait for both
+                st, dpt = _wgmmas(((k_tile, q_smem.at[slot].transpose((1, 0))),
+                                   (v_tile, do_smem.at[slot].transpose((1, 0)))), (bkv, bq))
                 st = st * qk_scale
                 if has_seg:
                     plgpu.barrier_wait(qseg_bar.at[slot])
@@ -245,8 +243,6 @@ def _kernel(q_shape, k_shape, dtype, *, has_seg, scale, causal, kv_len, config, 
                                  interpret)
                 dv = _wgmma_into(dv, lambda acc: plgpu.wgmma(acc, a_p, do_smem.at[slot]),
                                  interpret)
-                if not overlap_sdp:
-                    dpt, = _wgmmas(((v_smem, do_smem.at[slot].transpose((1, 0))),), (bkv, bq))
                 dlt = plgpu.load(delta_smem.at[slot], layout=col)
                 ds16 = (pt * (dpt - lax.broadcast_in_dim(dlt, st.shape, [1]))).astype(dtype)
                 ds_smem.at[par, wg][...] = ds16
@@ -262,7 +258,7 @@ def _kernel(q_shape, k_shape, dtype, *, has_seg, scale, causal, kv_len, config, 
                     # Both consumers' dS (their dS^T tiles, transposed) times K, over dQ's
                     # columns `cols`, added into dQ's buffer.
                     dq = _summed_wgmmas([(ds_smem.at[par, w].transpose((1, 0)),
-                                          k_smem2.at[w, :, cols]) for w in range(WGS)],
+                                          k_smem2.at[w + z, :, cols]) for w in range(WGS)],
                                         (bq, dq_cols))
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last add read it
                     dq_smem[...] = dq

@@ -129,6 +129,17 @@ def ring_slot(t, steps):
     return lax.rem(t, jnp.array(steps, t.dtype))
 
 
+def unhoisted_zero(t):
+    """0, for a loop's step counter t >= 0 (below 2^30), in a form LLVM cannot fold: index an
+    SMEM tile that stays put for the whole loop with `tile_ref.at[w + unhoisted_zero(t)]` and
+    its wgmma descriptors (64 bits per 16-deep slice of the contraction) are rebuilt in the
+    step, a few integer ops each, instead of hoisted out of the loop and held in registers
+    across it. The sm90 fused backward at head_dim 128 spilled 144 B over 48 such registers
+    (K's and V's tiles as S^T's and dP^T's A operands, both K tiles as dQ's B operand); ptxas
+    spills them rather than rematerialise them."""
+    return lax.shift_right_logical(t, jnp.array(30, t.dtype))
+
+
 def ring_producer(total, steps, load, consumed, regs: int):
     """An sm90 backward's producer warpgroup (kernel_sm90_bwd*.py): preload `steps` tiles,
     refill a slot once every consumer released it, and wait for the last releases so no

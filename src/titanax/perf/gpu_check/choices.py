@@ -105,11 +105,11 @@ CHOICES = (
                _knob("mosaic_sm90", 128, "fwd_overlap=False"),
                _knob("mosaic_sm90", 128, "fwd_overlap=True", fwd_overlap=True)),
            tunes=("mosaic_sm90", 128)),
-    Choice("sm90_bwd_fused", "Hopper attention backward at head_dim 64: FA3's one kernel (dQ by "
-           "TMA reduce-add) or the dq and dkv kernels", 9, (
-               _knob("mosaic_sm90", 64, "bwd_fused=False"),
-               _knob("mosaic_sm90", 64, "bwd_fused=True", bwd_fused=True)),
-           tunes=("mosaic_sm90", 64)),
+    Choice("sm90_bwd_fused", "Hopper attention backward at head_dim 128: FA3's one kernel (dQ "
+           "by TMA reduce-add) or the dq and dkv kernels", 9, (
+               _knob("mosaic_sm90", 128, "bwd_fused=False"),
+               _knob("mosaic_sm90", 128, "bwd_fused=True", bwd_fused=True)),
+           tunes=("mosaic_sm90", 128)),
     Choice("sm100_tmem_buffers_bwd", "tcgen05 attention backward at head_dim 128: X/Y scores "
            "double-buffered in TMEM, or one buffer", 10, (
                _knob("mosaic_sm100", 128, "tmem_buffers_bwd=None (2 at head_dim 128)"),
