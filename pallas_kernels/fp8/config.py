@@ -106,6 +106,10 @@ class Sm90Config:
     # on H100 PCIe; 132 when the count is unknown)
     num_ctas: int | None = None
     raster_width: int = 8  # ws_2wg: output-tile rows per band of the grouped raster
+    # ws_2wg: the epilogue drains each consumer's 64 x tile_n result through SMEM in column
+    # slices of this many, double-buffered (2 x 64 x epilogue_n per consumer instead of
+    # 64 x tile_n), so the SMEM it frees holds more TMA stages; None: the whole tile at once.
+    epilogue_n: int | None = None
 
     def __post_init__(self):
         if self.structure not in SM90_STRUCTURES:
@@ -139,10 +143,24 @@ class Sm90Config:
                              f"{self.promote_every} needs {acc_regs} accumulator registers per "
                              "thread (wgmma accumulator + float32 total) and spills; use "
                              "tile_m * tile_n <= 12288 (e.g. 64 x 128) or promote_every=0")
+        if self.epilogue_n is not None and (
+                not ws or self.epilogue_n % 64 or self.tile_n % self.epilogue_n):
+            raise ValueError(f"epilogue_n={self.epilogue_n}: the ws_2wg epilogue's column "
+                             "slices must be a multiple of 64 that divides tile_n "
+                             f"({self.tile_n}); None stores the whole tile")
         smem = self.max_concurrent_steps * (self.tile_m + self.tile_n) * self.tile_k
-        if smem + self.tile_m * self.tile_n * 4 > 227 * 1024:
-            raise ValueError(f"tiles need {smem} bytes of SMEM for operands plus the epilogue "
-                             "tile, over Hopper's 227 KiB")
+        if smem + self.epilogue_bytes() > 227 * 1024:
+            raise ValueError(f"tiles need {smem} bytes of SMEM for operands plus "
+                             f"{self.epilogue_bytes()} for the epilogue (float32 outputs), "
+                             "over Hopper's 227 KiB: lower max_concurrent_steps, or slice the "
+                             "epilogue (epilogue_n)")
+
+    def epilogue_bytes(self, itemsize: int = 4) -> int:
+        """SMEM the epilogue stages outputs of `itemsize` bytes in: the whole tile, or two
+        64 x epilogue_n slices per consumer warpgroup."""
+        if self.epilogue_n is None:
+            return self.tile_m * self.tile_n * itemsize
+        return 2 * 2 * (self.tile_m // 2) * self.epilogue_n * itemsize
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,6 +10,8 @@ walks output tiles lin, lin + num_ctas, ... in a grouped raster (plgpu.planar_sn
 `raster_width` tile rows, snaking along N), so consecutive waves reuse A and B^T tiles from L2.
 The producer runs ahead across tile boundaries (it refills a stage as soon as both consumers
 release it), and each consumer's TMA store of one tile drains while the next tile multiplies.
+With Sm90Config.epilogue_n the store goes out in column slices through two SMEM slots per
+consumer, freeing SMEM for TMA stages (128 x 256: 3 stages instead of 2).
 
 Promotion (promote_every >= 1) as in matmul_sm90: each K tile's wgmma runs into a fresh
 accumulator that is then added into the float32 total. A consumer waits only for its own
@@ -96,11 +98,14 @@ def _kernel(a_gmem, bt_gmem, sa_gmem, sb_gmem, out_gmem, *, config: Sm90Config, 
 
     # Allocated once for the whole persistent loop, so that the producer can fill stages of the
     # next output tile while the consumers finish this one (no scope exit between tiles).
+    en = config.epilogue_n or tn  # columns per epilogue store
+    slots = 1 if config.epilogue_n is None else 2  # sliced: double-buffered per consumer
+
     @functools.partial(
         pl.run_scoped,
         allocs=pipeline(ignore, ignore).get_allocations(a_gmem, bt_gmem),
-        o_smem=plgpu.SMEM((CONSUMERS, wm, tn), out_dtype,
-                          transforms=_swizzled(tn * item, item)),
+        o_smem=plgpu.SMEM((CONSUMERS, slots, wm, en), out_dtype,
+                          transforms=_swizzled(en * item, item)),
         collective_axes="wg")
     def _scope(allocs, o_smem):
         wg = jax.lax.axis_index("wg")
@@ -121,11 +126,15 @@ def _kernel(a_gmem, bt_gmem, sa_gmem, sb_gmem, out_gmem, *, config: Sm90Config, 
                     acc = run(init())
                     acc = acc if config.promote_every == 1 else acc[0] + acc[1]
                 acc = _scaled(acc, sa_gmem, sb_gmem, out_rows, out_cols, rowwise)
-                # The last tile's TMA store read o_smem asynchronously: wait before reuse.
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                o_smem[wg] = acc.astype(out_dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem.at[wg], out_gmem.at[out_rows, out_cols])
+                for j in range(tn // en):
+                    # TMA stores read o_smem asynchronously: the one that last read this slot
+                    # must be done (slice j - 2, or any of the previous tile's at j = 0)
+                    plgpu.wait_smem_to_gmem(0 if j == 0 else slots - 1, wait_read_only=True)
+                    buf = o_smem.at[wg, j % slots]
+                    buf[...] = acc[:, j * en:(j + 1) * en].astype(out_dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(
+                        buf, out_gmem.at[out_rows, pl.ds(ni * tn + j * en, en)])
 
             pipeline(body, context)(a_gmem.at[pl.ds(mi * tm, tm)],
                                     bt_gmem.at[pl.ds(ni * tn, tn)], allocations=allocs)

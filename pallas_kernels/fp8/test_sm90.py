@@ -70,6 +70,24 @@ def test_ws_2wg_interpret_exact(fmt_a, promote_every, m, n, k):
 
 
 
+# The epilogue in column slices (Sm90Config.epilogue_n): 3 slices of 64 per 192-column tile
+# (an odd count, so a CTA's next tile starts on the slot its last slice used) and 4 output
+# tiles over 3 CTAs (one CTA takes two); rowwise scales through the same slices.
+@pytest.mark.parametrize("rowwise", [False, True])
+def test_ws_2wg_sliced_epilogue_exact(rowwise):
+    ka, kb = jax.random.split(jax.random.key(3))
+    m, n, k = 256, 384, 256
+    cfg = dataclasses.replace(WS, tile_n=192, epilogue_n=64, promote_every=0)
+    a, bt = _ints(ka, (m, k), E4M3), _ints(kb, (n, k), E5M2)
+    sa, sb = ((jnp.exp2(jnp.arange(m) % 5 - 2.0), jnp.exp2(jnp.arange(n) % 3 - 1.0)) if rowwise
+              else (jnp.float32(0.5), jnp.float32(4.0)))
+    out = fp8_matmul_sm90(a, sa, bt, sb, jnp.float32, config=cfg,
+                          interpret=plgpu.InterpretGPUParams())
+    exact = (np.float32(a) @ np.float32(bt).T) * (
+        np.asarray(sa)[:, None] * np.asarray(sb) if rowwise else 2.0)
+    np.testing.assert_array_equal(np.asarray(out), exact)
+
+
 def test_ws_2wg_rowwise_scales():
     ka, kb = jax.random.split(jax.random.key(4))
     m, n, k = 256, 128, 256
@@ -114,17 +132,28 @@ def test_sm90_config_validation():
                promote_every=0)
     with pytest.raises(ValueError, match="num_ctas"):
         Sm90Config(structure="ws_2wg", tile_m=128, num_ctas=0)
+    # A sliced epilogue frees SMEM for a third stage at 128 x 256 (float32 outputs sized)
+    with pytest.raises(ValueError, match="227 KiB.*epilogue_n"):
+        Sm90Config(structure="ws_2wg", tile_m=128, tile_n=256, max_concurrent_steps=3,
+                   promote_every=0)
+    Sm90Config(structure="ws_2wg", tile_m=128, tile_n=256, max_concurrent_steps=3,
+               promote_every=0, epilogue_n=64)
+    for bad in ({"epilogue_n": 96}, {"epilogue_n": 64, "structure": "single_wg", "tile_m": 64}):
+        with pytest.raises(ValueError, match="epilogue_n"):
+            Sm90Config(**{"structure": "ws_2wg", "tile_m": 128, "tile_n": 128, **bad,
+                          "promote_every": 0})
 
 
 # (config, rowwise scales, wgmma instruction): the shipped kernel and the ws_2wg variant at the
-# tiles it is meant for (128 x 192 promoted, 128 x 256 with one accumulator), rowwise at
+# tiles it is meant for (128 x 192 promoted, 128 x 256 with one accumulator and the epilogue
+# in 64-column slices, which leaves room for 3 stages), rowwise at
 # 128 x 128 (128 x 192 rowwise spills 16 B, so the kernel refuses it).
 COMPILED = [
     ("Sm90Config()", False, "m64n128k32.f32.e4m3.e5m2"),
     ("Sm90Config(structure='ws_2wg', tile_m=128, tile_n=192, max_concurrent_steps=3)", False,
      "m64n192k32.f32.e4m3.e5m2"),
-    ("Sm90Config(structure='ws_2wg', tile_m=128, tile_n=256, max_concurrent_steps=2, "
-     "promote_every=0)", False, "m64n256k32.f32.e4m3.e5m2"),
+    ("Sm90Config(structure='ws_2wg', tile_m=128, tile_n=256, max_concurrent_steps=3, "
+     "promote_every=0, epilogue_n=64)", False, "m64n256k32.f32.e4m3.e5m2"),
     ("Sm90Config(structure='ws_2wg', tile_m=128, tile_n=128)", True, "m64n128k32.f32.e4m3.e5m2"),
 ]
 

@@ -225,7 +225,8 @@ def _sm90_ws_cases(fp8_matmul, Sm90Config, E4M3):
             scalar)
     for cfg in (Sm90Config(**ws, tile_n=128), Sm90Config(**ws, tile_n=192,
                                                          max_concurrent_steps=3),
-                Sm90Config(**ws, tile_n=256, max_concurrent_steps=2, promote_every=0)):
+                Sm90Config(**ws, tile_n=256, max_concurrent_steps=3, promote_every=0,
+                           epilogue_n=64)):
         def fn(a, sa, b, sb, cfg=cfg):
             return fp8_matmul(a, sa, b, sb, impl="sm90", config=cfg)
         yield ({"op": "fp8_matmul", "impl": "sm90", "pass": "matmul", "head_dim": None,

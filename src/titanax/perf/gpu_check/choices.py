@@ -89,9 +89,10 @@ CHOICES = (
                Variant("single_wg 64x128", True, {"kind": "fp8", "config": Sm90Config()}),
                Variant("ws_2wg 128x128", False, {"kind": "fp8", "config": Sm90Config(
                    structure="ws_2wg", tile_m=128, tile_n=128)}),
-               Variant("ws_2wg 128x256, promote_every=0", False, {"kind": "fp8", "config":
-                   Sm90Config(structure="ws_2wg", tile_m=128, tile_n=256,
-                              max_concurrent_steps=2, promote_every=0)}))),
+               Variant("ws_2wg 128x256, promote_every=0, 3 stages, epilogue_n=64", False,
+                       {"kind": "fp8", "config": Sm90Config(
+                           structure="ws_2wg", tile_m=128, tile_n=256, max_concurrent_steps=3,
+                           promote_every=0, epilogue_n=64)}))),
     Choice("triton_warps_hd64", "portable attention kernel at head_dim 64: 8 or 4 warps", None, (
         _knob("triton", 64, "num_warps=8", num_warps=8),
         _knob("triton", 64, "num_warps=4", num_warps=4)), tunes=("triton", 64)),
