@@ -13,8 +13,8 @@ forward's log-sum-exp (log2 units), with delta = rowsum(dO * O) computed once in
   dkv: a CTA owns wgs x block_kv keys of one (batch, kv head); each consumer keeps K and V in
        SMEM and dK, dV accumulators in registers while the producer streams Q, dO, lse2,
        delta (and segment ids) tiles of all G q heads of the kv head:
-         S^T = K Q^T, P^T = exp2(S^T - lse2), dV += P^T dO, dP^T = V dO^T,
-         dS^T = P^T (dP^T - delta), dK += dS^T Q.
+         S^T = K Q^T and dP^T = V dO^T (issued together), P^T = exp2(S^T - lse2),
+         dV += P^T dO, dS^T = P^T (dP^T - delta), dK += dS^T Q.
        GQA needs no [B, T, Hq, D] temporaries: the G heads' contributions are summed in the
        accumulators. Causal: query tiles wholly before a warpgroup's keys are never loaded
        for the CTA, and the one the second warpgroup does not see is drained.
@@ -69,6 +69,7 @@ from .mosaic_common import (
     ring_slot,
     store_dkv,
     tile_mask,
+    unhoisted_zero,
 )
 from .tile_ranges import tile_ranges
 
@@ -97,14 +98,6 @@ def _two_wgmmas(a1, b1, a2, b2, shape):
         plgpu.wgmma(acc2, a2, b2)
         return acc1[...], acc2[...]
     return pl.run_scoped(issue, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
-
-
-def _one_wgmma(a, b, shape):
-    """a @ b in fp32 (waited for)."""
-    def issue(acc):
-        plgpu.wgmma(acc, a, b)
-        return acc[...]
-    return pl.run_scoped(issue, plgpu.ACC(shape, jnp.float32))
 
 
 def _a_operand(x16, smem, interpret: bool):
@@ -366,13 +359,17 @@ def _dkv(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, conf
             def step(i, carry, base, masked=False):
                 dk, dv = carry
                 slot = ring_slot(base + i, steps)
+                # K and V stay put for the whole loop: indexed through unhoisted_zero, their
+                # wgmma descriptors are rebuilt here rather than held in registers across it
+                # (mosaic_common.unhoisted_zero), which leaves room for S^T and dP^T to be
+                # issued together and waited for once (0 spills at head_dim 128; 8-16 B with
+                # the descriptors hoisted, so they used to run one after the other).
+                z = unhoisted_zero(base + i)
+                k_tile, v_tile = k_smem2.at[wg + z], v_smem2.at[wg + z]
                 for bar in (q_bar, do_bar, lse_bar, delta_bar):
                     plgpu.barrier_wait(bar.at[slot])
-                # S^T -> P^T -> dV first, then dP^T -> dS^T -> dK: with the dK and dV
-                # accumulators resident (2 x 64 floats per thread at head_dim 128), S^T, dP^T,
-                # P^T, dS^T and the lse/delta vectors live at once spill (ptxas,
-                # docs/attention.md).
-                st = _one_wgmma(k_smem, q_smem.at[slot].transpose((1, 0)), (bkv, bq))
+                st, dpt = _two_wgmmas(k_tile, q_smem.at[slot].transpose((1, 0)), v_tile,
+                                      do_smem.at[slot].transpose((1, 0)), (bkv, bq))
                 st = st * qk_scale
                 if has_seg:
                     plgpu.barrier_wait(qseg_bar.at[slot])
@@ -392,7 +389,6 @@ def _dkv(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, conf
                                  interpret)
                 dv = _wgmma_into(dv, lambda acc: plgpu.wgmma(acc, a_p, do_smem.at[slot]),
                                  interpret)
-                dpt = _one_wgmma(v_smem, do_smem.at[slot].transpose((1, 0)), (bkv, bq))
                 dlt = plgpu.load(delta_smem.at[slot], layout=col)
                 dst = pt * (dpt - lax.broadcast_in_dim(dlt, st.shape, [1]))
                 a_ds = _a_operand(dst.astype(dtype), ds_smem2.at[wg] if interpret else None,
