@@ -95,6 +95,22 @@ def test_memory_rows_by_hand_expert2_fsdp2():
     assert full.memory["saved_activations"] == L * 32 * D * 2
 
 
+def test_moe_transient_is_near_the_compiled_peak():
+    """The MoE layer's transient (plan/moe.layer_transient_bytes) against what XLA compiled
+    for a 2-layer Qwen3-30B-A3B step on 1 x 8 H100 at grad_accum 1 (`python -m launch.plan
+    --config configs/qwen3_30b_a3b.py --gpu h100 --nodes 1 --set model.n_layers=2 --buffers
+    40`, deviceless: temporaries 92.0 GB, six [2,097,152, 2048] bf16 buffers of dispatched
+    rows at 8.6 GB each the largest). The formula without the [rows, d_model] buffers gave
+    26.1 GB."""
+    from tests.helpers.small import ROOT
+    from titanax.config import apply_overrides, load_config
+
+    cfg = apply_overrides(load_config(ROOT / "configs" / "qwen3_30b_a3b.py"),
+                          {"model.n_layers": 2})
+    transient = _estimate(cfg).memory["transient"]
+    assert 0.85 * 92.0e9 < transient < 1.1 * 92.0e9, transient / 1e9
+
+
 def _a2a(ep: int, C: int, act: int, rows: int, ids: int) -> float:
     """Bytes one device sends per step: (ep - 1)/ep of each [ep, C, D] buffer and int32 [ep, C]
     one, L layers, one microbatch."""

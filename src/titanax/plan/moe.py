@@ -128,15 +128,23 @@ def expert_rows(cfg: Config, shape: StepShape) -> float:
 
 
 def layer_transient_bytes(cfg: Config, shape: StepShape, one_layer: float) -> float:
-    """memory_model's one-layer backward transient for an MoE layer: the dense formula's six
-    [rows, ffn_dim / tensor] buffers (gate, up, product, their gradients) over the experts'
-    rows (expert_rows), its four [tokens, d] ones, and two layers' parameters gathered over
-    the FSDP group in the compute dtype (`one_layer`: one layer's, with the experts; one
-    prefetched). Not fitted to a compile as the dense one is."""
+    """memory_model's one-layer backward transient for an MoE layer, fitted to the compiled
+    buffers of a 2-layer Qwen3-30B-A3B step on 8 H100s (`launch.plan --set model.n_layers=2
+    --buffers 40`, docs/moe.md), over the experts' rows (expert_rows):
+    - six [rows, d_model] buffers: the gathered rows (the forward's recompute and the
+      backward's), the down projection's output and gradient, the combine's broadcast and its
+      transpose's sum (8.6 GB each there: 52 GB of the 89 GB peak);
+    - six [rows, ffn_dim / tensor] ones (gate, up, product, their gradients), as the dense
+      formula has;
+    - per token four [tokens, d_model] buffers (normed input, q, attention output, incoming
+      gradient) and the router's float32 input and its gradient;
+    - two layers' parameters gathered over the FSDP group in the compute dtype (`one_layer`:
+      one layer's, with the experts; one prefetched)."""
     m, act = cfg.model, shape.act_bytes
     rows = expert_rows(cfg, shape)
-    return (rows * 6 * m.ffn_dim / shape.deg["tensor"] * act
-            + shape.tokens_pipe_micro * 4 * m.d_model * act / shape.deg["tensor"]
+    return (rows * (6 * m.d_model + 6 * m.ffn_dim / shape.deg["tensor"]) * act
+            + shape.tokens_pipe_micro * (4 * m.d_model * act / shape.deg["tensor"]
+                                         + 2 * m.d_model * 4)
             + 2 * one_layer * act)
 
 
