@@ -8,6 +8,7 @@ import json
 import os
 import pathlib
 import sys
+import time
 
 import pytest
 
@@ -132,7 +133,10 @@ def test_wandb_offline_logs_the_rows_and_config_and_resumes_the_same_run(tmp_pat
                                  for s, row in ROWS.items()}
     assert not [c for c in _children() if "wandb" in c]  # wandb-core ended with the run
 
-    # The resumed run (from a checkpoint at step 2) continues the same W&B run id.
+    # The resumed run (from a checkpoint at step 2) continues the same W&B run id. W&B names an
+    # offline run's folder by its start time to the second: a real restart is never within the
+    # same second, but this fake one can be, and would then share the first run's folder.
+    time.sleep(1.0)
     _fake_run(work, "jsonl,wandb", [3, 4], purge_step=3)
     resumed = sorted(wandb_offline.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb"))
     assert len(resumed) == 2  # offline, each start writes its own file; `wandb sync` joins them
