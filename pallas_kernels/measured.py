@@ -19,7 +19,7 @@ from __future__ import annotations
 
 WHERE = "docs/performance.md"
 
-# (op: 'attention' | 'fp8_tensorwise' | 'mxfp8', compute capability major) -> our impl that
+# (op: 'attention' | 'fp8_tensorwise' | 'fp8_rowwise' | 'mxfp8', compute capability major) -> our impl that
 # won there; a comment names the run that showed it.
 WINS: dict[tuple[str, int], str] = {}
 

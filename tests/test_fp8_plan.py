@@ -16,7 +16,7 @@ CONFIG = aot.REPO / "configs" / "tiny.py"
 @pytest.mark.parametrize("gpu", ["h100", "h200"])
 def test_mxfp8_is_refused_on_hopper(gpu, capsys):
     cfg = load_config(CONFIG, ["execution.matmul_precision=mxfp8"])
-    with pytest.raises(PlanError, match="Blackwell.*fp8_tensorwise or fp8_delayed"):
+    with pytest.raises(PlanError, match="Blackwell.*fp8_tensorwise, fp8_delayed or fp8_rowwise"):
         plan_config(cfg, Cluster(gpu, 1))
     with pytest.raises(SystemExit) as exit_:  # --no-compile: refused before any compile
         launch.plan.main(["--config", str(CONFIG), "--gpu", gpu, "--nodes", "1", "--no-compile",
@@ -26,10 +26,10 @@ def test_mxfp8_is_refused_on_hopper(gpu, capsys):
     assert err.startswith(f"error: --gpu {gpu}: mxfp8") and "\n" not in err
 
 
-def test_blackwell_takes_mxfp8_and_hopper_the_tensorwise_recipes():
+def test_blackwell_takes_mxfp8_and_hopper_the_tensorwise_and_rowwise_recipes():
     mx = load_config(CONFIG, ["execution.matmul_precision=mxfp8"])
     assert plan_config(mx, Cluster("b200", 1)).execution.matmul_precision == "mxfp8"
-    for recipe in ("fp8_tensorwise", "fp8_delayed"):
+    for recipe in ("fp8_tensorwise", "fp8_delayed", "fp8_rowwise"):
         cfg = load_config(CONFIG, [f"execution.matmul_precision={recipe}"])
         assert plan_config(cfg, Cluster("h100", 1)).execution.matmul_precision == recipe
 

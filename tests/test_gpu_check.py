@@ -107,6 +107,8 @@ def test_loan_command_dry_run_under_the_loan_machines_constraints(tmp_path):
     assert {("flash_attention", i) for i in ("mosaic_sm90", "mosaic_sm100", "triton",
                                              "cudnn")} <= ran
     assert {("fp8_matmul", i) for i in ("sm90", "pallas_grid", "xla")} <= ran
+    assert {r["mode"] for r in kernels if r["kernel"] == "fp8_matmul" and r["impl"] == "sm90"
+            and r["status"] == "ok"} == {"tensorwise", "rowwise"}
     assert all(r["pass"] for r in kernels if r["status"] == "ok")
     attn = s["attention"]["rows"]
     # The model's own call, with and without packed documents, against cuDNN causal first.
@@ -115,11 +117,11 @@ def test_loan_command_dry_run_under_the_loan_machines_constraints(tmp_path):
                                                            ("model:auto", True)}
     assert all(r["fwd_tflops"] > 0 and r["bwd_tflops"] > 0 for r in attn)
     assert all(r["vs_cudnn_causal"] > 0 for r in attn if r["impl"] != "cudnn")
-    assert {r["impl"] for r in s["fp8"]["rows"]} >= {"bf16", "xla_fp8", "xla_mx"}
+    assert {r["impl"] for r in s["fp8"]["rows"]} >= {"bf16", "xla_fp8", "xla_rowwise", "xla_mx"}
     train = s["train"]["rows"]
     # What the shipped config runs first (on a GPU cuDNN; the dry run's xla stands in).
     assert [r["precision"] for r in train] == ["default", "default", "fp8_tensorwise",
-                                               "fp8_delayed", "mxfp8"]
+                                               "fp8_delayed", "mxfp8", "fp8_rowwise"]
     assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] for r in train)
     # Every choice made without a GPU, shipped variant first, the alternative against it.
     choices = s["choices"]["rows"]

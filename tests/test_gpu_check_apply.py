@@ -169,6 +169,15 @@ def test_decide_needs_every_case_and_the_margin():
     rep = _result()
     assert decide(rep)["attention"][0] == "mosaic_sm90"
     assert decide(rep)["fp8_tensorwise"][0] is None
+    # Rowwise: sm90's case under its scaling's name against XLA's rowwise dot, on every shape.
+    rowwise = copy.deepcopy(rep)
+    for m, k, n in SHAPES:
+        rowwise["sections"]["fp8"]["rows"] += [
+            {"m": m, "k": k, "n": n, "impl": "xla_rowwise", "tflops": 900.0, "status": "ok"},
+            {"m": m, "k": k, "n": n, "impl": "sm90_rowwise", "tflops": 990.0, "status": "ok"}]
+    won, why = decide(rowwise)["fp8_rowwise"]
+    assert won == "sm90" and why.startswith("sm90_rowwise / xla_rowwise TFLOP/s >= 1.100")
+    assert decide(rowwise)["fp8_tensorwise"][0] is None  # tensorwise still lost on one shape
     short = copy.deepcopy(rep)  # the training length not measured: no verdict for a win
     short["sections"]["attention"]["rows"] = [r for r in short["sections"]["attention"]["rows"]
                                               if r["seq"] != 8192]

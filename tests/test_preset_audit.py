@@ -8,8 +8,8 @@ on Hopper (cuDNN causal, bf16 cuBLAS), the program the issue found computing a d
 other paths are compiled by smaller tests: our Mosaic kernels as context-parallel blocks for
 H100 and B200 (test_context.py), the FP8 GEMMs' accumulation and MXFP8's block-scaled GEMMs
 (pallas_kernels/fp8/test_accumulation.py), the audit's findings on small steps
-(test_audit.py). `python -m launch.audit_presets` runs all 42 cells (3 presets x H100/B200 x
-each recipe x documents on/off, about 40 minutes); docs/planner.md holds that table, every
+(test_audit.py). `python -m launch.audit_presets` runs all 54 cells (3 presets x H100/B200 x
+each recipe x documents on/off, about 50 minutes); docs/planner.md holds that table, every
 cell passing."""
 
 import pytest

@@ -17,7 +17,7 @@ from pallas_kernels.target import compute_capability, target_platform
 
 __all__ = ["IMPLS", "fp8_matmul", "resolve_impl"]
 
-_SCALES = {"tensorwise": "tensorwise", "mx": "MX (e8m0 block)"}
+_SCALES = {"tensorwise": "tensorwise", "rowwise": "rowwise", "mx": "MX (e8m0 block)"}
 
 
 def fp8_matmul(a, a_scale, b, b_scale, out_dtype=jnp.bfloat16, *, impl: str = "auto",
@@ -25,9 +25,11 @@ def fp8_matmul(a, a_scale, b, b_scale, out_dtype=jnp.bfloat16, *, impl: str = "a
     """(a * a_scale) @ (b * b_scale) -> out_dtype, float32 accumulation.
 
     a [M, K], b [K, N]: float8_e4m3fn or float8_e5m2 (mixed allowed). Scales: float32 scalars
-    (tensorwise; x ~= q * scale) or float8_e8m0fnu a_scale [M, ceil(K/32)] and b_scale
-    [ceil(K/32), N] (MXFP8: one per 32 consecutive elements of K, as quantize_mxfp8(a, axis=1)
-    and quantize_mxfp8(b, axis=0) return them). `interpret`: True runs the Pallas grid kernel
+    (tensorwise; x ~= q * scale), float32 a_scale [M, 1] and b_scale [1, N] (rowwise: one
+    per row of a and column of b, as quantize_rowwise(a, axis=1) and
+    quantize_rowwise(b, axis=0) return them) or float8_e8m0fnu a_scale [M, ceil(K/32)] and
+    b_scale [ceil(K/32), N] (MXFP8: one per 32 consecutive elements of K, as
+    quantize_mxfp8(a, axis=1) and quantize_mxfp8(b, axis=0) return them). `interpret`: True runs the Pallas grid kernel
     on CPU; a plgpu.InterpretGPUParams runs the sm90 kernel under the Mosaic GPU interpreter.
     gemm: which product of a linear layer this is ('fprop', 'dgrad', 'wgrad'); it sets XLA's
     accumulation (accumulation.py: fast for the forward only). MX scales on a GPU older than
@@ -60,4 +62,6 @@ def fp8_matmul(a, a_scale, b, b_scale, out_dtype=jnp.bfloat16, *, impl: str = "a
         # K-major B (and MX scales) as wgmma / tcgen05 read it: inside a jit the transposes
         # fuse into the producer (the cast).
         b, b_scale = b.T, (b_scale.T if mode == "mx" else b_scale)
+        if mode == "rowwise":  # the GPU kernels take the scale vectors a_scale [M], b_scale [N]
+            a_scale, b_scale = a_scale.reshape(-1), b_scale.reshape(-1)
     return load(impl.run)(a, a_scale, b, b_scale, out_dtype, **kw)

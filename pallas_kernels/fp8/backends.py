@@ -30,7 +30,9 @@ class Recipe:
     """An FP8 training recipe (fp8_linear; linear.py explains each)."""
 
     name: str
-    scaling: str  # 'tensorwise' (one scale per tensor) or 'mx' (e8m0 per 32 elements)
+    # 'tensorwise' (one scale per tensor), 'rowwise' (one per row of each operand, along
+    # the contraction) or 'mx' (e8m0 per 32 elements)
+    scaling: str
     delayed: bool = False  # scales from amax histories of earlier steps (needs meta)
 
     def __post_init__(self):
@@ -38,13 +40,14 @@ class Recipe:
             raise ValueError(f"recipe {self.name!r}: scaling {self.scaling!r} not in {SCALINGS}")
 
 
-SCALINGS = ("tensorwise", "mx")
+SCALINGS = ("tensorwise", "rowwise", "mx")
 # The measured.py op name each scaling mode's matmul is benchmarked under.
-MEASURED_OP = {"tensorwise": "fp8_tensorwise", "mx": "mxfp8"}
+MEASURED_OP = {"tensorwise": "fp8_tensorwise", "rowwise": "fp8_rowwise", "mx": "mxfp8"}
 
 RECIPES_TABLE: dict[str, Recipe] = {r.name: r for r in (
     Recipe("fp8_tensorwise", "tensorwise"),
     Recipe("fp8_delayed", "tensorwise", delayed=True),
+    Recipe("fp8_rowwise", "rowwise"),
     Recipe("mxfp8", "mx"),
 )}
 RECIPES = tuple(RECIPES_TABLE)
@@ -72,7 +75,7 @@ def mx_refusal(cc: tuple[int, int] | None) -> str | None:
     name = " (Hopper)" if cc[0] == 9 else ""
     return (f"mxfp8 (MX block scales) needs Blackwell's block-scaled MMA (compute capability "
             f"{BLOCK_SCALED_MMA_CC}.0+) and the target GPU is {cc[0]}.{cc[1]}{name}: use "
-            "execution.matmul_precision=fp8_tensorwise or fp8_delayed there")
+            "execution.matmul_precision=fp8_tensorwise, fp8_delayed or fp8_rowwise there")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +83,8 @@ class Matmul:
     """One fp8_matmul implementation.
 
     run: "module:function" called as run(a, a_scale, b, b_scale, out_dtype, **kw) where b is
-    [K, N], or B transposed [N, K] (and its MX scales transposed) when k_major_b.
+    [K, N], or B transposed [N, K] (and its MX scales transposed; rowwise scales as the
+    vectors a_scale [M] and b_scale [N]) when k_major_b.
     config: "module:Class" of its frozen knob dataclass, passed as config= (default: Class()).
     supported: "module:function" (m, n, k, config) -> bool: whether it takes the shape.
     interpret: how it runs without a GPU: 'grid' (interpret=bool, the Pallas grid
@@ -121,8 +125,9 @@ MATMULS: dict[str, Matmul] = {m.name: m for m in (
     Matmul("pallas_grid", "the portable Pallas grid kernel (matmul_grid.py)",
            run=".matmul_grid:fp8_matmul_grid", config=".config:GridConfig", interpret="grid",
            gpu_kernel=False),
-    Matmul("sm90", "the Hopper Mosaic GPU wgmma kernel (tensorwise only)",
-           run=".matmul_sm90:fp8_matmul_sm90", scalings=("tensorwise",), compute_capability=9,
+    Matmul("sm90", "the Hopper Mosaic GPU wgmma kernel (tensorwise and rowwise)",
+           run=".matmul_sm90:fp8_matmul_sm90", scalings=("tensorwise", "rowwise"),
+           compute_capability=9,
            k_major_b=True, config=".config:Sm90Config", supported=".matmul_sm90:supported",
            interpret="mosaic"),
     Matmul("sm100", "the Blackwell block-scaled tcgen05 kernel (MX only)",

@@ -8,9 +8,12 @@ Operands are quantized once before timing: the numbers are the GEMM alone (the q
 elementwise passes XLA fuses into the producers).
 
 Cases: bf16 (jnp.dot, bf16 in, f32 accumulate, bf16 out), xla_fp8 (tensorwise e4m3 dot
-through XLA: cuBLASLt on Hopper), xla_mx (jax.nn.scaled_matmul, MXFP8: cuDNN on Blackwell),
-and every kernel of backends.py's MATMULS table by its name (sm90: tensorwise, sm100: MX,
-pallas_grid: the portable grid kernel, interpreted on CPU so only with a large `scale`).
+through XLA: cuBLASLt on Hopper), xla_rowwise (the same dot, its float32 result times the
+row and column scales), xla_mx (jax.nn.scaled_matmul, MXFP8: cuDNN on Blackwell), and every
+kernel of backends.py's MATMULS table by its name in its first scaling mode (sm90:
+tensorwise, sm100: MX, pallas_grid: the portable grid kernel, interpreted on CPU so only with
+a large `scale`) and as name_mode in its others (sm90_rowwise). case_kernel() maps a case
+name to (implementation, scaling mode).
 """
 
 from __future__ import annotations
@@ -24,12 +27,27 @@ from ..target import compute_capability
 from ..timing import median_call_seconds
 from .api import fp8_matmul
 from .backends import MATMULS, generation_kernels
-from .quant import quantize_mxfp8, quantize_tensorwise
+from .quant import quantize_mxfp8, quantize_rowwise, quantize_tensorwise
 
 SHAPES = [(8192, 8192), (8192, 28672), (28672, 8192)]  # (K in, N out) of Llama-3-70B's GEMMs
-BASELINES = ("bf16", "xla_fp8", "xla_mx")
-KERNELS = tuple(n for n, m in MATMULS.items() if m.run.startswith(".matmul_"))
-CASES = BASELINES + KERNELS
+# case name -> (fp8_matmul impl, scaling mode); bf16 is jnp.dot.
+_XLA = {"xla_fp8": ("xla", "tensorwise"), "xla_rowwise": ("xla", "rowwise"),
+        "xla_mx": ("xla", "mx")}
+BASELINES = ("bf16", *_XLA)
+KERNEL_CASES = {(n if i == 0 else f"{n}_{s}"): (n, s)
+                for n, m in MATMULS.items() if m.run.startswith(".matmul_")
+                for i, s in enumerate(m.scalings)}
+CASES = BASELINES + tuple(KERNEL_CASES)
+
+
+def case_kernel(name: str) -> tuple[str | None, str | None]:
+    """(fp8_matmul impl, scaling mode) a case times: ('xla', 'rowwise') for xla_rowwise,
+    ('sm90', 'tensorwise') for sm90; (None, None) for bf16."""
+    if name == "bf16":
+        return None, None
+    if name not in _XLA and name not in KERNEL_CASES:
+        raise ValueError(f"unknown fp8 bench case {name!r}; use one of {list(CASES)}")
+    return _XLA.get(name) or KERNEL_CASES[name]
 
 
 def default_impls() -> list[str]:
@@ -37,9 +55,10 @@ def default_impls() -> list[str]:
     for this GPU generation (Hopper has no MX hardware: no xla_mx there)."""
     cc = compute_capability()
     if cc is None:
-        return ["bf16", "xla_fp8"]
-    ours = [m.name for s in ("tensorwise", "mx") for m in generation_kernels(cc[0], s)]
-    return ["bf16", "xla_fp8"] + (["xla_mx"] if cc[0] >= 10 else []) + ours
+        return ["bf16", "xla_fp8", "xla_rowwise"]
+    ours = [c for c, (n, s) in KERNEL_CASES.items()
+            if n in {m.name for m in generation_kernels(cc[0], s)}]
+    return ["bf16", "xla_fp8", "xla_rowwise"] + (["xla_mx"] if cc[0] >= 10 else []) + ours
 
 
 def _operands(m: int, k: int, n: int) -> dict:
@@ -49,9 +68,12 @@ def _operands(m: int, k: int, n: int) -> dict:
     b = (jax.random.normal(kb, (k, n), jnp.float32) * 0.02).astype(jnp.bfloat16)
     qa, sa = jax.jit(quantize_tensorwise)(a)
     qb, sb = jax.jit(quantize_tensorwise)(b)
+    ra, rsa = jax.jit(lambda x: quantize_rowwise(x, axis=1))(a)
+    rb, rsb = jax.jit(lambda x: quantize_rowwise(x, axis=0))(b)
     ma, msa = jax.jit(lambda x: quantize_mxfp8(x, axis=1))(a)
     mb, msb = jax.jit(lambda x: quantize_mxfp8(x, axis=0))(b)
-    return {"bf16": (a, b), "tensorwise": (qa, sa, qb, sb), "mx": (ma, msa, mb, msb)}
+    return {"bf16": (a, b), "tensorwise": (qa, sa, qb, sb), "rowwise": (ra, rsa, rb, rsb),
+            "mx": (ma, msa, mb, msb)}
 
 
 def _case(name: str, ops: dict, on_cpu: bool):
@@ -59,12 +81,9 @@ def _case(name: str, ops: dict, on_cpu: bool):
     if name == "bf16":
         return (jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32)
                         .astype(jnp.bfloat16)), ops["bf16"])
-    if name in ("xla_fp8", "xla_mx"):
-        mode = "tensorwise" if name == "xla_fp8" else "mx"
-        return jax.jit(lambda *t: fp8_matmul(*t, impl="xla")), ops[mode]
-    kernel = MATMULS[name]
-    kw = {"interpret": on_cpu} if kernel.interpret == "grid" else {}
-    return jax.jit(lambda *t: fp8_matmul(*t, impl=name, **kw)), ops[kernel.scalings[0]]
+    impl, mode = case_kernel(name)
+    kw = {"interpret": on_cpu} if MATMULS[impl].interpret == "grid" else {}
+    return jax.jit(lambda *t: fp8_matmul(*t, impl=impl, **kw)), ops[mode]
 
 
 def run(tokens: int = 8192, scale: int = 1, impls=None, iters: int = 20, on_row=None) -> dict:

@@ -5,20 +5,26 @@
            dw = Q4(x)^T @ Qg(dy)        e4m3 x Qg
 
 Q4 quantizes to e4m3; Qg, the gradient's quantizer, is e5m2 for the tensorwise recipes (one
-scale must span the whole gradient's range: e5m2 has 32x e4m3's) and e4m3 for mxfp8, as
-NVIDIA's MXFP8 recipe (Transformer Engine's MXFP8BlockScaling) does: with a scale per 32
-elements the range comes from the scales, and e4m3's extra mantissa bit halves the rounding
-error of the gradients. Recipes:
+scale must span the whole gradient's range: e5m2 has 32x e4m3's) and e4m3 for fp8_rowwise
+and mxfp8, as torchao's rowwise recipe and NVIDIA's MXFP8 recipe (Transformer Engine's
+MXFP8BlockScaling) do: with a scale per row or per 32 elements the range comes from the
+scales, and e4m3's extra mantissa bit halves the rounding error of the gradients. Recipes:
   'fp8_tensorwise' current scaling, one scale per tensor from its own amax;
   'fp8_delayed'    scales from amax histories of earlier steps (meta = {'x', 'w', 'g'}, each
                    [history]); the new histories come back as meta's "gradient", which the
                    train step writes over the old ones (not through the optimizer). The
                    forward-only path leaves them alone.
+  'fp8_rowwise'    one scale per row along each product's contraction axis (torchao's
+                   rowwise recipe, TorchTitan's float8 "rowwise"): x per token, w per output
+                   column in the forward; x and w are re-quantized per orientation in the
+                   backward, as for mxfp8. Scales round up to powers of two (exact to apply,
+                   never clipping a row's max).
   'mxfp8'          1x32 blocks with e8m0 scales along each product's contraction axis, so x,
                    w and dy are quantized once per orientation they are contracted in (the
                    backward re-quantizes x and w from their high-precision residuals). Scale
                    exponents round up by default (quantize_mxfp8's `rounding`).
-The tensorwise recipes keep the FP8 copies of x and w as residuals (half the bytes of bf16).
+The tensorwise recipes keep the FP8 copies of x and w as residuals (half the bytes of bf16);
+fp8_rowwise and mxfp8 keep x and w as they are.
 Each product names its GEMM to fp8_matmul (gemm='fprop', 'dgrad', 'wgrad'); accumulation.py
 alone decides which may accumulate fast on a GPU (the forward only, as Transformer Engine).
 On a GPU without block-scaled MMA (before Blackwell) 'mxfp8' is refused at trace time
@@ -35,7 +41,12 @@ import jax.numpy as jnp
 from pallas_kernels.fp8.api import fp8_matmul
 from pallas_kernels.fp8.backends import MX_SCALE_ROUNDINGS, RECIPES, RECIPES_TABLE
 from pallas_kernels.fp8.config import E4M3, E5M2
-from pallas_kernels.fp8.quant import quantize_delayed, quantize_mxfp8, quantize_tensorwise
+from pallas_kernels.fp8.quant import (
+    quantize_delayed,
+    quantize_mxfp8,
+    quantize_rowwise,
+    quantize_tensorwise,
+)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
@@ -54,9 +65,9 @@ def _fwd(x, w, meta, recipe, out_dtype, impl, mx_rounding):
         qx, sx, hx = quantize_delayed(x, meta["x"], E4M3)
         qw, sw, hw = quantize_delayed(w, meta["w"], E4M3)
         res = (qx, sx, qw, sw, (hx, hw, meta["g"]))
-    else:  # mx: blocks along K (x's axis 1, w's axis 0)
-        qx, sx = quantize_mxfp8(x, axis=1, dtype=E4M3, rounding=mx_rounding)
-        qw, sw = quantize_mxfp8(w, axis=0, dtype=E4M3, rounding=mx_rounding)
+    else:  # rowwise or mx: scales along K (x's axis 1, w's axis 0)
+        quant = _per_axis_quantizer(r.scaling, mx_rounding)
+        (qx, sx), (qw, sw) = quant(x, axis=1), quant(w, axis=0)
         res = (x, None, w, None, None)
     y = mm(qx, sx, qw, sw, out_dtype, gemm="fprop")
     # Shapes and dtypes of the primals ride along as zero-size arrays (residuals must be arrays).
@@ -68,16 +79,17 @@ def _bwd(recipe, out_dtype, impl, mx_rounding, saved, g):
     mm = functools.partial(fp8_matmul, impl=impl)
     new_meta = None
     r = RECIPES_TABLE[recipe]
-    if r.scaling == "mx":
-        # Every operand e4m3, the gradient too (TE's MXFP8BlockScaling): per-32 scales give
-        # the range that tensorwise recipes need e5m2 for.
-        mx = functools.partial(quantize_mxfp8, dtype=E4M3, rounding=mx_rounding)
+    if r.scaling in ("rowwise", "mx"):
+        # Every operand e4m3, the gradient too (torchao's rowwise recipe, TE's
+        # MXFP8BlockScaling): per-row or per-32 scales give the range that tensorwise recipes
+        # need e5m2 for. Each operand is quantized along the axis its product contracts.
+        quant = _per_axis_quantizer(r.scaling, mx_rounding)
         x, w = r_x, r_w
-        qg_n, sg_n = mx(g, axis=1)  # dx contracts over N
-        qw_n, sw_n = mx(w, axis=1)
+        qg_n, sg_n = quant(g, axis=1)  # dx contracts over N
+        qw_n, sw_n = quant(w, axis=1)
         dx = mm(qg_n, sg_n, qw_n.T, sw_n.T, x_like.dtype, gemm="dgrad")
-        qx_t, sx_t = mx(x, axis=0)  # dw contracts over tokens
-        qg_t, sg_t = mx(g, axis=0)
+        qx_t, sx_t = quant(x, axis=0)  # dw contracts over tokens
+        qg_t, sg_t = quant(g, axis=0)
         dw = mm(qx_t.T, sx_t.T, qg_t, sg_t, w_like.dtype, gemm="wgrad")
     else:
         qx, qw = r_x, r_w
@@ -93,6 +105,14 @@ def _bwd(recipe, out_dtype, impl, mx_rounding, saved, g):
 
 
 _fp8_linear.defvjp(_fwd, _bwd)
+
+
+def _per_axis_quantizer(scaling: str, mx_rounding: str):
+    """quant(t, axis) -> (e4m3 q, scales along axis) for the recipes whose scales follow the
+    contraction axis: one per row ('rowwise', power-of-two) or per 32 elements ('mx')."""
+    if scaling == "rowwise":
+        return functools.partial(quantize_rowwise, dtype=E4M3, power_of_two=True)
+    return functools.partial(quantize_mxfp8, dtype=E4M3, rounding=mx_rounding)
 
 
 def fp8_linear(x, w, meta=None, *, recipe: str = "fp8_tensorwise", out_dtype=None,

@@ -1,6 +1,6 @@
 """Portable Pallas grid kernel for the FP8 matmul: runs in interpret mode on CPU (the kernel the
 CPU tests exercise) and is the semantic twin of the GPU kernels: float32 accumulation over K
-steps, tensorwise scales applied once in the epilogue, MX e8m0 scales applied per 32-block of K
+steps, tensorwise and rowwise scales applied once in the epilogue, MX e8m0 scales applied per 32-block of K
 to the operand tiles before each partial product.
 
 Grid: one program per (block_m, block_n) output tile; each holds its A row strip and B column
@@ -32,15 +32,24 @@ def _pad2(x, rows: int, cols: int, value=0):
     return jnp.pad(x, pads, constant_values=jnp.array(value, x.dtype))
 
 
-def _tensorwise_kernel(s_ref, a_ref, b_ref, o_ref, *, bk: int, nk: int):
+def _fp8_dot(a_ref, b_ref, shape, *, bk: int, nk: int):
     def step(i, acc):
         a = a_ref[:, pl.ds(i * bk, bk)].astype(jnp.float32)  # exact: FP8 values are f32 values
         b = b_ref[pl.ds(i * bk, bk), :].astype(jnp.float32)
         return acc + jnp.dot(a, b, preferred_element_type=jnp.float32,
                              precision=jax.lax.Precision.HIGHEST)
 
-    acc = jax.lax.fori_loop(0, nk, step, jnp.zeros(o_ref.shape, jnp.float32))
+    return jax.lax.fori_loop(0, nk, step, jnp.zeros(shape, jnp.float32))
+
+
+def _tensorwise_kernel(s_ref, a_ref, b_ref, o_ref, *, bk: int, nk: int):
+    acc = _fp8_dot(a_ref, b_ref, o_ref.shape, bk=bk, nk=nk)
     o_ref[...] = (acc * s_ref[0, 0]).astype(o_ref.dtype)  # epilogue: one multiply per output
+
+
+def _rowwise_kernel(a_ref, sa_ref, b_ref, sb_ref, o_ref, *, bk: int, nk: int):
+    acc = _fp8_dot(a_ref, b_ref, o_ref.shape, bk=bk, nk=nk)
+    o_ref[...] = ((acc * sa_ref[...]) * sb_ref[...]).astype(o_ref.dtype)  # [bm, 1], [1, bn]
 
 
 def _mx_kernel(a_ref, as_ref, b_ref, bs_ref, o_ref, *, bk: int, nk: int):
@@ -82,6 +91,13 @@ def fp8_matmul_grid(a, a_scale, b, b_scale, out_dtype=jnp.bfloat16, *,
             grid=grid, out_shape=out_shape, out_specs=out_spec, interpret=interpret,
             in_specs=[pl.BlockSpec((1, 1), lambda i, j: (0, 0)), a_spec, b_spec],
         )(s, a_p, b_p)
+    elif mode == "rowwise":
+        out = pl.pallas_call(
+            functools.partial(_rowwise_kernel, bk=bk, nk=kp // bk),
+            grid=grid, out_shape=out_shape, out_specs=out_spec, interpret=interpret,
+            in_specs=[a_spec, pl.BlockSpec((bm, 1), lambda i, j: (i, 0)),
+                      b_spec, pl.BlockSpec((1, bn), lambda i, j: (0, j))],
+        )(a_p, _pad2(a_scale, mp, 1, 1), b_p, _pad2(b_scale, 1, np_, 1))
     else:
         one = jax.lax.bitcast_convert_type(jnp.uint8(127), E8M0)  # 2**0 for padded blocks
         kb = kp // MX_BLOCK

@@ -1,5 +1,5 @@
 """Hopper (sm_90) FP8 matmul: Pallas Mosaic GPU, TMA-pipelined wgmma on e4m3/e5m2 operands,
-tensorwise scales applied to the float32 accumulator in the epilogue.
+tensorwise or rowwise scales applied to the float32 accumulator in the epilogue.
 
 One CTA (one warpgroup) per (tile_m, tile_n) output tile. A [M, K] and B^T [N, K] tiles stream
 through `max_concurrent_steps` SMEM stages by TMA (128-byte swizzle). FP8 wgmma reads both
@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.fp8.config import Sm90Config, check_kmajor_operands
+from pallas_kernels.fp8.matmul_sm90_ws import fp8_matmul_sm90_ws, kernel_scales, scaled
 from pallas_kernels.wgmma import wgmma_into
 
 
@@ -40,8 +41,8 @@ def _wgmma_group(acc, a_smem, bt_smem, interpret: bool):
     return wgmma_into(acc, lambda acc_ref: plgpu.wgmma(acc_ref, a_smem, bt_smem.T), interpret)
 
 
-def _kernel(a_gmem, bt_gmem, s_gmem, out_gmem, *, config: Sm90Config, k_iters: int,
-            interpret: bool):
+def _kernel(a_gmem, bt_gmem, sa_gmem, sb_gmem, out_gmem, *, config: Sm90Config, k_iters: int,
+            rowwise: bool, interpret: bool):
     tm, tn, tk = config.tile_m, config.tile_n, config.tile_k
     every = config.promote_every
     mi, ni = jax.lax.axis_index("m"), jax.lax.axis_index("n")
@@ -98,8 +99,9 @@ def _kernel(a_gmem, bt_gmem, s_gmem, out_gmem, *, config: Sm90Config, k_iters: i
     @functools.partial(pl.run_scoped,
                        o_smem=plgpu.SMEM((tm, tn), out_dtype, transforms=out_transforms))
     def _store(o_smem):
-        # Epilogue: both tensorwise scales in one float32 multiply, then the cast.
-        o_smem[...] = (acc * s_gmem[0]).astype(out_dtype)
+        # Epilogue: the scales (tensorwise: one float32 multiply), then the cast.
+        rows, cols = pl.ds(mi * tm, tm), pl.ds(ni * tn, tn)
+        o_smem[...] = scaled(acc, sa_gmem, sb_gmem, rows, cols, rowwise).astype(out_dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[pl.ds(mi * tm, tm), pl.ds(ni * tn, tn)])
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -107,28 +109,24 @@ def _kernel(a_gmem, bt_gmem, s_gmem, out_gmem, *, config: Sm90Config, k_iters: i
 
 def fp8_matmul_sm90(a, a_scale, bt, b_scale, out_dtype=jnp.bfloat16, *,
                     config: Sm90Config = Sm90Config(), interpret=None):
-    """a [M, K] and bt [N, K] (B transposed: K-major) in e4m3/e5m2, float32 scalar scales
-    (with structure="ws_2wg" also rowwise: a_scale [M] per row of A, b_scale [N] per column
-    of B). Returns (a * a_scale) @ (bt * b_scale).T in out_dtype. `interpret`: a
+    """a [M, K] and bt [N, K] (B transposed: K-major) in e4m3/e5m2; float32 scales, either
+    scalars (tensorwise) or a_scale [M] per row of A and b_scale [N] per column of B
+    (rowwise). Returns (a * a_scale) @ (bt * b_scale).T in out_dtype. `interpret`: a
     plgpu.InterpretGPUParams to run on CPU under the Mosaic GPU interpreter."""
     m, n, k = check_kmajor_operands(a, bt)
     if not supported(m, n, k, config):
         raise ValueError(f"M={m}, N={n}, K={k} must be multiples of tile_m={config.tile_m}, "
                          f"tile_n={config.tile_n}, tile_k={config.tile_k}")
+    sa, sb, rowwise = kernel_scales(a_scale, b_scale, m, n, config)
     if config.structure == "ws_2wg":  # warp-specialized, persistent (matmul_sm90_ws.py)
-        from pallas_kernels.fp8.matmul_sm90_ws import fp8_matmul_sm90_ws
-        return fp8_matmul_sm90_ws(a, a_scale, bt, b_scale, out_dtype, config=config,
+        return fp8_matmul_sm90_ws(a, bt, sa, sb, out_dtype, rowwise=rowwise, config=config,
                                   interpret=interpret)
-    if jnp.ndim(a_scale) or jnp.ndim(b_scale):
-        raise ValueError("rowwise scales (a_scale [M], b_scale [N]) need "
-                         "Sm90Config(structure='ws_2wg'); this kernel takes scalars")
-    scale = (jnp.asarray(a_scale, jnp.float32) * jnp.asarray(b_scale, jnp.float32)).reshape(1)
     kernel = plgpu.kernel(
-        functools.partial(_kernel, config=config, k_iters=k // config.tile_k,
+        functools.partial(_kernel, config=config, k_iters=k // config.tile_k, rowwise=rowwise,
                           interpret=interpret is not None),
         out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
         grid=(m // config.tile_m, n // config.tile_n),
         grid_names=("m", "n"),
         interpret=interpret,
     )
-    return kernel(a, bt, scale)
+    return kernel(a, bt, sa, sb)

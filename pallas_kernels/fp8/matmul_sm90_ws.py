@@ -125,7 +125,7 @@ def _kernel(a_gmem, bt_gmem, sa_gmem, sb_gmem, out_gmem, *, config: Sm90Config, 
                 else:
                     acc = run(init())
                     acc = acc if config.promote_every == 1 else acc[0] + acc[1]
-                acc = _scaled(acc, sa_gmem, sb_gmem, out_rows, out_cols, rowwise)
+                acc = scaled(acc, sa_gmem, sb_gmem, out_rows, out_cols, rowwise)
                 for j in range(tn // en):
                     # TMA stores read o_smem asynchronously: the one that last read this slot
                     # must be done (slice j - 2, or any of the previous tile's at j = 0)
@@ -141,7 +141,7 @@ def _kernel(a_gmem, bt_gmem, sa_gmem, sb_gmem, out_gmem, *, config: Sm90Config, 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last stores land before exit
 
 
-def _scaled(acc, sa_gmem, sb_gmem, out_rows, out_cols, rowwise: bool):
+def scaled(acc, sa_gmem, sb_gmem, out_rows, out_cols, rowwise: bool):
     """acc times its scales: one scalar (tensorwise; both scales pre-multiplied), or A's row
     scales along rows and B's column scales along columns (rowwise), loaded in the slices of
     the WGMMA layout the accumulator's registers hold."""
@@ -162,25 +162,29 @@ def tiles_and_ctas(m: int, n: int, k: int, config: Sm90Config) -> tuple[tuple, i
     return tiles, max(1, min(tiles[0] * tiles[1], ctas))
 
 
-def fp8_matmul_sm90_ws(a, a_scale, bt, b_scale, out_dtype, *, config: Sm90Config,
-                       interpret=None):
-    """The ws_2wg kernel (checked shapes; see matmul_sm90.fp8_matmul_sm90). Scalar scales:
-    tensorwise; a_scale [M] and b_scale [N]: rowwise (per row of A, per column of B)."""
-    (m, _), (n, k) = a.shape, bt.shape
+def kernel_scales(a_scale, b_scale, m: int, n: int, config: Sm90Config):
+    """(sa, sb, rowwise): the float32 vectors both sm90 kernels read in their epilogue.
+    Scalars (tensorwise) become sa = [a_scale * b_scale], sb = [1]; a_scale [M] and b_scale
+    [N] (rowwise: per row of A, per column of B) stay as they are."""
     a_scale, b_scale = jnp.asarray(a_scale, jnp.float32), jnp.asarray(b_scale, jnp.float32)
-    rowwise = a_scale.ndim == 1
-    if rowwise:
-        if a_scale.shape != (m,) or b_scale.shape != (n,):
-            raise ValueError(f"rowwise scales must be a_scale [M={m}] and b_scale [N={n}], got "
-                             f"{a_scale.shape} and {b_scale.shape}")
-        # ptxas (deviceless H100): rowwise at 128 x 192 with promotion spills 16 B; the scale
-        # vectors and their addresses do not fit beside the 192 accumulator registers.
-        if config.promote_every and config.tile_n > 128:
-            raise ValueError(f"rowwise scales with promotion need tile_n <= 128 (got "
-                             f"{config.tile_n}: it spills registers)")
-        sa, sb = a_scale, b_scale
-    else:
-        sa, sb = (a_scale * b_scale).reshape(1), jnp.ones((1,), jnp.float32)
+    if a_scale.ndim == 0 and b_scale.ndim == 0:
+        return (a_scale * b_scale).reshape(1), jnp.ones((1,), jnp.float32), False
+    if a_scale.shape != (m,) or b_scale.shape != (n,):
+        raise ValueError(f"sm90 scales are scalars (tensorwise) or a_scale [M={m}] and b_scale "
+                         f"[N={n}] (rowwise); got {a_scale.shape} and {b_scale.shape}")
+    # ptxas (deviceless H100): ws_2wg rowwise at 128 x 192 with promotion spills 16 B; the
+    # scale vectors and their addresses do not fit beside the 192 accumulator registers.
+    if config.structure == "ws_2wg" and config.promote_every and config.tile_n > 128:
+        raise ValueError(f"rowwise scales with promotion need tile_n <= 128 in ws_2wg (got "
+                         f"{config.tile_n}: it spills registers)")
+    return a_scale, b_scale, True
+
+
+def fp8_matmul_sm90_ws(a, bt, sa, sb, out_dtype, *, rowwise: bool, config: Sm90Config,
+                       interpret=None):
+    """The ws_2wg kernel (checked shapes and scales from kernel_scales; see
+    matmul_sm90.fp8_matmul_sm90)."""
+    (m, _), (n, k) = a.shape, bt.shape
     tiles, ctas = tiles_and_ctas(m, n, k, config)
     kernel = plgpu.kernel(
         functools.partial(_kernel, config=config, tiles=tiles, rowwise=rowwise,

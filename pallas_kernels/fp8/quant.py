@@ -1,4 +1,5 @@
-"""FP8 quantizers: tensorwise current scaling, delayed scaling with an amax history, MXFP8.
+"""FP8 quantizers: tensorwise current scaling, delayed scaling with an amax history, rowwise
+(one scale per row along the contraction), MXFP8.
 
 Convention everywhere: a quantized tensor is (q, scale) with x ~= q.astype(f32) * scale, i.e.
 `scale` is the dequantization factor (Transformer Engine's scale_inv). Casts saturate: a value
@@ -58,6 +59,30 @@ def quantize_with_scale(x, scale, dtype=E4M3) -> jax.Array:
 def quantize_tensorwise(x, dtype=E4M3) -> tuple[jax.Array, jax.Array]:
     """Current scaling: one float32 scale from this tensor's own amax. Returns (q, scale)."""
     scale = scale_from_amax(amax(x), dtype)
+    return quantize_with_scale(x, scale, dtype), scale
+
+
+def quantize_rowwise(x, axis: int = -1, dtype=E4M3,
+                     power_of_two: bool = True) -> tuple[jax.Array, jax.Array]:
+    """One float32 scale per slice along `axis` (the axis a matmul contracts): x [T, K] with
+    axis=1 gets a scale per row [T, 1]; w [K, N] with axis=0 one per column [1, N]. Returns
+    (q, scale) with the scale's `axis` kept at size 1, so q * scale broadcasts back.
+
+    torchao's rowwise float8 recipe (TorchTitan's `float8.recipe_name="rowwise"`, also
+    DeepSeek-V3's per-token activations): an outlier token or channel costs only its own
+    row's resolution, where one tensorwise scale would coarsen every row. power_of_two
+    (torchao's round_scales_to_power_of_2, on for that recipe): each scale rounds up to a
+    power of two, so dividing by it and multiplying the float32 accumulator by it are exact
+    and the row's max is never clipped. Zero or non-finite rows get scale 1 (as
+    scale_from_amax)."""
+    dtype = check_fp8(dtype)
+    row_amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axis, keepdims=True)
+    scale = scale_from_amax(row_amax, dtype)
+    if power_of_two:
+        # scale = m * 2**e, m in [0.5, 1): the next power of two up is 2**e, or scale itself
+        # when m == 0.5. Through frexp: exact, no log2 rounding.
+        mant, e = jnp.frexp(scale)
+        scale = jnp.ldexp(jnp.float32(1.0), jnp.where(mant == 0.5, e - 1, e))
     return quantize_with_scale(x, scale, dtype), scale
 
 

@@ -23,7 +23,9 @@ from pallas_kernels.target import target_platform
 
 
 def scaling_mode(a, a_scale, b, b_scale) -> str:
-    """'tensorwise' (scalar scales) or 'mx' (e8m0 scales per 32 of K); validates shapes."""
+    """'tensorwise' (scalar scales), 'rowwise' (float32 a_scale [M, 1] per row of a and
+    b_scale [1, N] per column of b, as torch._scaled_mm takes them) or 'mx' (e8m0 scales per
+    32 of K); validates shapes."""
     if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"fp8_matmul takes a [M, K] and b [K, N], got {a.shape} and {b.shape}")
     for name, t in (("a", a), ("b", b)):
@@ -33,20 +35,35 @@ def scaling_mode(a, a_scale, b, b_scale) -> str:
     if jnp.ndim(a_scale) == 0 and jnp.ndim(b_scale) == 0:
         return "tensorwise"
     kb = -(-k // MX_BLOCK)
+    e8m0 = [jnp.dtype(s.dtype) == jnp.float8_e8m0fnu for s in (a_scale, b_scale)]
+    # With K <= 32 an MX scale has rowwise's shape: the dtype tells them apart.
+    if jnp.shape(a_scale) == (m, 1) and jnp.shape(b_scale) == (1, n) and not any(e8m0):
+        if a_scale.dtype != jnp.float32 or b_scale.dtype != jnp.float32:
+            raise ValueError("rowwise scales must be float32")
+        return "rowwise"
     if jnp.shape(a_scale) == (m, kb) and jnp.shape(b_scale) == (kb, n):
-        if a_scale.dtype != jnp.float8_e8m0fnu or b_scale.dtype != jnp.float8_e8m0fnu:
+        if not all(e8m0):
             raise ValueError("MX scales must be float8_e8m0fnu")
         return "mx"
-    raise ValueError(f"scales must be scalars (tensorwise) or a_scale [{m}, {kb}] and b_scale "
+    raise ValueError(f"scales must be scalars (tensorwise), float32 a_scale [{m}, 1] and "
+                     f"b_scale [1, {n}] (rowwise) or e8m0 a_scale [{m}, {kb}] and b_scale "
                      f"[{kb}, {n}] (MX, one per 32 of K); got {jnp.shape(a_scale)} and "
                      f"{jnp.shape(b_scale)}")
 
 
+def apply_scales(acc, a_scale, b_scale, mode: str) -> jax.Array:
+    """The float32 accumulator times its scales, as the kernels' epilogues apply them:
+    tensorwise both scalars in one multiply; rowwise A's row scales, then B's column scales."""
+    if mode == "tensorwise":
+        return acc * (a_scale.astype(jnp.float32) * b_scale.astype(jnp.float32))
+    return (acc * a_scale) * b_scale
+
+
 def fp8_matmul_reference(a, a_scale, b, b_scale, out_dtype=jnp.bfloat16) -> jax.Array:
     hp = jax.lax.Precision.HIGHEST
-    if scaling_mode(a, a_scale, b, b_scale) == "tensorwise":
+    if (mode := scaling_mode(a, a_scale, b, b_scale)) != "mx":
         acc = jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32), precision=hp)
-        return (acc * (a_scale.astype(jnp.float32) * b_scale.astype(jnp.float32))).astype(out_dtype)
+        return apply_scales(acc, a_scale, b_scale, mode).astype(out_dtype)
     a32 = dequantize_mxfp8(a, a_scale, axis=1)
     b32 = dequantize_mxfp8(b, b_scale, axis=0)
     return jnp.dot(a32, b32, precision=hp).astype(out_dtype)
@@ -77,20 +94,21 @@ def check_cudnn_block_scaled_dot() -> None:
 
 def fp8_matmul_xla(a, a_scale, b, b_scale, out_dtype=jnp.bfloat16, *,
                    gemm: str = "fprop") -> jax.Array:
-    """XLA's own FP8 dot. Tensorwise: an fp8 x fp8 dot_general with a float32 result, scaled
-    after: the cuBLASLt FP8 GEMM on a GPU, where it carries the precision accumulation.py
-    gives `gemm` ('fprop', 'dgrad' or 'wgrad': fast accumulation for the forward only); on
-    CPU a plain upcast (the reference's numbers).
+    """XLA's own FP8 dot. Tensorwise and rowwise: an fp8 x fp8 dot_general with a float32
+    result, scaled after: the cuBLASLt FP8 GEMM on a GPU, where it carries the precision
+    accumulation.py gives `gemm` ('fprop', 'dgrad' or 'wgrad': fast accumulation for the
+    forward only); on CPU a plain upcast (the reference's numbers). XLA fuses scalar scales
+    into the GEMM; rowwise vectors are one elementwise pass over the float32 result, fused
+    with the cast.
     MX: on a GPU jax.nn.scaled_matmul, which XLA lowers to cuDNN's block-scaled GEMM
     (`__cudnn$blockScaledDot`) on Blackwell with cuDNN >= 9.10 (checked: older raises), K
     zero-padded to whole 32-blocks; off a GPU the reference."""
     platform = target_platform()
-    if scaling_mode(a, a_scale, b, b_scale) == "tensorwise":
+    if (mode := scaling_mode(a, a_scale, b, b_scale)) != "mx":
         acc = jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())),
                                   precision=xla_dot_precision(gemm, platform),
                                   preferred_element_type=jnp.float32)
-        scale = a_scale.astype(jnp.float32) * b_scale.astype(jnp.float32)
-        return (acc * scale).astype(out_dtype)
+        return apply_scales(acc, a_scale, b_scale, mode).astype(out_dtype)
     if platform != "gpu":
         # Off GPU scaled_matmul is a slower composite of the same dequantize-and-dot.
         return fp8_matmul_reference(a, a_scale, b, b_scale, out_dtype)

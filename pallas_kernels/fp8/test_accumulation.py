@@ -50,6 +50,7 @@ _SCRIPT = textwrap.dedent(f"""
         return out
 
     h100 = compiled("h100", "fp8_tensorwise")
+    rowwise = compiled("h100", "fp8_rowwise")
     b200 = compiled("b200", "mxfp8")
     try:
         compiled("h100", "mxfp8")
@@ -58,7 +59,8 @@ _SCRIPT = textwrap.dedent(f"""
         refusal = str(e)
     print("RESULT " + json.dumps({{
         "h100": calls(h100), "b200": calls(b200), "refusal": refusal,
-        "h100_triton": "__triton" in h100,
+        "h100_triton": "__triton" in h100, "rowwise": calls(rowwise),
+        "rowwise_triton": "__triton" in rowwise,
         "b200_dots": len(re.findall(r" dot\\(", b200))}}))
 """)
 
@@ -73,16 +75,20 @@ def compiled():
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def test_h100_forward_may_accumulate_fast_and_both_backward_gemms_may_not(compiled):
+@pytest.mark.parametrize("recipe", ["h100", "rowwise"], ids=["tensorwise", "rowwise"])
+def test_h100_forward_may_accumulate_fast_and_both_backward_gemms_may_not(compiled, recipe):
+    """fp8_rowwise's scale vectors multiply the float32 result after the GEMM: the GEMMs are
+    the same cuBLASLt FP8 calls as tensorwise's."""
     t = T // 2  # rows per device
-    by_shape = {shape: (target, prec) for target, shape, prec in compiled["h100"]}
+    by_shape = {shape: (target, prec) for target, shape, prec in compiled[recipe]}
     f8 = "__cublas$lt$matmul$f8"
     # cuBLASLt's fast accumulation is on exactly when both operand precisions are DEFAULT.
-    assert by_shape[f"{t},{N}"] == (f8, '"DEFAULT","DEFAULT"'), compiled["h100"]  # fprop
-    assert by_shape[f"{t},{K}"] == (f8, '"HIGHEST","HIGHEST"'), compiled["h100"]  # dgrad
-    assert by_shape[f"{K},{N}"] == (f8, '"HIGHEST","HIGHEST"'), compiled["h100"]  # wgrad
-    assert len(compiled["h100"]) == 3
-    assert not compiled["h100_triton"]  # Triton would ignore the precision (accumulation.py)
+    assert by_shape[f"{t},{N}"] == (f8, '"DEFAULT","DEFAULT"'), compiled[recipe]  # fprop
+    assert by_shape[f"{t},{K}"] == (f8, '"HIGHEST","HIGHEST"'), compiled[recipe]  # dgrad
+    assert by_shape[f"{K},{N}"] == (f8, '"HIGHEST","HIGHEST"'), compiled[recipe]  # wgrad
+    assert len(compiled[recipe]) == 3
+    # Triton would ignore the precision (accumulation.py)
+    assert not compiled["h100_triton" if recipe == "h100" else "rowwise_triton"]
 
 
 def test_b200_mxfp8_runs_block_scaled_gemms_not_loop_fused_dots(compiled):
@@ -94,7 +100,8 @@ def test_b200_mxfp8_runs_block_scaled_gemms_not_loop_fused_dots(compiled):
 def test_mxfp8_on_hopper_is_refused_in_one_line(compiled):
     msg = compiled["refusal"]
     assert msg is not None and "\n" not in msg
-    assert "Blackwell" in msg and "fp8_tensorwise or fp8_delayed" in msg and "9.0" in msg
+    assert "Blackwell" in msg and "fp8_tensorwise, fp8_delayed or fp8_rowwise" in msg
+    assert "9.0" in msg
 
 
 def test_a_cudnn_without_block_scaled_gemm_is_refused(monkeypatch):

@@ -9,7 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.fp8 import GridConfig, fp8_matmul, quantize_mxfp8, quantize_tensorwise
+from pallas_kernels.fp8 import (
+    GridConfig,
+    fp8_matmul,
+    quantize_mxfp8,
+    quantize_rowwise,
+    quantize_tensorwise,
+)
 from pallas_kernels.fp8.config import E4M3, E5M2, E8M0
 from pallas_kernels.fp8.reference import fp8_matmul_reference
 
@@ -51,7 +57,22 @@ def test_mx_small_integers_exact(impl):
     np.testing.assert_array_equal(np.asarray(out), (a64 @ b64).astype(np.float32))
 
 
-@pytest.mark.parametrize("mode", ["tensorwise", "mx"])
+@pytest.mark.parametrize("impl", ["reference", "xla", "grid"])
+def test_rowwise_small_integers_exact(impl):
+    ka, kb = jax.random.split(jax.random.key(5))
+    m, k, n = 48, 96, 40  # not multiples of the grid's blocks: padded rows and columns
+    a, b = _ints(ka, (m, k), E4M3), _ints(kb, (k, n), E5M2)
+    # A power of two per row of a and per column of b (K = 32 too: an MX scale's shape, told
+    # apart by the float32 dtype).
+    sa = jnp.exp2(jnp.arange(m) % 7 - 3.0)[:, None]
+    sb = jnp.exp2(jnp.arange(n) % 5 - 2.0)[None, :]
+    for kk in (k, 32):
+        out = fp8_matmul(a[:, :kk], sa, b[:kk], sb, jnp.float32, **_impl_kwargs(impl))
+        want = (np.float32(a[:, :kk]) @ np.float32(b[:kk])) * np.asarray(sa) * np.asarray(sb)
+        np.testing.assert_array_equal(np.asarray(out), want)
+
+
+@pytest.mark.parametrize("mode", ["tensorwise", "rowwise", "mx"])
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
 def test_grid_kernel_matches_reference(mode, out_dtype):
     kx, kw = jax.random.split(jax.random.key(2))
@@ -59,6 +80,8 @@ def test_grid_kernel_matches_reference(mode, out_dtype):
     w = jax.random.normal(kw, (200, 56)) * 0.02
     if mode == "tensorwise":
         (qa, sa), (qb, sb) = quantize_tensorwise(x, E4M3), quantize_tensorwise(w, E4M3)
+    elif mode == "rowwise":
+        (qa, sa), (qb, sb) = quantize_rowwise(x, axis=1), quantize_rowwise(w, axis=0)
     else:
         (qa, sa), (qb, sb) = quantize_mxfp8(x, axis=1), quantize_mxfp8(w, axis=0)
     ref = fp8_matmul_reference(qa, sa, qb, sb, jnp.float32)
@@ -88,8 +111,13 @@ def test_overflowing_and_zero_inputs_give_no_nan():
 def test_bad_scales_are_rejected():
     a = jnp.zeros((8, 64), E4M3)
     b = jnp.zeros((64, 8), E4M3)
-    with pytest.raises(ValueError, match="scales must be scalars"):
+    with pytest.raises(ValueError, match="scales must be scalars.*rowwise.*MX"):
         fp8_matmul(a, jnp.ones((8,)), b, jnp.float32(1))
+    with pytest.raises(ValueError, match="rowwise scales must be float32"):
+        fp8_matmul(a, jnp.ones((8, 1), jnp.bfloat16), b, jnp.ones((1, 8)))
+    e8m0 = jnp.ones((8, 1), jnp.float8_e8m0fnu)  # MX's shape at K <= 32 (and rowwise's)
+    with pytest.raises(ValueError, match="MX scales must be float8_e8m0fnu"):
+        fp8_matmul(a[:, :32], e8m0, b[:32], jnp.ones((1, 8)))
     with pytest.raises(ValueError, match="must be float8"):
         fp8_matmul(a.astype(jnp.bfloat16), jnp.float32(1), b, jnp.float32(1))
     with pytest.raises(ValueError, match="unknown fp8_matmul impl"):
@@ -97,6 +125,7 @@ def test_bad_scales_are_rejected():
 
 
 @pytest.mark.parametrize("cc, mode, ours", [((9, 0), "tensorwise", "sm90"),
+                                            ((9, 0), "rowwise", "sm90"),
                                             ((10, 0), "mx", "sm100")])
 def test_auto_takes_xla_until_a_recorded_benchmark_says_otherwise(monkeypatch, caplog, cc,
                                                                   mode, ours):
@@ -109,7 +138,7 @@ def test_auto_takes_xla_until_a_recorded_benchmark_says_otherwise(monkeypatch, c
         assert api.resolve_impl("auto", mode, 1024, 1024, 1024) == "xla"
     said = [r.message for r in caplog.records if "fp8_matmul auto" in r.message]
     assert len(said) == 1 and "no benchmark" in said[0], said
-    op = "mxfp8" if mode == "mx" else "fp8_tensorwise"
+    op = {"mx": "mxfp8", "tensorwise": "fp8_tensorwise", "rowwise": "fp8_rowwise"}[mode]
     monkeypatch.setitem(measured.WINS, (op, cc[0]), ours)
     assert api.resolve_impl("auto", mode, 1024, 1024, 1024) == ours
     assert api.resolve_impl("auto", mode, 1000, 1024, 1024) == "xla"  # not whole tiles

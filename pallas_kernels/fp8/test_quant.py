@@ -195,3 +195,45 @@ def test_mxfp8_round_up_never_clips_a_block_max_and_both_rules_stay_accurate(fmt
         assert np.all(err[~ok] <= 0.125 * y[~ok] + 1e-12), rounding
     assert clipped["up"] == 0
     assert clipped["floor"] >= 10  # every edge block above fmax * 2**k, at each k
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("axis", [0, 1])
+def test_rowwise_matches_emulation(fmt, axis):
+    """A scale per slice along `axis`: each slice quantized as np_tensorwise would quantize it
+    alone, with the scale rounded up to a power of two (computed here from the bit fields)."""
+    dtype, np_dtype, _ = FMT[fmt]
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((24, 40)).astype(np.float32)
+    x *= np.exp2(rng.integers(-20, 20, (24, 1) if axis == 1 else (1, 40))).astype(np.float32)
+    x[3 if axis == 1 else slice(None), slice(None) if axis == 1 else 3] = 0  # a zero slice
+    q, s = quant.quantize_rowwise(jnp.asarray(x), axis=axis, dtype=dtype)
+    assert s.shape == ((24, 1) if axis == 1 else (1, 40)) and s.dtype == jnp.float32
+    fmax = np.float32(ml_dtypes.finfo(np_dtype).max)
+    amax = np.max(np.abs(x), axis=axis, keepdims=True)
+    with np.errstate(divide="ignore"):
+        raw = amax / fmax
+    e = np_floor_log2(np.where(raw > 0, raw, 1))
+    pow2 = np.where(raw > np.exp2(e.astype(np.float32)), e + 1, e)  # round up, exact at 2**e
+    want_s = np.where(amax > 0, np.exp2(pow2.astype(np.float32)), np.float32(1))
+    np.testing.assert_array_equal(np.asarray(s), want_s)
+    want_q = np.clip(x / want_s, -fmax, fmax).astype(np_dtype)
+    np.testing.assert_array_equal(np.asarray(q).view(np.uint8), want_q.view(np.uint8))
+    # Never clipped: every slice's largest element survives within e4m3/e5m2 rounding.
+    back = np.float32(np.asarray(q)) * np.asarray(s)
+    assert np.all(np.abs(back).max(axis=axis) <= np.abs(x).max(axis=axis) * 1.125)
+    assert np.all(np.abs(np.float32(np.asarray(q))).max(axis=axis) <= fmax)
+
+
+def test_rowwise_without_power_of_two_is_tensorwise_per_row():
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((6, 32)).astype(np.float32) * np.float32([[1], [3], [1e-3], [7e2],
+                                                                    [0.2], [50]])
+    q, s = quant.quantize_rowwise(jnp.asarray(x), axis=1, power_of_two=False)
+    for i in range(6):
+        qi, si = np_tensorwise(x[i], ml_dtypes.float8_e4m3fn)
+        # XLA may divide by fmax as a multiply by its reciprocal: one float32 ulp apart.
+        np.testing.assert_allclose(np.float32(s[i, 0]), si, rtol=2.4e-7)
+        back = np.float32(np.asarray(q[i])) * np.float32(s[i, 0])
+        # e4m3 keeps 3 mantissa bits: within 2**-4 of each normal value, 2**-9 * scale below.
+        assert np.all(np.abs(back - x[i]) <= 2.0**-4 * np.abs(x[i]) + 2.0**-9 * si * 1.01)

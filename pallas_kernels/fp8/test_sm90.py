@@ -88,23 +88,29 @@ def test_ws_2wg_sliced_epilogue_exact(rowwise):
     np.testing.assert_array_equal(np.asarray(out), exact)
 
 
-def test_ws_2wg_rowwise_scales():
+# Rowwise scales through fp8_matmul (a_scale [M, 1], b_scale [1, N], as quantize_rowwise
+# returns them) into both structures: each tile's rows and columns get their own scales.
+@pytest.mark.parametrize("cfg", [CFG, WS], ids=["single_wg", "ws_2wg"])
+def test_rowwise_scales_exact(cfg):
     ka, kb = jax.random.split(jax.random.key(4))
     m, n, k = 256, 128, 256
-    a, bt = _ints(ka, (m, k), E4M3), _ints(kb, (n, k), E5M2)
+    a, b = _ints(ka, (m, k), E4M3), _ints(kb, (k, n), E5M2)
     # Powers of two per row of A and column of B: the scaled products stay exact.
-    sa, sb = jnp.exp2(jnp.arange(m) % 5 - 2.0), jnp.exp2(jnp.arange(n) % 3 - 1.0)
-    out = fp8_matmul_sm90(a, sa, bt, sb, jnp.float32, config=WS,
-                          interpret=plgpu.InterpretGPUParams())
-    exact = (np.float32(a) @ np.float32(bt).T) * np.asarray(sa)[:, None] * np.asarray(sb)
+    sa, sb = jnp.exp2(jnp.arange(m) % 5 - 2.0)[:, None], jnp.exp2(jnp.arange(n) % 3 - 1.0)[None]
+    out = fp8_matmul(a, sa, b, sb, jnp.float32, impl="sm90", config=cfg,
+                     interpret=plgpu.InterpretGPUParams())
+    exact = (np.float32(a) @ np.float32(b)) * np.asarray(sa) * np.asarray(sb)
     np.testing.assert_array_equal(np.asarray(out), exact)
-    with pytest.raises(ValueError, match="rowwise"):
-        fp8_matmul_sm90(a, sa, bt, sb, jnp.float32, config=CFG)
-    with pytest.raises(ValueError, match="rowwise scales must be"):
-        fp8_matmul_sm90(a, sa[:64], bt, sb, jnp.float32, config=WS)
+
+
+def test_rowwise_scale_shapes_and_spilling_tiles_are_refused():
+    a, bt = jnp.zeros((256, 256), E4M3), jnp.zeros((128, 256), E5M2)
+    with pytest.raises(ValueError, match=r"a_scale \[M=256\] and b_scale \[N=128\]"):
+        fp8_matmul_sm90(a, jnp.ones(64), bt, jnp.ones(128), jnp.float32, config=WS)
     wide = dataclasses.replace(WS, tile_n=128 + 64, max_concurrent_steps=2)
     with pytest.raises(ValueError, match="tile_n <= 128"):
-        fp8_matmul_sm90(a, sa, _ints(kb, (192, k), E5M2), jnp.ones(192), config=wide)
+        fp8_matmul_sm90(a, jnp.ones(256), jnp.zeros((192, 256), E5M2), jnp.ones(192),
+                        config=wide)
 
 
 def test_sm90_config_validation():
@@ -146,10 +152,11 @@ def test_sm90_config_validation():
 
 # (config, rowwise scales, wgmma instruction): the shipped kernel and the ws_2wg variant at the
 # tiles it is meant for (128 x 192 promoted, 128 x 256 with one accumulator and the epilogue
-# in 64-column slices, which leaves room for 3 stages), rowwise at
+# in 64-column slices, which leaves room for 3 stages), rowwise in the shipped kernel and at
 # 128 x 128 (128 x 192 rowwise spills 16 B, so the kernel refuses it).
 COMPILED = [
     ("Sm90Config()", False, "m64n128k32.f32.e4m3.e5m2"),
+    ("Sm90Config()", True, "m64n128k32.f32.e4m3.e5m2"),
     ("Sm90Config(structure='ws_2wg', tile_m=128, tile_n=192, max_concurrent_steps=3)", False,
      "m64n192k32.f32.e4m3.e5m2"),
     ("Sm90Config(structure='ws_2wg', tile_m=128, tile_n=256, max_concurrent_steps=3, "

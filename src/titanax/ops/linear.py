@@ -2,13 +2,13 @@
 
 `precision` comes from execution.matmul_precision: 'default' multiplies in the compute dtype with
 float32 accumulation where the backend does so; 'highest' asks for full-precision passes;
-'fp8_tensorwise', 'fp8_delayed' and 'mxfp8' run the product as FP8 GEMMs through
-pallas_kernels.fp8.fp8_linear (e4m3 forward; gradients e5m2 for the tensorwise recipes, e4m3
-for mxfp8), flattened to one 2-D matmul [tokens, in] x [in, out]. Call sites that must stay in
+'fp8_tensorwise', 'fp8_delayed', 'fp8_rowwise' and 'mxfp8' run the product as FP8 GEMMs
+through pallas_kernels.fp8.fp8_linear (e4m3 forward; gradients e5m2 for the tensorwise recipes,
+e4m3 for fp8_rowwise and mxfp8), flattened to one 2-D matmul [tokens, in] x [in, out]. Call sites that must stay in
 the compute dtype whatever the recipe (the output layer) pass fp8=False.
 `mxfp8_scale_rounding` (execution.mxfp8_scale_rounding) picks mxfp8's scale exponents: 'up' never
 clips a block's max, 'floor' is the OCP rule (pallas_kernels/fp8/quant.py). On a GPU the FP8
-GEMMs are cuBLASLt's (tensorwise; forward with fast accumulation, dgrad and wgrad without:
+GEMMs are cuBLASLt's (tensorwise and rowwise; forward with fast accumulation, dgrad and wgrad without:
 pallas_kernels/fp8/accumulation.py) or cuDNN's block-scaled GEMM (mxfp8, Blackwell only).
 
 Specs: 'AK,KB->AB' (w's contracted axes first: w is [in, out]) or 'AK,BK->AB' (contracted axes

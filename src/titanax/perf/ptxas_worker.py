@@ -198,6 +198,8 @@ def fp8_cases(arch: str):
     m, n, k = FP8_MNK
     a, b = (jax.ShapeDtypeStruct(s, E4M3) for s in ((m, k), (k, n)))
     scales = {"tensorwise": (jax.ShapeDtypeStruct((), jnp.float32),) * 2,
+              "rowwise": (jax.ShapeDtypeStruct((m, 1), jnp.float32),
+                          jax.ShapeDtypeStruct((1, n), jnp.float32)),
               "mx": (jax.ShapeDtypeStruct((m, k // MX_BLOCK), E8M0),
                      jax.ShapeDtypeStruct((k // MX_BLOCK, n), E8M0))}
     configs = {"sm90": Sm90Config(), "sm100": Sm100Config(), "pallas_grid": GridConfig()}
@@ -213,7 +215,8 @@ def fp8_cases(arch: str):
 
 
 def _sm90_ws_cases(fp8_matmul, Sm90Config, E4M3):
-    """Sm90Config(structure="ws_2wg") at its tiles (N = 1536: a multiple of 128, 192, 256)."""
+    """Sm90Config(structure="ws_2wg") at its tiles (N = 1536: a multiple of 128, 192, 256),
+    and rowwise at 128 x 128 (the widest tile rowwise with promotion takes there)."""
     import jax
     import jax.numpy as jnp
 
@@ -231,6 +234,14 @@ def _sm90_ws_cases(fp8_matmul, Sm90Config, E4M3):
             return fp8_matmul(a, sa, b, sb, impl="sm90", config=cfg)
         yield ({"op": "fp8_matmul", "impl": "sm90", "pass": "matmul", "head_dim": None,
                 "variant": "tensorwise ws_2wg", "config": repr(cfg)}, fn, args)
+    cfg = Sm90Config(**ws, tile_n=128)
+    rowwise = (jax.ShapeDtypeStruct((m, 1), jnp.float32), jax.ShapeDtypeStruct((1, n), jnp.float32))
+
+    def fn(a, sa, b, sb):
+        return fp8_matmul(a, sa, b, sb, impl="sm90", config=cfg)
+    yield ({"op": "fp8_matmul", "impl": "sm90", "pass": "matmul", "head_dim": None,
+            "variant": "rowwise ws_2wg", "config": repr(cfg)}, fn,
+           (args[0], rowwise[0], args[2], rowwise[1]))
 
 
 def compile_case(kind: str, name: str, fn, args, on_device: bool, log_path: str) -> None:

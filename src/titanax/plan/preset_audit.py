@@ -26,8 +26,8 @@ from pallas_kernels import aot
 from titanax.config import Config, load_config
 
 PRESETS = ("llama3_8b", "llama3_70b", "llama3_405b")
-PRECISIONS = {"h100": ("default", "fp8_tensorwise", "fp8_delayed"),
-              "b200": ("default", "fp8_tensorwise", "fp8_delayed", "mxfp8")}
+PRECISIONS = {"h100": ("default", "fp8_tensorwise", "fp8_delayed", "fp8_rowwise"),
+              "b200": ("default", "fp8_tensorwise", "fp8_delayed", "fp8_rowwise", "mxfp8")}
 LAYERS = 2
 # No weight dimension of the presets equals it, fused projections included (6,144 is the 8B's
 # [q|k|v] width), so an S x S array is unambiguous; a whole number of every kernel's tiles.

@@ -10,8 +10,8 @@ Three files change:
 - pallas_kernels/measured.py: WINS for this GPU generation. Our kernel wins an op when it beats
   the vendor path by at least MARGIN on every case measured: attention without documents
   (`vs_cudnn_causal`, at every sequence length, the training length among them), tensorwise
-  FP8 (`vs_xla_fp8` at every 70B GEMM shape), MXFP8 (against `xla_mx`, cuDNN's block-scaled
-  GEMM). A generation's entry that the run measured and did not confirm is removed. And
+  FP8 (`vs_xla_fp8` at every 70B GEMM shape), rowwise FP8 (against `xla_rowwise`), MXFP8
+  (against `xla_mx`, cuDNN's block-scaled GEMM). A generation's entry that the run measured and did not confirm is removed. And
   TUNED, from the choices section: where a tunable choice's fastest variant beats the one
   running now by MARGIN, its knobs become this generation's default (none when it is the
   shipped table's own config); where the one running now holds, nothing changes.
@@ -67,7 +67,7 @@ def _ok_rows(rep: dict, section: str) -> list[dict]:
 
 def decide(rep: dict) -> dict[str, tuple[str | None, str]]:
     """{op: (our impl that won or None, evidence)} for the ops this run measured."""
-    from pallas_kernels.fp8.backends import MATMULS
+    from pallas_kernels.fp8.bench import BASELINES, CASES, case_kernel
 
     out: dict[str, tuple[str | None, str]] = {}
     ours = rep["sections"].get("attention", {}).get("info", {}).get("ours")
@@ -82,18 +82,21 @@ def decide(rep: dict) -> dict[str, tuple[str | None, str]]:
     fp8 = _ok_rows(rep, "fp8")
     shapes = {(r["m"], r["k"], r["n"]) for r in fp8}
     for op, scaling, base in (("fp8_tensorwise", "tensorwise", "xla_fp8"),
+                              ("fp8_rowwise", "rowwise", "xla_rowwise"),
                               ("mxfp8", "mx", "xla_mx")):
         vendor = {(r["m"], r["k"], r["n"]): r["tflops"] for r in fp8 if r["impl"] == base}
-        for impl in sorted({r["impl"] for r in fp8 if r["impl"] in MATMULS
-                            and scaling in MATMULS[r["impl"]].scalings}):
-            mine = {(r["m"], r["k"], r["n"]): r["tflops"] for r in fp8 if r["impl"] == impl}
+        # Bench cases name a kernel and its scaling (sm90, sm90_rowwise): ours of this mode.
+        cases = {r["impl"]: case_kernel(r["impl"])[0] for r in fp8 if r["impl"] in CASES
+                 and r["impl"] not in BASELINES and case_kernel(r["impl"])[1] == scaling}
+        for case, impl in sorted(cases.items()):
+            mine = {(r["m"], r["k"], r["n"]): r["tflops"] for r in fp8 if r["impl"] == case}
             both = sorted(set(mine) & set(vendor))
             if not both:
                 continue
             ratio = min(mine[s] / vendor[s] for s in both)
             won = ratio >= MARGIN and set(both) == shapes
             out[op] = (impl if won else None,
-                       f"{impl} / {base} TFLOP/s >= {ratio:.3f} at {len(both)} of "
+                       f"{case} / {base} TFLOP/s >= {ratio:.3f} at {len(both)} of "
                        f"{len(shapes)} shapes")
     return out
 

@@ -26,7 +26,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.flash_attention import attention_reference, flash_attention
 from pallas_kernels.flash_attention.backends import GPU_FALLBACK, GPU_VENDOR, KERNEL_IMPLS, backend
 from pallas_kernels.flash_attention.resolve import unsupported
-from pallas_kernels.fp8 import fp8_matmul, quantize_mxfp8, quantize_tensorwise
+from pallas_kernels.fp8 import fp8_matmul, quantize_mxfp8, quantize_rowwise, quantize_tensorwise
 from pallas_kernels.fp8.config import E4M3, Sm90Config, Sm100Config
 from pallas_kernels.fp8.matmul_sm90 import supported as sm90_supported
 from pallas_kernels.fp8.matmul_sm100 import supported as sm100_supported
@@ -141,10 +141,14 @@ def _fp8_cases(major: int, dry: bool):
     return [
         ("sm90", "tensorwise", sm90,
          {"interpret": plgpu.InterpretGPUParams()} if dry else {}),
+        ("sm90", "rowwise", sm90,
+         {"interpret": plgpu.InterpretGPUParams()} if dry else {}),
         ("sm100", "mx", sm100, {}),
         ("pallas_grid", "tensorwise", grid, interp),
+        ("pallas_grid", "rowwise", grid, interp),
         ("pallas_grid", "mx", grid, interp),
         ("xla", "tensorwise", None, {}),
+        ("xla", "rowwise", None, {}),
         ("xla", "mx", None, {}),
     ]
 
@@ -155,8 +159,9 @@ def _fp8_rows(ctx, major: int) -> None:
         w = _normal(n, (k, n), jnp.float32) * 0.02
         # Jitted: eager quantizers would compile every one of their ops on its own.
         tw = jax.jit(lambda x, w: (*quantize_tensorwise(x, E4M3), *quantize_tensorwise(w, E4M3)))
+        rw = jax.jit(lambda x, w: (*quantize_rowwise(x, axis=1), *quantize_rowwise(w, axis=0)))
         mx = jax.jit(lambda x, w: (*quantize_mxfp8(x, axis=1), *quantize_mxfp8(w, axis=0)))
-        ops = {"tensorwise": tw(x, w), "mx": mx(x, w)}
+        ops = {"tensorwise": tw(x, w), "rowwise": rw(x, w), "mx": mx(x, w)}
         refs = {}
         for impl, mode, why, kw_impl in _fp8_cases(major, ctx.dry_run):
             label = {"kernel": "fp8_matmul", "impl": impl, "mode": mode,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from pallas_kernels.flash_attention import bench as bench_attention
 from pallas_kernels.fp8 import bench as bench_fp8
-from pallas_kernels.fp8.backends import MATMULS, SCALINGS, generation_kernels, mx_refusal
+from pallas_kernels.fp8.backends import mx_refusal
 from pallas_kernels.target import compute_capability
 from titanax.perf.gpu_check.context import attention_key, fp8_key
 from titanax.perf.gpu_check.device import our_attention_impl
@@ -85,20 +85,17 @@ def attention_section(ctx) -> None:
 
 def _fp8_impls(dry: bool) -> list[str]:
     """Explicit impl names (never a default that may change): ours and XLA's, bf16 and FP8."""
-    if dry:
-        return ["bf16", "xla_fp8", "xla_mx", "pallas_grid"]  # the grid kernel, interpreted
+    if dry:  # the grid kernel, interpreted
+        return ["bf16", "xla_fp8", "xla_rowwise", "xla_mx", "pallas_grid"]
     cc = compute_capability()
-    ours = [m.name for s in SCALINGS for m in generation_kernels(cc[0] if cc else 0, s)]
     # Before Blackwell no MX GEMM runs in hardware: titanax refuses mxfp8 there (mx_refusal).
-    return ["bf16", "xla_fp8"] + ([] if mx_refusal(cc) else ["xla_mx"]) + ours
+    return [c for c in bench_fp8.default_impls() if c != "xla_mx"] + (
+        [] if mx_refusal(cc) else ["xla_mx"])
 
 
-def _fp8_uses(impl: str) -> tuple:
-    if impl == "bf16":
-        return ()
-    if impl in ("xla_fp8", "xla_mx"):
-        return (fp8_key("xla", "tensorwise" if impl == "xla_fp8" else "mx"),)
-    return tuple(fp8_key(impl, s) for s in MATMULS[impl].scalings)
+def _fp8_uses(case: str) -> tuple:
+    impl, mode = bench_fp8.case_kernel(case)
+    return () if impl is None else (fp8_key(impl, mode),)
 
 
 def fp8_section(ctx) -> None:

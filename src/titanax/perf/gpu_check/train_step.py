@@ -17,7 +17,7 @@ import pathlib
 import jax
 
 from pallas_kernels.fp8.api import resolve_impl as fp8_resolve_impl
-from pallas_kernels.fp8.backends import mx_refusal
+from pallas_kernels.fp8.backends import RECIPES_TABLE, mx_refusal
 from pallas_kernels.target import compute_capability
 from titanax.config import load_config
 from titanax.models.registry import model_spec
@@ -27,7 +27,7 @@ from titanax.perf.train_bench import bench_train_step
 from titanax.train.throughput import FLOP_FORMULA, flops_per_token, peak_flops_per_device
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[4] / "configs"
-PRECISIONS = ("default", "fp8_tensorwise", "fp8_delayed", "mxfp8")
+PRECISIONS = ("default", "fp8_tensorwise", "fp8_delayed", "mxfp8", "fp8_rowwise")
 MAX_LAYERS = 4  # the step compiles one scanned layer: more layers cost memory, not compile
 # Per parameter: fp32 master weight + fp32 gradient + Adam's two fp32 moments.
 BYTES_PER_PARAM = 16
@@ -77,7 +77,7 @@ def _one(ctx, overrides: dict, precision: str, attention: str, peak: float) -> d
         m, t.seq_len, model_spec(m).count_params(m, exclude_embedding=True)),
         "tflops_per_s": r.achieved_flops / 1e12}
     if precision != "default":
-        mode = "mx" if precision == "mxfp8" else "tensorwise"
+        mode = RECIPES_TABLE[precision].scaling
         row["fp8_gemm_impl"] = _fp8_auto(mode, t.batch_size * t.seq_len, m.ffn_dim, m.d_model)
     return row
 
@@ -121,7 +121,7 @@ def train_section(ctx) -> None:
             ctx.add({**label, "status": "n/a", "reason": why})
             continue
         uses = (attention_key(attn, False),) + (
-            (fp8_key("xla", "mx" if precision == "mxfp8" else "tensorwise"),)
+            (fp8_key("xla", RECIPES_TABLE[precision].scaling),)
             if precision != "default" else ())
         row = ctx.run_item(label, lambda: _one(ctx, overrides, precision, attn, peak),
                            estimate_s=90.0, group="train", uses=uses)
