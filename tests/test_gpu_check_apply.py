@@ -14,7 +14,14 @@ import shutil
 import pytest
 
 import launch.gpu_check
-from titanax.perf.gpu_check.apply import MARGIN, ApplyError, apply, decide, tune
+from titanax.perf.gpu_check.apply import (
+    MARGIN,
+    ApplyError,
+    apply,
+    decide,
+    tune,
+    update_measured,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SHAPES = [(8192, 8192, 8192), (8192, 8192, 28672), (8192, 28672, 8192)]
@@ -94,6 +101,12 @@ def repo(tmp_path):
         "    ('flash_attention/triton/hd256', 9): {'num_stages_bwd': 2},  # H100: earlier\n"
         "    ('flash_attention/sm100/hd128', 10): {'tmem_buffers_bwd': 1},  # B200: earlier\n}"))
     return tmp_path
+
+
+def _exec(source: str) -> dict:
+    namespace: dict = {}
+    exec(compile(source, "measured.py", "exec"), namespace)
+    return namespace
 
 
 def _load_measured(path: pathlib.Path) -> dict:
@@ -194,6 +207,38 @@ def test_decide_needs_every_case_and_the_margin():
         if row.get("tunes"):
             row["ms"] = 2.0 if row["shipped"] else 2.0 / (MARGIN - 0.01)
     assert tune(close) == {}
+
+
+def test_choices_tuning_one_config_merge_and_a_shipped_win_drops_only_its_knob(repo):
+    """The sm90 forward's overlap and persistence and its fused backward tune one TUNED entry:
+    two wins keep both knobs; a later run where the shipped value of one wins drops that knob
+    alone."""
+    key = "flash_attention/sm90/hd128"
+
+    def row(choice, variant, knobs, ms, shipped=False):
+        return {"choice": choice, "variant": variant, "shipped": shipped, "tunes": key,
+                "knobs": knobs, "base": shipped, "ms": ms, "status": "ok"}
+
+    rep = _result()
+    rep["sections"]["choices"]["rows"] = [
+        row("sm90_fwd_overlap", "off", {"fwd_overlap": False}, 2.0, shipped=True),
+        row("sm90_fwd_overlap", "on", {"fwd_overlap": True}, 1.8),
+        row("sm90_bwd_fused", "off", {"bwd_fused": False}, 3.0, shipped=True),
+        row("sm90_bwd_fused", "on", {"bwd_fused": True}, 2.5)]
+    knobs, why = tune(rep)[key]
+    assert knobs == {"fwd_overlap": True, "bwd_fused": True}
+    assert "sm90_bwd_fused: on" in why and "sm90_fwd_overlap: on" in why
+    source = (repo / "pallas_kernels" / "measured.py").read_text()
+    source = update_measured(source, {}, 9, "H200 2026-12-03", tune(rep))
+    assert _exec(source)["TUNED"][(key, 9)] == {"bwd_fused": True, "fwd_overlap": True}
+    # Later, with both on (shipped now): the fused backward's shipped-table value wins back.
+    later = _result()
+    later["sections"]["choices"]["rows"] = [
+        row("sm90_bwd_fused", "on", {"bwd_fused": True}, 3.0, shipped=True) | {"base": False},
+        row("sm90_bwd_fused", "off", {"bwd_fused": False}, 2.5) | {"base": True}]
+    assert tune(later)[key][0] == {"bwd_fused": None}
+    source = update_measured(source, {}, 9, "H200 2026-12-04", tune(later))
+    assert _exec(source)["TUNED"][(key, 9)] == {"fwd_overlap": True}
 
 
 def test_dry_runs_and_cpu_results_are_refused(tmp_path, repo, capsys):

@@ -164,6 +164,31 @@ def test_sm90_fwd_overlap_matches_reference(case):
                   grads=case == "causal_gqa_tail_hd64")
 
 
+# The sm90 forward with FlashConfig.fwd_persistent on 3 CTAs: each walks several output tiles
+# (a ragged split: 16 tiles over 3 CTAs in the batch case), so the K/V ring, its barriers and
+# the output staging carry from one tile to the next; causal (longest first), documents, GQA,
+# batch 2, padded lengths, hd256 (without fwd_overlap: with it hd256 runs the grid form,
+# kernel_sm90.PERSISTENT_OVERLAP_MAX_HEAD_DIM), with and without fwd_overlap; values (one case
+# gradients).
+PERSISTENT_CASES = {
+    "causal_gqa_batch_tail_hd64": (Case(B=2, S=230, H=4, N=2), False),
+    "causal_documents_batch_hd64_overlap": (Case(B=2, S=200, H=2, segments=True), True),
+    "noncausal_documents_hd128": (Case(S=150, K=128, H=4, N=2, causal=False, segments=True),
+                                  False),
+    "causal_fp16_hd256": (Case(S=140, K=256, H=4, dtype="float16"), False),
+}
+
+
+@pytest.mark.parametrize("case", list(PERSISTENT_CASES))
+def test_sm90_fwd_persistent_matches_reference(case):
+    from pallas_kernels.flash_attention import default_config
+    c, overlap = PERSISTENT_CASES[case]
+    cfg = dataclasses.replace(default_config("mosaic_sm90", c.K), fwd_persistent=True,
+                              persistent_ctas=3, fwd_overlap=overlap)
+    check_backend("mosaic_sm90", case, cases={k: v[0] for k, v in PERSISTENT_CASES.items()},
+                  config=cfg, grads=case == "causal_gqa_batch_tail_hd64")
+
+
 # The sm90 backward with FlashConfig.bwd_fused (kernel_sm90_bwd_fused.py: FA3's one kernel,
 # dQ added per CTA): GQA, causal and not, packed documents, padded lengths, keys past every
 # query, fp16; head_dim 64 and 128 (both FUSED_MAX_HEAD_DIM lets it run at).

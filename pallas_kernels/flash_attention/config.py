@@ -13,8 +13,10 @@ the sm90 forward to FlashAttention-3's intra-warpgroup pipelining (kernel_sm90.p
 tile's S = Q K^T and this tile's P V stay in flight on the tensor core during the softmax, the
 softmax scale folded into exp2's FMA); bwd_fused switches the sm90 backward (head_dim <= 128)
 from the dq and dkv kernels to FlashAttention-3's single kernel (kernel_sm90_bwd_fused.py: S
-and dP computed once per tile, dQ added with TMA reduce-adds). Both are off until a GPU run
-measures them (docs/attention.md).
+and dP computed once per tile, dQ added with TMA reduce-adds); fwd_persistent makes the sm90
+forward persistent (kernel_sm90.py: persistent_ctas CTAs, by default one per SM, each walking
+output tiles longest first, the next tile's K/V loads under this tile's epilogue). All three
+are off until a GPU run measures them (docs/attention.md).
 Invalid values fail here, at construction, instead of deep inside a kernel compile.
 
 default_config() is the shipped table below, with the knobs a GPU run measured faster on that
@@ -48,6 +50,8 @@ class FlashConfig:
     tmem_buffers_bwd: int | None = None  # sm100 backward: None = 2 where TMEM's columns allow
     fwd_overlap: bool = False  # sm90 forward: FA3 intra-warpgroup overlap (GEMMs in flight)
     bwd_fused: bool = False  # sm90 backward: FA3's one kernel (dQ by TMA reduce-add)
+    fwd_persistent: bool = False  # sm90 forward: one CTA per SM walking the output tiles
+    persistent_ctas: int | None = None  # fwd_persistent's CTAs; None: the GPU's SM count
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd"):
@@ -67,7 +71,11 @@ class FlashConfig:
         if self.tmem_buffers_bwd not in (None, 1, 2):
             raise ValueError(f"FlashConfig.tmem_buffers_bwd={self.tmem_buffers_bwd!r}: use 1, 2 "
                              "or None (2 where TMEM's 512 columns allow)")
-        for name in ("fwd_overlap", "bwd_fused"):
+        if self.persistent_ctas is not None and (
+                not isinstance(self.persistent_ctas, int) or self.persistent_ctas < 1):
+            raise ValueError(f"FlashConfig.persistent_ctas={self.persistent_ctas!r}: a CTA "
+                             "count >= 1, or None for one per SM of the GPU")
+        for name in ("fwd_overlap", "bwd_fused", "fwd_persistent"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"FlashConfig.{name}={getattr(self, name)!r}: use True or False")
 

@@ -111,6 +111,11 @@ def test_config_validation_and_dispatch():
         FlashConfig(fwd_overlap=1)
     with pytest.raises(ValueError, match="bwd_fused"):
         FlashConfig(bwd_fused="yes")
+    with pytest.raises(ValueError, match="fwd_persistent"):
+        FlashConfig(fwd_persistent=None)
+    for bad in (0, 2.0):
+        with pytest.raises(ValueError, match="persistent_ctas.*one per SM"):
+            FlashConfig(fwd_persistent=True, persistent_ctas=bad)
     # Two X/Y buffers of 128-query tiles and dK, dV at head_dim 128: 768 of 512 TMEM columns.
     over = dataclasses.replace(default_config("mosaic_sm100", 128), block_q_bwd=128,
                                tmem_buffers_bwd=2)

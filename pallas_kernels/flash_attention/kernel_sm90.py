@@ -44,7 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ..target import out_struct
+from ..target import out_struct, sm_count
 from ..wgmma import wgmma_into as _wgmma_into
 from .mosaic_common import (
     END,
@@ -71,6 +71,11 @@ REGS_COMPUTE, REGS_PRODUCER = 240, 24
 # that MASK_RAW * qk_scale is exact and s * qk_scale - m, fused or not, is exactly 0 for a row
 # whose keys are all masked so far (MASK's rounding error, ~1e22, would overflow exp2).
 MASK_RAW = -(2.0 ** 100)
+# fwd_persistent with fwd_overlap: up to this head_dim. At 256 the overlapped loop is at the
+# compute warpgroups' register budget (216 of 240) and the persistent tile loop's index tips
+# causal attention into spilling 4 B (python -m launch.ptxas_report): there the grid form
+# runs; fwd_persistent alone runs persistent at every head_dim (0 spills).
+PERSISTENT_OVERLAP_MAX_HEAD_DIM = 128
 
 
 def pad_multiples(cfg):
@@ -117,10 +122,7 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
     first_masked = has_seg or causal or kv_full < n_kv
 
     def kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, ranges_ref, out_ref, lse_ref, scoped):
-        batch = lax.axis_index("batch")
-        q_head = lax.axis_index("heads")
         wg = lax.axis_index("wg")
-        q_blk = q_block("q_seq", Sp // (COMPUTE_WGS * block_q), causal)
         (qo_smem2, k_smem, v_smem, lse_smem2, qseg_smem2, kseg_smem, p_smem2), bars = scoped
         (k_bars, v_bars, q_bars, kseg_bars, qseg_bars), consumed, sched = bars
         k_consumed, v_consumed = consumed
@@ -129,27 +131,31 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
             plgpu.barrier_arrive(sched)
             plgpu.barrier_wait(sched)
 
-        # The key tiles [first, end) the producer streams for both warpgroups; tile t sits in
-        # ring slot (t - first) % steps.
-        if has_seg:  # the union of the warpgroups' visited tiles (tile_ranges.py)
-            row0 = q_blk * COMPUTE_WGS
-            first = ranges_ref[batch, row0, FIRST]
-            end = ranges_ref[batch, row0, END]
-        elif causal:
-            cta_q_end = (q_blk + 1) * (COMPUTE_WGS * block_q)
-            first = 0
-            end = jnp.minimum(pl.cdiv(cta_q_end, jnp.array(block_kv, jnp.int32)), n_kv)
-        else:
-            first, end = 0, n_kv
+        def streamed(batch, q_blk):
+            """The key tiles [first, end) the producer streams for both warpgroups of the
+            CTA's query block q_blk, and slot_of(t): tile t sits in ring slot
+            (t - first) % steps."""
+            if has_seg:  # the union of the warpgroups' visited tiles (tile_ranges.py)
+                row0 = q_blk * COMPUTE_WGS
+                first = ranges_ref[batch, row0, FIRST]
+                end = ranges_ref[batch, row0, END]
+            elif causal:
+                cta_q_end = (q_blk + 1) * (COMPUTE_WGS * block_q)
+                first = 0
+                end = jnp.minimum(pl.cdiv(cta_q_end, jnp.array(block_kv, jnp.int32)), n_kv)
+            else:
+                first, end = 0, n_kv
 
-        def slot_of(t):
-            if isinstance(t, int):  # a static tile (no segment ids: first = 0)
-                return t % steps
-            return lax.rem(t - first if has_seg else t, jnp.array(steps, t.dtype))
+            def slot_of(t):
+                if isinstance(t, int):  # a static tile (no segment ids: first = 0)
+                    return t % steps
+                return lax.rem(t - first if has_seg else t, jnp.array(steps, t.dtype))
+            return first, end, slot_of
 
-        @pl.when(wg < COMPUTE_WGS)
-        def _compute_wg():
-            plgpu.set_max_registers(REGS_COMPUTE, action="increase")
+        def compute_tile(batch, q_head, q_blk):
+            """One warpgroup's block_q query rows of (batch, q_head, q_blk): Q in, O and the
+            log-sum-exp out, every K/V slot of the CTA's stream released."""
+            first, end, slot_of = streamed(batch, q_blk)
             qo_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
             q_base = q_blk * (COMPUTE_WGS * block_q) + wg * block_q
             # This warpgroup computes tiles [lo, hi): masked, unmasked [full_lo, full_hi),
@@ -396,11 +402,12 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[batch, pl.ds(q_base, block_q), q_head])
             plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, q_head, pl.ds(q_base, block_q)])
-            plgpu.wait_smem_to_gmem(0)
+            plgpu.wait_smem_to_gmem(0)  # qo_smem and lse_smem are free for the next tile
 
-        @pl.when(wg == COMPUTE_WGS)
-        def _producer_wg():
-            plgpu.set_max_registers(REGS_PRODUCER, action="decrease")
+        def producer_tile(batch, q_head, q_blk):
+            """The K/V (and key id) tiles of (batch, q_head, q_blk) through the ring; returns
+            once the consumers released every slot, so the next tile starts on a free ring."""
+            first, end, _ = streamed(batch, q_blk)
             kv_head = lax.div(q_head, jnp.array(G, q_head.dtype))
             n_load = end - first
 
@@ -432,6 +439,35 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
                 slot = lax.rem(kv_step, jnp.array(steps, kv_step.dtype))
                 plgpu.barrier_wait(k_consumed.at[slot])
                 plgpu.barrier_wait(v_consumed.at[slot])
+
+        @pl.when(wg < COMPUTE_WGS)
+        def _compute_wg():
+            plgpu.set_max_registers(REGS_COMPUTE, action="increase")
+            for_each_tile(compute_tile)
+
+        @pl.when(wg == COMPUTE_WGS)
+        def _producer_wg():
+            plgpu.set_max_registers(REGS_PRODUCER, action="decrease")
+            for_each_tile(producer_tile)
+
+    n_qblk = Sp // (COMPUTE_WGS * block_q)
+    n_tiles = n_qblk * Hq * B
+    ctas = min(n_tiles, config.persistent_ctas or sm_count() or 132)
+    persistent = config.fwd_persistent and not (overlap and D > PERSISTENT_OVERLAP_MAX_HEAD_DIM)
+
+    def for_each_tile(tile):
+        """tile(batch, q_head, q_blk) for this CTA's output tiles. One per CTA (the grid is
+        heads x query blocks x batch), or persistent (fwd_persistent: `ctas` CTAs, CTA c
+        taking tiles c, c + ctas, ... of the list ordered by query block, longest first when
+        causal, then head, then batch)."""
+        if not persistent:
+            return tile(lax.axis_index("batch"), lax.axis_index("heads"),
+                        q_block("q_seq", n_qblk, causal))
+        # Only t is live across the tiles (the bound and step are constants).
+        @pl.loop(lax.axis_index("sm"), n_tiles, step=ctas)
+        def _(t):
+            blk, rest = lax.div(t, Hq * B), lax.rem(t, Hq * B)
+            tile(lax.rem(rest, B), lax.div(rest, B), n_qblk - 1 - blk if causal else blk)
 
     def entry(q_ref, k_ref, v_ref, *rest):
         if has_seg:
@@ -467,10 +503,11 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
         args += (q_seg, kv_seg, cta_ranges(tile_ranges(q_seg, kv_seg, rows=block_q,
                                                        cols=block_kv, causal=causal,
                                                        kv_len=kv_len), COMPUTE_WGS))
+    grid = dict(grid=(ctas,), grid_names=("sm",)) if persistent else dict(
+        grid=(Hq, n_qblk, B), grid_names=("heads", "q_seq", "batch"))
     with interpret_ctx(interpret):
         out, lse = plgpu.kernel(
-            entry, out_type=out_type,
-            grid=(Hq, Sp // (COMPUTE_WGS * block_q), B), grid_names=("heads", "q_seq", "batch"),
+            entry, out_type=out_type, **grid,
             num_threads=COMPUTE_WGS + 1, thread_name="wg",
             compiler_params=plgpu.CompilerParams(approx_math=True),
         )(*args)

@@ -30,6 +30,7 @@ import sys
 import tempfile
 
 from pallas_kernels.flash_attention.backends import GPU_FALLBACK, generation_kernels
+from pallas_kernels.flash_attention.kernel_sm90 import PERSISTENT_OVERLAP_MAX_HEAD_DIM
 from pallas_kernels.flash_attention.kernel_sm90_bwd import FUSED_MAX_HEAD_DIM
 from pallas_kernels.fp8.backends import MATMULS
 from titanax.perf import ptxas_report as rep
@@ -90,8 +91,12 @@ def attention_cases(arch: str, head_dims, impls=None):
 
                 lse = jax.eval_shape(fwd, q, kv, kv, *segs)[1]
                 yield dict(meta, **{"pass": "fwd"}), fwd, (q, kv, kv, *segs)
-                if impl == "mosaic_sm90":  # the opt-in FA3 overlap beside the shipped forward
+                if impl == "mosaic_sm90":  # the opt-in FA3 forms beside the shipped forward
                     yield _overlap_fwd(meta, cfg, (q, kv, kv, *segs))
+                    yield _overlap_fwd(meta, cfg, (q, kv, kv, *segs), overlap=False,
+                                       persistent=True)
+                    if d <= PERSISTENT_OVERLAP_MAX_HEAD_DIM:  # beyond it: the grid form
+                        yield _overlap_fwd(meta, cfg, (q, kv, kv, *segs), persistent=True)
                 for name, pick in (("dq", lambda g: g[0]), ("dkv", lambda g: g[1:])):
                     def bwd(q, k, v, o, lse, do, *s, kw=kw, pick=pick):
                         return pick(flash_attention_bwd(q, k, v, s[0] if s else None, o, lse,
@@ -101,19 +106,20 @@ def attention_cases(arch: str, head_dims, impls=None):
                     yield _fused_bwd(meta, cfg, (q, kv, kv, q, lse, q, *segs))
 
 
-def _overlap_fwd(meta: dict, cfg, args):
-    """The sm90 forward with FlashConfig.fwd_overlap=True (docs/attention.md, "sm90 forward
-    overlap"): (meta, fn, args) of the case."""
+def _overlap_fwd(meta: dict, cfg, args, overlap: bool = True, persistent: bool = False):
+    """The sm90 forward with FlashConfig.fwd_overlap (docs/attention.md, "sm90 forward
+    overlap") and/or fwd_persistent (both: FA3's whole forward): (meta, fn, args)."""
     import dataclasses
 
     from pallas_kernels.flash_attention.api import flash_attention_fwd
 
-    ov = dataclasses.replace(cfg, fwd_overlap=True)
+    ov = dataclasses.replace(cfg, fwd_overlap=overlap, fwd_persistent=persistent)
 
     def fwd(q, k, v, *s):
         return flash_attention_fwd(q, k, v, *s, causal=True, impl="mosaic_sm90", config=ov)
 
-    return (dict(meta, config=repr(ov), variant=meta["variant"] + "+fwd_overlap",
+    tag = ("+fwd_overlap" if overlap else "") + ("+fwd_persistent" if persistent else "")
+    return (dict(meta, config=repr(ov), variant=meta["variant"] + tag,
                  **{"pass": "fwd"}), fwd, args)
 
 

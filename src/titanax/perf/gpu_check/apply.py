@@ -101,9 +101,12 @@ def decide(rep: dict) -> dict[str, tuple[str | None, str]]:
     return out
 
 
-def tune(rep: dict) -> dict[str, tuple[dict | None, str]]:
-    """{config name: (knobs for TUNED, None to drop the entry; evidence)} for the tunable
-    choices this run measured both ways. Unchanged where the variant running now held."""
+def tune(rep: dict) -> dict[str, tuple[dict, str]]:
+    """{config name: (knobs, evidence)} for the tunable choices this run measured both ways:
+    the faster variant's FlashConfig knobs, a knob None where the shipped table's own value won
+    (its TUNED entry goes). Several choices tune one config (the sm90 forward's overlap and
+    persistence, its fused backward): their knobs merge. Unchanged where the variant running
+    now held."""
     by_choice: dict[str, list[dict]] = {}
     for r in _ok_rows(rep, "choices"):
         if r.get("tunes") and "ms" in r:
@@ -117,10 +120,16 @@ def tune(rep: dict) -> dict[str, tuple[dict | None, str]]:
         ratio = now[0]["ms"] / best["ms"]
         if best is now[0] or ratio < MARGIN:
             continue
-        out[best["tunes"]] = (None if best.get("base") else dict(best["knobs"]),
-                              f"{name}: {best['variant']} {ratio:.3f}x faster than "
-                              f"{now[0]['variant']}")
+        knobs = {k: None for k in best["knobs"]} if best.get("base") else dict(best["knobs"])
+        why = f"{name}: {best['variant']} {ratio:.3f}x faster than {now[0]['variant']}"
+        had, why_had = out.get(best["tunes"], ({}, ""))
+        out[best["tunes"]] = ({**had, **knobs}, f"{why_had}; {why}" if why_had else why)
     return out
+
+
+def _set(knobs: dict) -> dict:
+    """The knobs a tuning sets (None: back to the shipped table's value)."""
+    return {k: v for k, v in knobs.items() if v is not None}
 
 
 def _knobs_source(knobs: dict) -> str:
@@ -172,8 +181,10 @@ def update_measured(source: str, decisions: dict, major: int, run: str,
     source = _WINS_RE.sub(lambda m: _table_source(_WINS_DECL, wins, comments), source, count=1)
     tuned, t_comments = dict(namespace["TUNED"]), _tuned_comments(source)
     for name, (knobs, evidence) in (tuning or {}).items():
-        if knobs:
-            tuned[(name, major)] = knobs
+        entry = {**tuned.get((name, major), {}), **knobs}  # other choices' knobs stay
+        entry = {k: v for k, v in entry.items() if v is not None}  # None: the shipped table's
+        if entry:
+            tuned[(name, major)] = entry
             t_comments[(name, major)] = f"{run}: {evidence}"
         else:
             tuned.pop((name, major), None)
@@ -220,7 +231,7 @@ def performance_section(rep: dict, decisions: dict, tuning: dict | None = None) 
             sorted(decisions.items())) + "."]
     if tuning:
         lines += ["", "Kernel defaults after this run (pallas_kernels/measured.py TUNED): " +
-                  "; ".join(f"{name}: {_knobs_source(knobs) if knobs else 'the shipped table'} "
+                  "; ".join(f"{name}: {_knobs_source(_set(knobs)) if _set(knobs) else 'the shipped table'} "
                             f"({evidence})" for name, (knobs, evidence) in sorted(tuning.items()))
                   + "."]
     return "\n".join(lines)

@@ -18,6 +18,9 @@ reported only: FP8 promotion trades accuracy, and the documents row compares wit
   spill on sm_100) against 4;
 - triton_stages_bwd_hd256: its backward at head_dim 256 unpipelined (num_stages_bwd=1,
   shipped: 2 stages spill) against 2 stages;
+- sm90_fwd_overlap, sm90_fwd_persistent, sm90_bwd_fused (Hopper, head_dim 128): FlashConfig's
+  FA3 forms of the attention kernels, each off (shipped) against on; their wins merge into
+  one TUNED entry;
 - sm100_tmem_buffers_bwd (Blackwell): the tcgen05 backward at head_dim 128 with its X/Y score
   tiles double-buffered in TMEM (shipped: the next tile's MMAs overlap this one's softmax)
   against one buffer (each tile waits for the last);
@@ -103,17 +106,27 @@ CHOICES = (
            tunes=("triton", 256)),
     Choice("sm90_fwd_overlap", "Hopper attention forward at head_dim 128: FA3's intra-warpgroup "
            "overlap (next QK^T issued before this tile's softmax) or not", 9, (
-               _knob("mosaic_sm90", 128, "fwd_overlap=False"),
+               _knob("mosaic_sm90", 128, "fwd_overlap=False", fwd_overlap=False),
                _knob("mosaic_sm90", 128, "fwd_overlap=True", fwd_overlap=True)),
+           tunes=("mosaic_sm90", 128)),
+    Choice("sm90_fwd_persistent", "Hopper attention forward at head_dim 128: one CTA per "
+           "output tile, or persistent (one per SM walking the tiles, longest first, the next "
+           "tile's K/V loaded under this tile's epilogue), alone and with fwd_overlap (FA3's "
+           "form)", 9, (
+               _knob("mosaic_sm90", 128, "fwd_persistent=False", fwd_persistent=False),
+               _knob("mosaic_sm90", 128, "fwd_persistent=True", fwd_persistent=True),
+               _knob("mosaic_sm90", 128, "fwd_persistent=True, fwd_overlap=True",
+                     fwd_persistent=True, fwd_overlap=True)),
            tunes=("mosaic_sm90", 128)),
     Choice("sm90_bwd_fused", "Hopper attention backward at head_dim 128: FA3's one kernel (dQ "
            "by TMA reduce-add) or the dq and dkv kernels", 9, (
-               _knob("mosaic_sm90", 128, "bwd_fused=False"),
+               _knob("mosaic_sm90", 128, "bwd_fused=False", bwd_fused=False),
                _knob("mosaic_sm90", 128, "bwd_fused=True", bwd_fused=True)),
            tunes=("mosaic_sm90", 128)),
     Choice("sm100_tmem_buffers_bwd", "tcgen05 attention backward at head_dim 128: X/Y scores "
            "double-buffered in TMEM, or one buffer", 10, (
-               _knob("mosaic_sm100", 128, "tmem_buffers_bwd=None (2 at head_dim 128)"),
+               _knob("mosaic_sm100", 128, "tmem_buffers_bwd=None (2 at head_dim 128)",
+                     tmem_buffers_bwd=None),
                _knob("mosaic_sm100", 128, "tmem_buffers_bwd=1", tmem_buffers_bwd=1)),
            tunes=("mosaic_sm100", 128)),
     Choice("documents", "2k-token documents in 8k windows: our tile-skipping kernel or cuDNN "
