@@ -6,6 +6,8 @@ Speed-only attention knobs carry `tunes` (a measured.TUNED name) and their Flash
 `launch.gpu_check --apply` makes a variant faster by apply.MARGIN this GPU generation's default
 (pallas_kernels/measured.py TUNED, read by flash_attention.default_config). The rest are
 reported only: FP8 promotion trades accuracy, and the documents row compares with cuDNN.
+They run in CHOICES' order, the most valuable first, since the section's budget cuts the
+tail: the attention kernels' FA3/FA4 forms, the FP8 structure, the documents row, the rest.
 
 - fp8_promotion (Hopper): the sm90 FP8 GEMM promoting its accumulator to float32 every K tile
   (Sm90Config.promote_every=1, shipped: accuracy) against never (0);
@@ -78,36 +80,18 @@ def _knob(impl: str, head_dim: int, label: str, **knobs) -> Variant:
 
 
 CHOICES = (
-    Choice("fp8_promotion", "sm90 FP8 GEMM: float32 promotion every K tile, or never", 9, (
-        Variant("promote_every=1", True, {"kind": "fp8", "config": Sm90Config()}),
-        Variant("promote_every=0", False, {"kind": "fp8",
-                                           "config": Sm90Config(promote_every=0)}))),
-    Choice("fp8_tile", "sm90 FP8 GEMM tile: 64 x 128 or 128 x 128", 9, (
-        Variant("64x128", True, {"kind": "fp8", "config": Sm90Config()}),
-        Variant("128x128, promote_every=0", False, {"kind": "fp8", "config": Sm90Config(
-            tile_m=128, tile_n=128, promote_every=0)}))),
-    # (128 x 192, ws_2wg's widest promoted tile, does not divide N = 28672.)
-    Choice("fp8_structure", "sm90 FP8 GEMM: one warpgroup per 64 x 128 tile, or warp-"
-           "specialized (TMA producer + 2 wgmma consumers), persistent, 128 x N", 9, (
-               Variant("single_wg 64x128", True, {"kind": "fp8", "config": Sm90Config()}),
-               Variant("ws_2wg 128x128", False, {"kind": "fp8", "config": Sm90Config(
-                   structure="ws_2wg", tile_m=128, tile_n=128)}),
-               Variant("ws_2wg 128x256, promote_every=0, 3 stages, epilogue_n=64", False,
-                       {"kind": "fp8", "config": Sm90Config(
-                           structure="ws_2wg", tile_m=128, tile_n=256, max_concurrent_steps=3,
-                           promote_every=0, epilogue_n=64)}))),
-    Choice("triton_warps_hd64", "portable attention kernel at head_dim 64: 8 or 4 warps", None, (
-        _knob("triton", 64, "num_warps=8", num_warps=8),
-        _knob("triton", 64, "num_warps=4", num_warps=4)), tunes=("triton", 64)),
-    Choice("triton_stages_bwd_hd256", "portable attention backward at head_dim 256: 1 or 2 "
-           "pipeline stages", None, (
-               _knob("triton", 256, "num_stages_bwd=1", num_stages_bwd=1),
-               _knob("triton", 256, "num_stages_bwd=2", num_stages_bwd=2)),
-           tunes=("triton", 256)),
+    # Run in this order, the most valuable first: the section's budget (sections.py) cuts
+    # the tail of a loan's list. The attention kernels' forms of each GPU generation (the
+    # other's are n/a at no cost), then the FP8 structure and the documents row, then the rest.
     Choice("sm90_fwd_overlap", "Hopper attention forward at head_dim 128: FA3's intra-warpgroup "
            "overlap (next QK^T issued before this tile's softmax) or not", 9, (
                _knob("mosaic_sm90", 128, "fwd_overlap=False", fwd_overlap=False),
                _knob("mosaic_sm90", 128, "fwd_overlap=True", fwd_overlap=True)),
+           tunes=("mosaic_sm90", 128)),
+    Choice("sm90_bwd_fused", "Hopper attention backward at head_dim 128: FA3's one kernel (dQ "
+           "by TMA reduce-add) or the dq and dkv kernels", 9, (
+               _knob("mosaic_sm90", 128, "bwd_fused=False", bwd_fused=False),
+               _knob("mosaic_sm90", 128, "bwd_fused=True", bwd_fused=True)),
            tunes=("mosaic_sm90", 128)),
     Choice("sm90_fwd_persistent", "Hopper attention forward at head_dim 128: one CTA per "
            "output tile, or persistent (one per SM walking the tiles, longest first, the next "
@@ -118,23 +102,44 @@ CHOICES = (
                _knob("mosaic_sm90", 128, "fwd_persistent=True, fwd_overlap=True",
                      fwd_persistent=True, fwd_overlap=True)),
            tunes=("mosaic_sm90", 128)),
-    Choice("sm90_bwd_fused", "Hopper attention backward at head_dim 128: FA3's one kernel (dQ "
-           "by TMA reduce-add) or the dq and dkv kernels", 9, (
-               _knob("mosaic_sm90", 128, "bwd_fused=False", bwd_fused=False),
-               _knob("mosaic_sm90", 128, "bwd_fused=True", bwd_fused=True)),
-           tunes=("mosaic_sm90", 128)),
     Choice("sm100_tmem_buffers_bwd", "tcgen05 attention backward at head_dim 128: X/Y scores "
            "double-buffered in TMEM, or one buffer", 10, (
                _knob("mosaic_sm100", 128, "tmem_buffers_bwd=None (2 at head_dim 128)",
                      tmem_buffers_bwd=None),
                _knob("mosaic_sm100", 128, "tmem_buffers_bwd=1", tmem_buffers_bwd=1)),
            tunes=("mosaic_sm100", 128)),
+    # (128 x 192, ws_2wg's widest promoted tile, does not divide N = 28672.)
+    Choice("fp8_structure", "sm90 FP8 GEMM: one warpgroup per 64 x 128 tile, or warp-"
+           "specialized (TMA producer + 2 wgmma consumers), persistent, 128 x N", 9, (
+               Variant("single_wg 64x128", True, {"kind": "fp8", "config": Sm90Config()}),
+               Variant("ws_2wg 128x128", False, {"kind": "fp8", "config": Sm90Config(
+                   structure="ws_2wg", tile_m=128, tile_n=128)}),
+               Variant("ws_2wg 128x256, promote_every=0, 3 stages, epilogue_n=64", False,
+                       {"kind": "fp8", "config": Sm90Config(
+                           structure="ws_2wg", tile_m=128, tile_n=256, max_concurrent_steps=3,
+                           promote_every=0, epilogue_n=64)}))),
     Choice("documents", "2k-token documents in 8k windows: our tile-skipping kernel or cuDNN "
            "with a dense mask", None, (
                Variant("ours (auto)", True, {"kind": "attention", "impl": "ours",
                                              "documents": True}),
                Variant("cudnn, dense mask", False, {"kind": "attention", "impl": "cudnn",
                                                     "documents": True}))),
+    Choice("fp8_promotion", "sm90 FP8 GEMM: float32 promotion every K tile, or never", 9, (
+        Variant("promote_every=1", True, {"kind": "fp8", "config": Sm90Config()}),
+        Variant("promote_every=0", False, {"kind": "fp8",
+                                           "config": Sm90Config(promote_every=0)}))),
+    Choice("fp8_tile", "sm90 FP8 GEMM tile: 64 x 128 or 128 x 128", 9, (
+        Variant("64x128", True, {"kind": "fp8", "config": Sm90Config()}),
+        Variant("128x128, promote_every=0", False, {"kind": "fp8", "config": Sm90Config(
+            tile_m=128, tile_n=128, promote_every=0)}))),
+    Choice("triton_warps_hd64", "portable attention kernel at head_dim 64: 8 or 4 warps", None, (
+        _knob("triton", 64, "num_warps=8", num_warps=8),
+        _knob("triton", 64, "num_warps=4", num_warps=4)), tunes=("triton", 64)),
+    Choice("triton_stages_bwd_hd256", "portable attention backward at head_dim 256: 1 or 2 "
+           "pipeline stages", None, (
+               _knob("triton", 256, "num_stages_bwd=1", num_stages_bwd=1),
+               _knob("triton", 256, "num_stages_bwd=2", num_stages_bwd=2)),
+           tunes=("triton", 256)),
 )
 
 
