@@ -103,16 +103,14 @@ def repo(tmp_path):
     return tmp_path
 
 
-def _exec(source: str) -> dict:
+def _exec(source: str, name: str = "measured.py") -> dict:
     namespace: dict = {}
-    exec(compile(source, "measured.py", "exec"), namespace)
+    exec(compile(source, name, "exec"), namespace)
     return namespace
 
 
 def _load_measured(path: pathlib.Path) -> dict:
-    namespace: dict = {}
-    exec(compile(path.read_text(), str(path), "exec"), namespace)
-    return namespace
+    return _exec(path.read_text(), str(path))
 
 
 def test_apply_writes_wins_tuning_tables_and_the_result(repo, tmp_path, monkeypatch):
