@@ -127,6 +127,9 @@ def test_loan_command_dry_run_under_the_loan_machines_constraints(tmp_path):
     choices = s["choices"]["rows"]
     assert [r["choice"] for r in choices if r["shipped"]] == [c.name for c in CHOICES]
     assert all(r["vs_shipped"] > 0 for r in choices if not r["shipped"])
+    # Attention variants agree with the shipped one (dry run: all run xla, so exactly).
+    attention_alts = [r for r in choices if not r["shipped"] and "vs_shipped_rel" in r]
+    assert len(attention_alts) >= 5 and all(r["pass"] for r in attention_alts)
 
     md = (out / "gpu_check.md").read_text()
     for i, name in enumerate(DEFAULT_ORDER, 1):

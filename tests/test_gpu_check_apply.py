@@ -239,6 +239,43 @@ def test_choices_tuning_one_config_merge_and_a_shipped_win_drops_only_its_knob(r
     assert _exec(source)["TUNED"][(key, 9)] == {"fwd_overlap": True}
 
 
+def test_a_variant_disagreeing_with_the_shipped_one_fails_and_is_never_adopted():
+    """The choices section compares each attention variant's output and gradients with the
+    shipped variant's (kernels never run on a GPU before their loan): one that disagrees fails
+    its row, and --apply does not adopt it however fast it was."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from titanax.perf.gpu_check.choices import AGREE_TOL, _agreement
+    from titanax.perf.gpu_check.context import row_status
+
+    rng = np.random.default_rng(0)
+    arrays = tuple(jnp.asarray(rng.standard_normal((2, 16, 4, 8)), jnp.bfloat16)
+                   for _ in range(4))
+    held = {}
+    assert _agreement(arrays, held, shipped=True) == {}
+    close = _agreement(tuple(a * 1.01 for a in arrays), held, shipped=False)
+    assert close["pass"] and max(close["vs_shipped_rel"].values()) < AGREE_TOL
+    dropped = _agreement((arrays[0], arrays[1] * 0, *arrays[2:]), held, shipped=False)
+    assert not dropped["pass"] and dropped["vs_shipped_rel"]["dq"] == 1.0
+    nan = _agreement((*arrays[:3], arrays[3] * jnp.nan), held, shipped=False)
+    assert not nan["pass"] and nan["vs_shipped_rel"]["dv"] == float("inf")
+    assert _agreement(arrays, {}, shipped=False) == {}  # no shipped arrays: nothing to compare
+
+    key = "flash_attention/sm100/hd128"
+    rows = [{"choice": "sm100_bwd_fused", "variant": v, "shipped": v == "off", "tunes": key,
+             "knobs": {"bwd_fused": v == "on"}, "base": v == "off", "ms": ms, **extra}
+            for v, ms, extra in (("off", 3.0, {}), ("on", 1.0, dropped))]
+    for r in rows:
+        r["status"] = row_status(r)
+    rep = _result()
+    rep["sections"]["choices"]["rows"] = rows
+    assert rows[1]["status"] == "fail" and tune(rep) == {}
+    rows[1] = {k: v for k, v in rows[1].items() if k != "status"} | close  # agreeing now
+    rows[1]["status"] = row_status(rows[1])
+    assert tune(rep)[key][0] == {"bwd_fused": True}
+
+
 def test_dry_runs_and_cpu_results_are_refused(tmp_path, repo, capsys):
     dry = dict(_result(), dry_run=True)
     path = tmp_path / "dry.json"

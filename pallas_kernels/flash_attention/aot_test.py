@@ -15,9 +15,9 @@ import pytest
 from pallas_kernels import aot
 
 SCRIPT = r"""
-import json, sys, jax, jax.numpy as jnp
+import dataclasses, json, sys, jax, jax.numpy as jnp
 from pallas_kernels import aot
-from pallas_kernels.flash_attention import FlashConfig, flash_attention
+from pallas_kernels.flash_attention import FlashConfig, default_config, flash_attention
 
 B, S, Hq, Hkv, D = 1, 8192, 64, 8, 128
 q, kv = (jax.ShapeDtypeStruct((B, S, h, D), jnp.bfloat16) for h in (Hq, Hkv))
@@ -39,6 +39,11 @@ for kind, impl in ((target, impl) for impl in IMPLS[target]):
         res[f"{kind}/mosaic_bwd"] = "__gpu$xla.gpu.triton" not in text
     if impl == "mosaic_sm100":  # the MMAs are tcgen05 with TMEM accumulators
         res["b200/tcgen05"] = "tcgen05.mma" in text and "tcgen05.ld" in text
+    if impl.startswith("mosaic"):  # FlashConfig.bwd_fused: dQ by TMA reduce-adds, compiled
+        # (the interpreter runs no reduction; the sm100 one's M = 64 dQ MMA only compiles here)
+        fused = dataclasses.replace(default_config(impl, D), bwd_fused=True)
+        text = aot.compile_for(kind, fwd_bwd(impl, fused), q, kv, kv).as_text()
+        res[f"{kind}/fused_reduce_add"] = "cp.reduce.async.bulk.tensor" in text
 # K and V rings of 4 x 256 keys x 128 x bf16 = 512 KiB: over any GPU's shared memory.
 too_big = FlashConfig(block_q=64, block_kv=256, max_concurrent_steps=4)
 if target == "h100":
@@ -64,4 +69,5 @@ def test_deviceless_compile_70b_shapes():
     assert res["h100/mosaic_sm90"] and res["h100/triton"] and res["b200/triton"], res
     assert res["b200/mosaic_sm100"] and res["b200/tcgen05"], res
     assert res["h100/mosaic_bwd"] and res["b200/mosaic_bwd"], res
+    assert res["h100/fused_reduce_add"] and res["b200/fused_reduce_add"], res
     assert "exceeds available shared memory" in res["smem_overflow"], res["smem_overflow"]

@@ -228,6 +228,20 @@ def test_sm90_bwd_fused_matches_reference(case, monkeypatch):
     assert ran, "the fused backward did not run"
 
 
+@pytest.mark.parametrize("case", list(FUSED_CASES))
+def test_sm100_bwd_fused_matches_reference(case, monkeypatch):
+    """The sm100 form of the same (kernel_sm100_bwd.fused_bwd: the dkv kernel plus an M = 64
+    tcgen05 dQ_t = dS_t K per tile, drained by a fourth warpgroup) on the same cases."""
+    from pallas_kernels.flash_attention import default_config, kernel_sm100_bwd
+    c = FUSED_CASES[case]
+    ran = []
+    monkeypatch.setattr(kernel_sm100_bwd, "fused_bwd",
+                        lambda *a, f=kernel_sm100_bwd.fused_bwd, **k: ran.append(1) or f(*a, **k))
+    cfg = dataclasses.replace(default_config("mosaic_sm100", c.K), bwd_fused=True)
+    check_backend("mosaic_sm100", case, cases=FUSED_CASES, config=cfg)
+    assert ran, "the fused backward did not run"
+
+
 NEW_BACKEND = '''
 import jax, jax.numpy as jnp
 

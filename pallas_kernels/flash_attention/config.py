@@ -13,7 +13,9 @@ the sm90 forward to FlashAttention-3's intra-warpgroup pipelining (kernel_sm90.p
 tile's S = Q K^T and this tile's P V stay in flight on the tensor core during the softmax, the
 softmax scale folded into exp2's FMA); bwd_fused switches the sm90 backward (head_dim <= 128)
 from the dq and dkv kernels to FlashAttention-3's single kernel (kernel_sm90_bwd_fused.py: S
-and dP computed once per tile, dQ added with TMA reduce-adds); fwd_persistent makes the sm90
+and dP computed once per tile, dQ added with TMA reduce-adds), and the sm100 one (head_dim <=
+128) to its dkv kernel computing dQ_t = dS_t K per tile as well (kernel_sm100_bwd.fused_bwd,
+the same reduce-adds); fwd_persistent makes the sm90
 forward persistent (kernel_sm90.py: persistent_ctas CTAs, by default one per SM, each walking
 output tiles longest first, the next tile's K/V loads under this tile's epilogue). All three
 are off until a GPU run measures them (docs/attention.md).
@@ -49,7 +51,7 @@ class FlashConfig:
     max_concurrent_steps: int = 2  # Mosaic: K/V (or Q/dO) tiles in flight per CTA
     tmem_buffers_bwd: int | None = None  # sm100 backward: None = 2 where TMEM's columns allow
     fwd_overlap: bool = False  # sm90 forward: FA3 intra-warpgroup overlap (GEMMs in flight)
-    bwd_fused: bool = False  # sm90 backward: FA3's one kernel (dQ by TMA reduce-add)
+    bwd_fused: bool = False  # sm90/sm100 backward: one kernel (dQ by TMA reduce-add)
     fwd_persistent: bool = False  # sm90 forward: one CTA per SM walking the output tiles
     persistent_ctas: int | None = None  # fwd_persistent's CTAs; None: the GPU's SM count
 

@@ -124,6 +124,13 @@ def test_config_validation_and_dispatch():
                                      interpret=True).astype(jnp.float32).sum()
     with pytest.raises(ValueError, match="768 TMEM columns, over 512"):
         jax.eval_shape(jax.grad(loss), q2)
+    # The fused backward's two dQ tiles (128 columns) leave one X/Y buffer at head_dim 128.
+    fused2 = dataclasses.replace(default_config("mosaic_sm100", 128), bwd_fused=True,
+                                 tmem_buffers_bwd=2)
+    loss = lambda q: flash_attention(q, k2, v2, causal=True, impl="mosaic_sm100", config=fused2,
+                                     interpret=True).astype(jnp.float32).sum()
+    with pytest.raises(ValueError, match="two dQ tiles need 640 TMEM columns.*tmem_buffers_bwd=1"):
+        jax.eval_shape(jax.grad(loss), q2)
     q, k, v, _ = _inputs(1, 8, 4, 2, 64, jnp.float32)
     with pytest.raises(ValueError, match="bf16/fp16"):
         flash_attention(q, k, v, impl="mosaic_sm90")

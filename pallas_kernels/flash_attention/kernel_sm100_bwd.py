@@ -29,10 +29,23 @@ no key, or no query sees its keys) writes a zero gradient.
 TMEM: X and Y (block of the streamed side each) plus the accumulators (head_dim columns each)
 must fit 512 columns, and SMEM 227 KiB: head_dim 64 and 128. At 256 flash_bwd falls back to
 the grid kernels of kernel_bwd.py.
+
+FlashConfig.bwd_fused (fused_bwd, off until a GPU measures it): one kernel, the dkv kernel
+plus dQ, as FlashAttention-3/4 do it, so X and Y (S and dP) are computed once per tile: 5
+matmul units per tile against the split's 7.
+  mma      after step t's dV and dK MMAs, also dQ_t = dS_t K (an M = 64 tcgen05 MMA, dS read
+           as the transpose of dS^T's SMEM tile, K the resident tile) into one of two TMEM
+           buffers, once the dQ warpgroup has drained the buffer's step t - 2;
+  dq       a fourth warpgroup: dQ_t TMEM -> registers -> SMEM (fp32) -> TMA reduce-add into a
+           float32 [B, S, Hq, D] buffer that XLA scales and casts (FA3's dQ_accum).
+TMEM at head_dim 128: dK, dV 256 + two dQ tiles (M = 64: D / 2 columns each) 128 + X, Y in
+one buffer 128 = 512 (at 64: X, Y double-buffered, 448). The interpreter has no TMA
+reduction: there each key block adds into its own slice of the buffer, which XLA sums.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -51,7 +64,11 @@ from .mosaic_common import (
 from .tile_ranges import tile_ranges
 
 BLOCK = 128  # resident rows per CTA: one per TMEM lane
-_COMPUTE, _MMA, _LOAD = 0, 1, 2
+_COMPUTE, _MMA, _LOAD, _DQ = 0, 1, 2, 3
+# setmaxnreg per thread: a CTA of 4 warpgroups starts at 128 each (65536 / 512); the fused
+# kernel's dQ warpgroup holds one [n, D] fp32 tile (64 floats per thread at most: TMEM refuses
+# n = 128 at head_dim 128), and 40 + 40 + 232 + 96 <= 512.
+REGS_DQ = 96
 MAX_HEAD_DIM = 128
 TMEM_COLS = 512
 # Streamed-tile columns the compute warpgroup holds in registers at a time: in dkv lse2 and
@@ -59,18 +76,19 @@ TMEM_COLS = 512
 SLICE = {"dq": 32, "dkv": 16}
 
 
-def _transforms(cols: int, dtype):
+def _transforms(cols: int, dtype, max_swizzle: int = 128):
     size = jnp.dtype(dtype).itemsize
-    swizzle = plgpu.find_swizzle(cols * size * 8)
+    swizzle = min(plgpu.find_swizzle(cols * size * 8), max_swizzle)
     return plgpu.TilingTransform((8, swizzle // size)), plgpu.SwizzleTransform(swizzle)
 
 
-def _kernel(kind, q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, config,
-            interpret):
+def _kernel(kind, q, k, v, do, lse2, delta, q_seg, kv_seg, dq_acc=None, *, scale, causal,
+            kv_len, config, interpret):
     B, Sp, Hq, D = q.shape
     Tp, Hkv = k.shape[1], k.shape[2]
     G, dtype = Hq // Hkv, q.dtype
     is_dq = kind == "dq"
+    fused = kind == "fused"  # dkv, plus dQ_t = dS_t K per step, reduce-added into dq_acc
     has_seg = q_seg is not None
     n = config.block_kv_bwd if is_dq else config.block_q_bwd  # streamed tile rows
     n_tiles = (Tp if is_dq else Sp) // n
@@ -80,21 +98,26 @@ def _kernel(kind, q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_
     row, col = plgpu.Layout.TCGEN05.reduce(1), plgpu.Layout.TCGEN05.reduce(0)
     vec_axis = 0 if is_dq else 1  # lse2/delta run along the queries: rows in dq, columns in dkv
     n_acc = 1 if is_dq else 2
-    width = min(n, SLICE[kind])
+    width = min(n, SLICE["dq" if is_dq else "dkv"])
+    # fused: dQ_t [n, D] in two TMEM buffers (the MMA of step t+1 writes one while the dQ
+    # warpgroup drains the other); at n = 64 an M = 64 accumulator spans D / 2 columns.
+    dq_cols = 2 * D * n // BLOCK if fused else 0
     # X and Y double-buffered in TMEM where the 512 columns allow (head_dim <= 128 at n = 64):
     # the MMAs of tile t+1 then run while the compute warpgroup works through tile t. One
     # buffer (config.tmem_buffers_bwd=1) serialises them: the choices section times both.
-    nbuf = config.tmem_buffers_bwd or (2 if 4 * n + n_acc * D <= TMEM_COLS else 1)
-    if 2 * nbuf * n + n_acc * D > TMEM_COLS:
+    fixed_cols = n_acc * D + dq_cols
+    nbuf = config.tmem_buffers_bwd or (2 if 4 * n + fixed_cols <= TMEM_COLS else 1)
+    if 2 * nbuf * n + fixed_cols > TMEM_COLS:
         raise ValueError(
             f"FlashConfig(tmem_buffers_bwd={nbuf}, block_{'kv' if is_dq else 'q'}_bwd={n}) at "
-            f"head_dim {D}: the {kind} kernel's X and Y tiles and {n_acc} accumulator(s) need "
-            f"{2 * nbuf * n + n_acc * D} TMEM columns, over {TMEM_COLS}; use "
-            "tmem_buffers_bwd=1 or a smaller block")
+            f"head_dim {D}: the {kind} kernel's X and Y tiles, {n_acc} accumulator(s)"
+            f"{' and two dQ tiles' if fused else ''} need {2 * nbuf * n + fixed_cols} TMEM "
+            f"columns, over {TMEM_COLS}; use tmem_buffers_bwd=1 or a smaller block")
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, ranges_ref,
                out_refs, res_smem, str_smem, ds_smem, p_smem, x_tmem, y_tmem, acc_tmem,
-               res_loaded, loaded, free, s_ready, s_read, ds_ready, ds_free):
+               res_loaded, loaded, free, s_ready, s_read, ds_ready, ds_free, dq_refs,
+               dq_out):
         wg = lax.axis_index("wg")
         batch, head = lax.axis_index("batch"), lax.axis_index("heads")
         # dq: causal query blocks longest first; dkv: key block 0 already sees the most queries.
@@ -175,14 +198,31 @@ def _kernel(kind, q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_
             res0, res1 = res_smem[0], res_smem[1]
             str0, str1 = str_smem[0], str_smem[1]
 
-            def accumulate(t):  # dQ += dS K  |  dK += dS^T Q, dV += P^T dO
+            def accumulate(t):  # dQ += dS K  |  dK += dS^T Q, dV += P^T dO (fused: + dQ_t)
                 slot = lax.rem(t, i32(steps))
                 plgpu.barrier_wait(ds_ready)
                 plgpu.tcgen05_mma(acc_tmem[0], ds_smem, str0.at[slot], accumulate=t > 0)
                 if not is_dq:
                     plgpu.tcgen05_mma(acc_tmem[1], p_smem, str1.at[slot], accumulate=t > 0)
                 plgpu.tcgen05_commit_arrive(free.at[slot])
+                if fused:
+                    _mma_dq(t, res0)
                 plgpu.tcgen05_commit_arrive(ds_free)
+
+            def _mma_dq(t, k_smem):
+                """dQ_t = dS_t K (dS^T's SMEM tile read transposed) into TMEM buffer t % 2,
+                once the dQ warpgroup has drained step t - 2's."""
+                dq_tmem, dq_ready, dq_read = dq_refs[:3]
+                buf = lax.rem(t, i32(2))
+                for b in range(2):  # a static TMEM ref per buffer (M = 64 layouts)
+                    @pl.when(buf == b)
+                    def _():
+                        @pl.when(t >= 2)
+                        def _():
+                            plgpu.barrier_wait(dq_read.at[b])
+                        plgpu.tcgen05_mma(dq_tmem[b], ds_smem.transpose((1, 0)), k_smem,
+                                          accumulate=False)
+                        plgpu.tcgen05_commit_arrive(dq_ready.at[b])
 
             @pl.loop(0, total)
             def _(t):
@@ -210,6 +250,46 @@ def _kernel(kind, q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_
             @pl.loop(jnp.maximum(total - nbuf, 0), total)
             def _(t):  # observe the last reads: no barrier phase is left pending at exit
                 plgpu.barrier_wait(s_read.at[lax.rem(t, i32(nbuf))])
+            if fused:
+                @pl.loop(jnp.maximum(total - 2, 0), total)
+                def _(t):  # and the dQ warpgroup's last drains
+                    plgpu.barrier_wait(dq_refs[2].at[lax.rem(t, i32(2))])
+
+        if fused:
+            @pl.when(wg == _DQ)
+            def _dq():
+                # dQ_t TMEM -> registers -> SMEM (fp32) -> TMA reduce-add into dq_acc (GPU);
+                # the interpreter, which has no TMA reduction, gives each CTA its own slice of
+                # dq_acc instead, summed by XLA (as kernel_sm90_bwd_fused.py).
+                plgpu.set_max_registers(REGS_DQ, action="decrease")
+                dq_tmem, dq_ready, dq_read, dq_smem = dq_refs
+                lo, _, _, hi, total = visits()
+                per_head = hi - lo
+
+                @pl.loop(0, total)
+                def _(t):
+                    buf = lax.rem(t, i32(2))
+                    g, i = lax.div(t, per_head), lo + lax.rem(t, per_head)
+                    for b in range(2):
+                        @pl.when(buf == b)
+                        def _():
+                            plgpu.barrier_wait(dq_ready.at[b])
+                            # The whole tile in one load: n * D / 128 floats per thread (64 at
+                            # most); column slices of an M = 64 TMEM tile defeat Mosaic's
+                            # layout inference.
+                            dq = plgpu.async_load_tmem(dq_tmem[b])
+                            plgpu.wait_load_tmem()
+                            plgpu.barrier_arrive(dq_read.at[b])  # free for step t + 2's MMA
+                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # last add read it
+                            dq_smem[...] = dq
+                    plgpu.commit_smem()
+                    rows, h = pl.ds(i * n, n), head * G + g
+                    if interpret:
+                        plgpu.copy_smem_to_gmem(dq_smem, dq_out.at[blk, batch, rows, h])
+                    else:
+                        plgpu.copy_smem_to_gmem(dq_smem, dq_out.at[batch, rows, h],
+                                                reduction_op="add")
+                plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == _COMPUTE)
         def _compute():
@@ -328,7 +408,11 @@ def _kernel(kind, q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_
                plgpu.SMEM((BLOCK,), jnp.float32)]
         ring = [tiles(steps, n, D), tiles(steps, n, D)]
     else:
-        res = [tiles(BLOCK, D), tiles(BLOCK, D)]
+        # fused: K is also dQ's B operand, whose N (= D) an M = 64 MMA splits in two halves
+        # of whole swizzle rows: rows of D / 2 elements at most.
+        size = jnp.dtype(dtype).itemsize
+        k_tx = _transforms(D, dtype, D * size // 2 if fused and n < BLOCK else 128)
+        res = [plgpu.SMEM((BLOCK, D), dtype, transforms=k_tx), tiles(BLOCK, D)]
         ring = [tiles(steps, n, D), tiles(steps, n, D), plgpu.SMEM((steps, n), jnp.float32),
                 plgpu.SMEM((steps, n), jnp.float32)]
     if seg:
@@ -348,6 +432,12 @@ def _kernel(kind, q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_
         s_ready=plgpu.Barrier(num_barriers=nbuf, **tc),
         s_read=plgpu.Barrier(num_barriers=nbuf, **tc),
         ds_ready=plgpu.Barrier(**tc), ds_free=plgpu.Barrier(**tc),
+        dq_refs=(
+            [plgpu.TMEM((n, D), jnp.float32) for _ in range(2)],
+            plgpu.Barrier(num_barriers=2, **tc), plgpu.Barrier(num_barriers=2, **tc),
+            plgpu.SMEM((n, D), jnp.float32, transforms=(
+                plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),
+        ) if fused else None,
     )
     scratch = {k_: v_ for k_, v_ in scratch.items() if v_ is not None}
     n_out = 1 if is_dq else 2
@@ -355,10 +445,12 @@ def _kernel(kind, q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_
     def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, **scratch_refs):
         qseg_ref, kseg_ref, ranges_ref = rest[:3] if has_seg else (None, None, None)
         out_refs = rest[3:] if has_seg else rest
+        dq_out, out_refs = (out_refs[0], out_refs[1:]) if fused else (None, out_refs)
         assert len(out_refs) == n_out
         scratch_refs.setdefault("p_smem", None)
+        scratch_refs.setdefault("dq_refs", None)
         kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, ranges_ref,
-               out_refs, **scratch_refs)
+               out_refs, dq_out=dq_out, **scratch_refs)
 
     if is_dq:
         out_type = out_struct(q, q.shape, dtype)
@@ -374,9 +466,9 @@ def _kernel(kind, q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_
         return plgpu.kernel(
             entry, out_type=out_type, scratch_types=scratch,
             grid=grid, grid_names=("heads", "blk", "batch"),
-            num_threads=3, thread_name="wg",
+            num_threads=4 if fused else 3, thread_name="wg",
             compiler_params=plgpu.CompilerParams(approx_math=True),
-        )(*args)
+        )(*args, *([dq_acc] if fused else []))
 
 
 def flash_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, *, scale, causal, kv_len, config, interpret):
@@ -386,7 +478,28 @@ def flash_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, *, scale, causal, kv_len, con
     kw = dict(scale=scale, causal=causal, kv_len=kv_len, config=config, interpret=interpret)
     if q.shape[-1] > MAX_HEAD_DIM:
         return grid_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, **kw)
+    if config.bwd_fused:
+        return fused_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, **kw)
     return mosaic_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, **kw)
+
+
+def fused_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, *, scale, causal, kv_len, config,
+              interpret):
+    """FlashConfig.bwd_fused: the dkv kernel that also computes dQ_t = dS_t K per streamed
+    tile and adds it into a float32 [B, Sp, Hq, D] buffer (TMA reduce-add), which XLA scales
+    and casts: S and dP once per tile (5 matmul units, not the split's 7) -> (dq, dk, dv)."""
+    B, Sp, Hq, D = q.shape
+    delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
+    # The GPU adds every CTA's dQ into one buffer; the interpreter gives each key block its own.
+    n_blk = k.shape[1] // BLOCK
+    dq_acc = jax.new_ref(jnp.zeros((n_blk, B, Sp, Hq, D) if interpret else (B, Sp, Hq, D),
+                                   jnp.float32))
+    dk, dv = _kernel("fused", q, k, v, do, lse2, delta, q_seg, kv_seg, dq_acc, scale=scale,
+                     causal=causal, kv_len=kv_len, config=config, interpret=interpret)
+    dq = dq_acc[...]
+    if interpret:
+        dq = dq.sum(axis=0)
+    return (dq * scale).astype(q.dtype), dk, dv
 
 
 def mosaic_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, *, scale, causal, kv_len, config,

@@ -32,6 +32,7 @@ import tempfile
 from pallas_kernels.flash_attention.backends import GPU_FALLBACK, generation_kernels
 from pallas_kernels.flash_attention.kernel_sm90 import PERSISTENT_OVERLAP_MAX_HEAD_DIM
 from pallas_kernels.flash_attention.kernel_sm90_bwd import FUSED_MAX_HEAD_DIM
+from pallas_kernels.flash_attention.kernel_sm100_bwd import MAX_HEAD_DIM as SM100_MAX_HEAD_DIM
 from pallas_kernels.fp8.backends import MATMULS
 from titanax.perf import ptxas_report as rep
 
@@ -102,8 +103,9 @@ def attention_cases(arch: str, head_dims, impls=None):
                         return pick(flash_attention_bwd(q, k, v, s[0] if s else None, o, lse,
                                                         do, **kw))
                     yield dict(meta, **{"pass": name}), bwd, (q, kv, kv, q, lse, q, *segs)
-                if impl == "mosaic_sm90" and d <= FUSED_MAX_HEAD_DIM:  # opt-in FA3 backward
-                    yield _fused_bwd(meta, cfg, (q, kv, kv, q, lse, q, *segs))
+                if (impl == "mosaic_sm90" and d <= FUSED_MAX_HEAD_DIM
+                        or impl == "mosaic_sm100" and d <= SM100_MAX_HEAD_DIM):
+                    yield _fused_bwd(meta, cfg, (q, kv, kv, q, lse, q, *segs))  # opt-in
 
 
 def _overlap_fwd(meta: dict, cfg, args, overlap: bool = True, persistent: bool = False):
@@ -124,8 +126,8 @@ def _overlap_fwd(meta: dict, cfg, args, overlap: bool = True, persistent: bool =
 
 
 def _fused_bwd(meta: dict, cfg, args):
-    """The sm90 backward with FlashConfig.bwd_fused=True (docs/attention.md, "sm90 fused
-    backward"): one Mosaic kernel for dq, dk and dv."""
+    """The backward with FlashConfig.bwd_fused=True (docs/attention.md, "sm90 fused backward",
+    "sm100 fused backward"): one Mosaic kernel for dq, dk and dv."""
     import dataclasses
 
     from pallas_kernels.flash_attention.api import flash_attention_bwd
@@ -134,7 +136,7 @@ def _fused_bwd(meta: dict, cfg, args):
 
     def bwd(q, k, v, o, lse, do, *s):
         return flash_attention_bwd(q, k, v, s[0] if s else None, o, lse, do, causal=True,
-                                   impl="mosaic_sm90", config=fused)
+                                   impl=meta["impl"], config=fused)
 
     return (dict(meta, config=repr(fused), variant=meta["variant"] + "+bwd_fused",
                  **{"pass": "dqkv"}), bwd, args)

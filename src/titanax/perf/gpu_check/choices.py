@@ -23,11 +23,19 @@ tail: the attention kernels' FA3/FA4 forms, the FP8 structure, the documents row
 - sm90_fwd_overlap, sm90_fwd_persistent, sm90_bwd_fused (Hopper, head_dim 128): FlashConfig's
   FA3 forms of the attention kernels, each off (shipped) against on; their wins merge into
   one TUNED entry;
+- sm100_bwd_fused (Blackwell, head_dim 128): the tcgen05 backward as one kernel (FlashConfig.
+  bwd_fused: dkv's kernel also computing dQ_t = dS_t K per tile, added by TMA reduce-add)
+  against the dq and dkv kernels (shipped);
 - sm100_tmem_buffers_bwd (Blackwell): the tcgen05 backward at head_dim 128 with its X/Y score
   tiles double-buffered in TMEM (shipped: the next tile's MMAs overlap this one's softmax)
   against one buffer (each tile waits for the last);
 - documents: packed 2,048-token documents in 8,192-token windows on our kernel for this GPU
   (what `auto` picks) against cuDNN with the documents as a dense mask.
+
+Every attention variant other than the shipped one is also checked against it: output and
+gradients on the same inputs within AGREE_TOL (twice kernels.ATTN_TOL, the shipped one being
+checked against the reference in the kernels section). The opt-in forms have never run on a
+GPU before their loan, so one that disagrees fails its row and --apply cannot adopt it.
 
 Attention cases: 64 q / 8 kv heads, causal, bf16, 16,384 tokens per call, forward and backward
 (FLOPs as the attention section counts them); FP8 GEMMs at M = 8192, K = 8192, N = 28672,
@@ -38,6 +46,7 @@ in the interpreters, one timed call (exercises the code; the times mean nothing)
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +61,7 @@ from pallas_kernels.target import compute_capability
 from pallas_kernels.timing import median_call_seconds
 from titanax.perf.gpu_check.context import attention_key, fp8_key
 from titanax.perf.gpu_check.device import our_attention_impl
+from titanax.perf.gpu_check.kernels import ATTN_TOL
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +112,12 @@ CHOICES = (
                _knob("mosaic_sm90", 128, "fwd_persistent=True, fwd_overlap=True",
                      fwd_persistent=True, fwd_overlap=True)),
            tunes=("mosaic_sm90", 128)),
+    Choice("sm100_bwd_fused", "tcgen05 attention backward at head_dim 128: one kernel (dQ_t = "
+           "dS_t K per tile, TMA reduce-add; X/Y in one TMEM buffer) or the dq and dkv "
+           "kernels", 10, (
+               _knob("mosaic_sm100", 128, "bwd_fused=False", bwd_fused=False),
+               _knob("mosaic_sm100", 128, "bwd_fused=True", bwd_fused=True)),
+           tunes=("mosaic_sm100", 128)),
     Choice("sm100_tmem_buffers_bwd", "tcgen05 attention backward at head_dim 128: X/Y scores "
            "double-buffered in TMEM, or one buffer", 10, (
                _knob("mosaic_sm100", 128, "tmem_buffers_bwd=None (2 at head_dim 128)",
@@ -161,7 +177,32 @@ DRY_ATTENTION = (128, 128, 2, 1, 32, 1)
 GPU_GEMM, DRY_GEMM = (8192, 8192, 28672), (128, 256, 256)
 
 
-def _attention(ctx, impl, head_dim=128, config=None, documents=False, **_) -> dict:
+# An attention variant's output and gradients against the shipped variant's on the same inputs:
+# each is within kernels.ATTN_TOL of the exact answer (the kernels section checks the shipped
+# one against the reference), so two correct kernels differ by less than twice that.
+AGREE_TOL = 2 * ATTN_TOL
+
+
+def _agreement(got, held: dict, shipped: bool) -> dict:
+    """The shipped variant's arrays are kept in `held`; any other variant's are compared with
+    them: a wrong kernel (never run on a GPU before its loan) fails its row, so --apply cannot
+    adopt it however fast it is. No shipped arrays (its row failed): nothing to adopt."""
+    if shipped:
+        held["arrays"] = got
+        return {}
+    if "arrays" not in held:
+        return {}
+    rel = {}
+    for name, x, r in zip(("out", "dq", "dk", "dv"), got, held["arrays"]):
+        x, r = x.astype(jnp.float32), r.astype(jnp.float32)  # on the device: 0.5 GB each
+        rel[name] = (float(jnp.max(jnp.abs(x - r))) / max(float(jnp.max(jnp.abs(r))), 1e-30)
+                     if bool(jnp.all(jnp.isfinite(x))) else float("inf"))
+    return {"vs_shipped_rel": rel, "tol": AGREE_TOL,
+            "pass": all(e < AGREE_TOL for e in rel.values())}
+
+
+def _attention(ctx, impl, head_dim=128, config=None, documents=False, held=None,
+               shipped=False, **_) -> dict:
     tokens, S, hq, hkv, doc, iters = DRY_ATTENTION if ctx.dry_run else GPU_ATTENTION
     B = max(1, tokens // S)
     if ctx.dry_run and impl != "triton":
@@ -172,16 +213,17 @@ def _attention(ctx, impl, head_dim=128, config=None, documents=False, **_) -> di
     seg = packed_segment_ids(B, S, doc) if documents else None
     kw = {"interpret": True} if ctx.dry_run and impl == "triton" else {}
 
-    def attend(q, k, v, s):
-        return flash_attention(q, k, v, causal=True, segment_ids=s, impl=impl, config=config,
-                               **kw)
-    grad = jax.jit(jax.grad(lambda q, k, v, s: attend(q, k, v, s).astype(jnp.float32).sum(),
-                            argnums=(0, 1, 2)))
-    sec = median_call_seconds(grad, (q, k, v, seg), iters)
+    def fwd_bwd(q, k, v, s):  # the output and its gradients for d(sum of the output)
+        out, vjp = jax.vjp(lambda q, k, v: flash_attention(
+            q, k, v, causal=True, segment_ids=s, impl=impl, config=config, **kw), q, k, v)
+        return (out, *vjp(jnp.ones_like(out)))
+    fn = jax.jit(fwd_bwd)
+    sec = median_call_seconds(fn, (q, k, v, seg), iters)
     f_fwd, f_bwd = attention_flops(B, S, hq, head_dim, causal=True,
                                    doc_tokens=doc if documents else 0)
+    checked = _agreement(fn(q, k, v, seg), held, shipped) if held is not None else {}
     return {"ms": sec * 1e3, "tflops": (f_fwd + f_bwd) / sec / 1e12, "impl": impl,
-            "shape": f"B{B} S{S} Hq{hq}/Hkv{hkv} D{head_dim}"}
+            "shape": f"B{B} S{S} Hq{hq}/Hkv{hkv} D{head_dim}", **checked}
 
 
 def _gemm(ctx, config, **_) -> dict:
@@ -216,7 +258,7 @@ def choices_section(ctx) -> None:
              flops="attention fwd+bwd = 3.5 x 4*B*S^2*Hq*D/2 (documents: visible pairs); "
                    "GEMM 2*M*N*K")
     for choice in CHOICES:
-        shipped_ms = None
+        shipped_ms, held = None, {}
         for var, shipped in ordered_variants(choice):
             label = {"choice": choice.name, "variant": var.label, "shipped": shipped}
             if choice.tunes is not None:
@@ -229,7 +271,10 @@ def choices_section(ctx) -> None:
             run = dict(var.run)
             if run.get("impl") == "ours":
                 run["impl"] = ours
-            measure = _gemm if run.pop("kind") == "fp8" else _attention
+            if run.pop("kind") == "fp8":
+                measure = _gemm
+            else:
+                measure = functools.partial(_attention, held=held, shipped=shipped)
             row = ctx.run_item(label, lambda m=measure, r=run: m(ctx, **r), estimate_s=20.0,
                                group="choices", uses=_uses(var.run, ours))
             if row.get("status") != "ok":
