@@ -203,6 +203,29 @@ def test_sm90_fwd_persistent_equals_the_grid_form_bit_for_bit():
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
+# The sm100 forward with FlashConfig.fwd_q_tiles=2 (kernel_sm100.py: FA4's two 128-row query
+# tiles per CTA, a softmax warpgroup each; block_kv 64 for TMEM): causal with several CTAs and
+# K/V ring reuse, packed documents (a CTA whose second tile is all padding: an empty own
+# range), GQA, batch 2, non-causal, head dims 64 and 128, fp16; values, and gradients through
+# the log-sum-exp it saves where the tiles' ranges differ.
+Q_TILES_CASES = {
+    "causal_gqa_long_hd64": (Case(S=600, H=4, N=2), True),
+    "causal_documents_batch_hd64": (Case(B=2, S=100, H=4, N=2, segments=True), True),
+    "noncausal_documents_hd64": (Case(S=300, causal=False, segments=True), False),
+    "causal_documents_hd128": (Case(S=300, K=128, segments=True), True),
+    "noncausal_fp16_hd128": (Case(S=200, K=128, H=2, causal=False, dtype="float16"), False),
+}
+
+
+@pytest.mark.parametrize("case", list(Q_TILES_CASES))
+def test_sm100_fwd_q_tiles_matches_reference(case):
+    from pallas_kernels.flash_attention import default_config
+    c, grads = Q_TILES_CASES[case]
+    cfg = dataclasses.replace(default_config("mosaic_sm100", c.K), fwd_q_tiles=2, block_kv=64)
+    check_backend("mosaic_sm100", case, cases={k: v[0] for k, v in Q_TILES_CASES.items()},
+                  config=cfg, grads=grads)
+
+
 # The sm90 backward with FlashConfig.bwd_fused (kernel_sm90_bwd_fused.py: FA3's one kernel,
 # dQ added per CTA): GQA, causal and not, packed documents, padded lengths, keys past every
 # query, fp16; head_dim 64 and 128 (both FUSED_MAX_HEAD_DIM lets it run at).

@@ -15,10 +15,12 @@ softmax scale folded into exp2's FMA); bwd_fused switches the sm90 backward (hea
 from the dq and dkv kernels to FlashAttention-3's single kernel (kernel_sm90_bwd_fused.py: S
 and dP computed once per tile, dQ added with TMA reduce-adds), and the sm100 one (head_dim <=
 128) to its dkv kernel computing dQ_t = dS_t K per tile as well (kernel_sm100_bwd.fused_bwd,
-the same reduce-adds); fwd_persistent makes the sm90
+the same reduce-adds); fwd_q_tiles=2 gives each sm100 forward CTA two 128-row query tiles with
+a softmax warpgroup each, taking turns on the tensor core (FlashAttention-4's q_stage=2,
+kernel_sm100.py); fwd_persistent makes the sm90
 forward persistent (kernel_sm90.py: persistent_ctas CTAs, by default one per SM, each walking
-output tiles longest first, the next tile's K/V loads under this tile's epilogue). All three
-are off until a GPU run measures them (docs/attention.md).
+output tiles longest first, the next tile's K/V loads under this tile's epilogue). All of
+them are off until a GPU run measures them (docs/attention.md).
 Invalid values fail here, at construction, instead of deep inside a kernel compile.
 
 default_config() is the shipped table below, with the knobs a GPU run measured faster on that
@@ -54,6 +56,8 @@ class FlashConfig:
     bwd_fused: bool = False  # sm90/sm100 backward: one kernel (dQ by TMA reduce-add)
     fwd_persistent: bool = False  # sm90 forward: one CTA per SM walking the output tiles
     persistent_ctas: int | None = None  # fwd_persistent's CTAs; None: the GPU's SM count
+    fwd_q_tiles: int = 1  # sm100 forward: 128-row query tiles per CTA, a softmax WG each
+
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd"):
@@ -80,6 +84,9 @@ class FlashConfig:
         for name in ("fwd_overlap", "bwd_fused", "fwd_persistent"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"FlashConfig.{name}={getattr(self, name)!r}: use True or False")
+        if self.fwd_q_tiles not in (1, 2) or isinstance(self.fwd_q_tiles, bool):
+            raise ValueError(f"FlashConfig.fwd_q_tiles={self.fwd_q_tiles!r}: 1 (one softmax "
+                             "warpgroup per CTA) or 2 (FlashAttention-4's two query tiles)")
 
     def check_mosaic(self) -> None:
         """wgmma/tcgen05 tiles are 64 rows per warpgroup: Mosaic needs multiples of 64."""

@@ -124,6 +124,13 @@ def test_config_validation_and_dispatch():
                                      interpret=True).astype(jnp.float32).sum()
     with pytest.raises(ValueError, match="768 TMEM columns, over 512"):
         jax.eval_shape(jax.grad(loss), q2)
+    with pytest.raises(ValueError, match="fwd_q_tiles=3: 1 .* or 2"):
+        FlashConfig(fwd_q_tiles=3)
+    # Two query tiles, each with two 128-key score buffers and O: 768 columns.
+    two = dataclasses.replace(default_config("mosaic_sm100", 128), fwd_q_tiles=2)
+    with pytest.raises(ValueError, match="768 TMEM columns, over 512; use block_kv=64"):
+        jax.eval_shape(lambda q: flash_attention(q, k2, v2, causal=True, impl="mosaic_sm100",
+                                                 config=two, interpret=True), q2)
     # The fused backward's two dQ tiles (128 columns) leave one X/Y buffer at head_dim 128.
     fused2 = dataclasses.replace(default_config("mosaic_sm100", 128), bwd_fused=True,
                                  tmem_buffers_bwd=2)

@@ -27,9 +27,19 @@ from lo, so slots, buffers and barrier phases stay in step. A query tile with no
 (lo == hi) writes a zero output and a log-sum-exp of MASK (finite: the backward computes
 exp2(s - lse)).
 
-Left for later, as FA4 does them: two softmax warpgroups ping-ponging two query tiles,
-a separate correction warpgroup, conditional rescaling with a threshold, P kept in TMEM
-(tcgen05 A operand) instead of SMEM, and a persistent tile scheduler.
+FlashConfig.fwd_q_tiles=2 (off until a GPU measures it) is FlashAttention-4's q_stage=2: a CTA
+owns two consecutive 128-row query tiles and runs a softmax warpgroup for each (one copy of
+the code, the tile index read from the warpgroup index), so the tensor core computes one
+tile's S and P V while the other's softmax runs. The MMA warpgroup issues S_0,j and S_1,j for
+each K/V tile, then P_0,j-1 V and P_1,j-1 V; each tile has its two score buffers and its O in
+TMEM (2 x (2 x block_kv + D) columns: block_kv 64 at head_dim 128) and its P tile in SMEM.
+The CTA visits the union of its tiles' key ranges (as FA4's 256-row blocks do), a key tile
+outside a query tile's own range masked for it; a query tile with an empty own range writes
+O = 0.
+
+Left for later, as FA4 does them: a separate correction warpgroup, conditional rescaling with
+a threshold, P kept in TMEM (tcgen05 A operand) instead of SMEM, and a persistent tile
+scheduler.
 
 Tested on CPU under the Mosaic GPU interpreter (tcgen05, TMEM, TMA, barriers) and compiled for
 a B200 without a GPU (aot_test.py).
@@ -47,12 +57,21 @@ from .mosaic_common import LOG2E, MASK, column_slices, interpret_ctx, q_block
 from .tile_ranges import tile_ranges
 
 BLOCK_Q = 128  # TMEM lanes: one query row per lane
-_SOFTMAX, _MMA, _LOAD = 0, 1, 2
+_SOFTMAX, _MMA, _LOAD, _SOFTMAX1 = 0, 1, 2, 3
+TMEM_COLS = 512
+# setmaxnreg per thread, by query tiles per CTA: 3 warpgroups start at 168 each (65536 / 384),
+# 4 at 128; the load warpgroup gives up the most with two softmax warpgroups to feed
+# (24 + 40 + 2 x 224 = 512).
+REGS_LOAD = {1: 40, 2: 24}
+REGS_MMA = {1: 40, 2: 40}
+REGS_SOFTMAX = {1: 232, 2: 224}
 
 
 def pad_multiples(cfg):
-    """The forward's and the dq kernel's 128 query rows per CTA, the dkv kernel's 128 keys."""
-    return max(BLOCK_Q, cfg.block_q_bwd), max(cfg.block_kv, BLOCK_Q, cfg.block_kv_bwd)
+    """The forward's and the dq kernel's 128 query rows per CTA (fwd_q_tiles x 128 in the
+    forward), the dkv kernel's 128 keys."""
+    return (max(BLOCK_Q * cfg.fwd_q_tiles, cfg.block_q_bwd),
+            max(cfg.block_kv, BLOCK_Q, cfg.block_kv_bwd))
 
 
 RESCALE_SLICE = 32  # O columns per rescale load (TMEM only: no SMEM tile to respect)
@@ -82,6 +101,12 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
     kv_full = 0 if has_seg else kv_len // block_kv  # tiles below need no mask at all
     qk_scale = scale * LOG2E
     row = plgpu.Layout.TCGEN05.reduce(1)  # one value per query row (per TMEM lane)
+    nq = config.fwd_q_tiles  # query tiles per CTA, a softmax warpgroup each
+    if nq * (2 * block_kv + D) > TMEM_COLS:
+        raise ValueError(
+            f"FlashConfig(fwd_q_tiles={nq}, block_kv={block_kv}) at head_dim {D}: {nq} x (two "
+            f"score buffers + O) = {nq * (2 * block_kv + D)} TMEM columns, over {TMEM_COLS}; "
+            f"use block_kv={(TMEM_COLS // nq - D) // 2 // 64 * 64 or 64} or fwd_q_tiles=1")
 
     def kernel(q_gmem, k_gmem, v_gmem, qseg_gmem, kseg_gmem, ranges_gmem, out_gmem, lse_gmem,
                q_smem, k_smem, v_smem, p_smem, lse_smem, qseg_smem, kseg_smem,
@@ -90,29 +115,42 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
                qseg_loaded, kseg_loaded):
         wg = lax.axis_index("wg")
         batch, q_head = lax.axis_index("batch"), lax.axis_index("heads")
-        q_tile = q_block("q_seq", Sp // BLOCK_Q, causal)  # longest first
-        q_base = q_tile * BLOCK_Q
-        # Key tiles [lo, hi) are visited, t = j - lo; [full_lo, full_hi) need no mask.
-        if has_seg:
-            lo, full_lo, full_hi, hi = (ranges_gmem[batch, q_tile, c] for c in range(4))
-        elif causal:  # key tiles at or left of this block's last query
-            hi = jnp.minimum(pl.cdiv(q_base + BLOCK_Q, jnp.int32(block_kv)), n_kv)
-            full_hi = jnp.minimum(lax.div(q_base, jnp.int32(block_kv)), kv_full)
-            lo = full_lo = jnp.int32(0)
-        else:
-            lo = full_lo = jnp.int32(0)
-            hi, full_hi = jnp.int32(n_kv), jnp.int32(kv_full)
-        kv_steps = hi - lo
+        q_tile = q_block("q_seq", Sp // (nq * BLOCK_Q), causal)  # longest first
+        q_base = q_tile * (nq * BLOCK_Q)
+
+        def own_ranges(i):
+            """Query tile i's key tiles [lo, hi), [full_lo, full_hi) of them needing no mask."""
+            base = q_base + i * BLOCK_Q
+            if has_seg:
+                return tuple(ranges_gmem[batch, q_tile * nq + i, c] for c in range(4))
+            if causal:  # key tiles at or left of this block's last query
+                hi = jnp.minimum(pl.cdiv(base + BLOCK_Q, jnp.int32(block_kv)), n_kv)
+                full_hi = jnp.minimum(lax.div(base, jnp.int32(block_kv)), kv_full)
+                return jnp.int32(0), jnp.int32(0), full_hi, hi
+            return jnp.int32(0), jnp.int32(0), jnp.int32(kv_full), jnp.int32(n_kv)
+
+        def visits():
+            """The CTA visits key tiles [lo, hi), the union of its query tiles' ranges (as
+            FA4's 256-row blocks do), t = j - lo; a tile outside a query tile's own range is
+            masked: (lo, hi, hi - lo). Each warpgroup computes them in its own branch: values
+            live across set_max_registers count against the smallest budget."""
+            ranges = [own_ranges(i) for i in range(nq)]
+            lo = ranges[0][0] if nq == 1 else jnp.minimum(ranges[0][0], ranges[1][0])
+            hi = ranges[0][3] if nq == 1 else jnp.maximum(ranges[0][3], ranges[1][3])
+            return lo, hi, hi - lo
 
         @pl.when(wg == _LOAD)
         def _load():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(REGS_LOAD[nq], action="decrease")
+            lo, _, kv_steps = visits()
             kv_head = lax.div(q_head, jnp.int32(G))
-            plgpu.copy_gmem_to_smem(q_gmem.at[batch, pl.ds(q_base, BLOCK_Q), q_head], q_smem,
-                                    q_loaded)
+            for i in range(nq):
+                plgpu.copy_gmem_to_smem(
+                    q_gmem.at[batch, pl.ds(q_base + i * BLOCK_Q, BLOCK_Q), q_head],
+                    q_smem.at[i], q_loaded)
             if has_seg:
-                plgpu.copy_gmem_to_smem(qseg_gmem.at[batch, pl.ds(q_base, BLOCK_Q)], qseg_smem,
-                                        qseg_loaded)
+                plgpu.copy_gmem_to_smem(qseg_gmem.at[batch, pl.ds(q_base, nq * BLOCK_Q)],
+                                        qseg_smem, qseg_loaded)
 
             @pl.loop(0, kv_steps)
             def _(t):
@@ -137,29 +175,31 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
 
         @pl.when(wg == _MMA)
         def _mma():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(REGS_MMA[nq], action="decrease")
+            kv_steps = visits()[2]
             plgpu.barrier_wait(q_loaded)
 
-            def pv(t):  # O += P_t V_t; frees K/V slot t and tells the softmax
+            def pv(t):  # O_i += P_i,t V_t per query tile; frees K/V slot t, tells each softmax
                 slot = lax.rem(t, jnp.int32(steps))
-                plgpu.barrier_wait(p_ready)
-                plgpu.tcgen05_mma(o_tmem, p_smem, v_smem.at[slot],
-                                  accumulate=t > 0)
+                for i in range(nq):
+                    plgpu.barrier_wait(p_ready.at[i])
+                    plgpu.tcgen05_mma(o_tmem.at[:, pl.ds(i * D, D)], p_smem.at[i],
+                                      v_smem.at[slot], accumulate=t > 0)
+                    plgpu.tcgen05_commit_arrive(pv_done.at[i])
                 plgpu.tcgen05_commit_arrive(kv_free.at[slot])
-                plgpu.tcgen05_commit_arrive(pv_done)
 
             @pl.loop(0, kv_steps)
             def _(j):
                 slot, buf = lax.rem(j, jnp.int32(steps)), lax.rem(j, 2)
                 plgpu.barrier_wait(kv_loaded.at[slot])
+                for i in range(nq):  # S_i,j of each query tile, one after the other
+                    @pl.when(j >= 2)
+                    def _():  # softmax i has read S_i,j-2 out of this buffer
+                        plgpu.barrier_wait(s_read.at[2 * i + buf])
 
-                @pl.when(j >= 2)
-                def _():  # the softmax has read S_{j-2} out of this buffer
-                    plgpu.barrier_wait(s_read.at[buf])
-
-                plgpu.tcgen05_mma(s_tmem.at[:, pl.ds(buf * block_kv, block_kv)], q_smem,
-                                  k_smem.at[slot].transpose((1, 0)), s_ready.at[buf],
-                                  accumulate=False)
+                    plgpu.tcgen05_mma(s_tmem.at[:, pl.ds((2 * i + buf) * block_kv, block_kv)],
+                                      q_smem.at[i], k_smem.at[slot].transpose((1, 0)),
+                                      s_ready.at[2 * i + buf], accumulate=False)
 
                 @pl.when(j >= 1)
                 def _():
@@ -171,20 +211,31 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
 
             @pl.loop(jnp.maximum(kv_steps - 2, 0), kv_steps)
             def _(j):  # observe the last two reads
-                plgpu.barrier_wait(s_read.at[lax.rem(j, 2)])
+                for i in range(nq):
+                    plgpu.barrier_wait(s_read.at[2 * i + lax.rem(j, 2)])
 
-        @pl.when(wg == _SOFTMAX)
-        def _softmax():
-            plgpu.set_max_registers(232, action="increase")
+        def _softmax(i):
+            """Softmax warpgroup of query tile i (rows q_base + i * 128 ..; i is traced when
+            there are two: one copy of this code for both warpgroups, as FA3/FA4 run their
+            consumers, since ptxas spilled 40 B with a copy per warpgroup)."""
+            plgpu.set_max_registers(REGS_SOFTMAX[nq], action="increase")
+            base = q_base + i * BLOCK_Q
             if has_seg:  # the segment ids have barriers of their own, waited here only
                 plgpu.barrier_wait(qseg_loaded)
-                q_seg = plgpu.load(qseg_smem, layout=row)
+                q_seg = plgpu.load(qseg_smem.at[pl.ds(i * BLOCK_Q, BLOCK_Q)], layout=row)
+            lo, hi, kv_steps = visits()
+            own_lo, full_lo, full_hi, own_hi = own_ranges(i)
+            if nq > 1:  # this tile's unmasked run, inside the CTA's range
+                full_lo = jnp.clip(full_lo, lo, hi)
+                full_hi = jnp.clip(full_hi, full_lo, hi)
+            s_buf = s_tmem.at[:, pl.ds(i * (2 * block_kv), 2 * block_kv)]
+            o_buf = o_tmem.at[:, pl.ds(i * D, D)]
 
             def step(j, carry, masked):  # key tile j, step t = j - lo
                 m_i, l_i = carry
                 t = j - lo
                 buf, slot = lax.rem(t, 2), lax.rem(t, jnp.int32(steps))
-                plgpu.barrier_wait(s_ready.at[buf])
+                plgpu.barrier_wait(s_ready.at[2 * i + buf])
                 # Every step waits for its key ids, masked or not, so that the barrier's
                 # phases stay in step with the loads; read before P_t is released (the slot
                 # stays loaded until then).
@@ -196,11 +247,11 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
                 for c in range(0, block_kv, S_SLICE):
                     shape = (BLOCK_Q, S_SLICE)
                     s = plgpu.async_load_tmem(
-                        s_tmem.at[:, pl.ds(buf * block_kv + c, S_SLICE)])
+                        s_buf.at[:, pl.ds(buf * block_kv + c, S_SLICE)])
                     s = s * qk_scale
                     if masked:
-                        q_ids = q_base + plgpu.broadcasted_iota(jnp.int32, shape, 0,
-                                                                layout=plgpu.Layout.TCGEN05)
+                        q_ids = base + plgpu.broadcasted_iota(jnp.int32, shape, 0,
+                                                              layout=plgpu.Layout.TCGEN05)
                         k_ids = j * block_kv + c + plgpu.broadcasted_iota(
                             jnp.int32, shape, 1, layout=plgpu.Layout.TCGEN05)
                         mask = k_ids < kv_len
@@ -214,7 +265,7 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
                         s = jnp.where(mask, s, MASK)
                     parts.append(s)
                 plgpu.wait_load_tmem()
-                plgpu.barrier_arrive(s_read.at[buf])
+                plgpu.barrier_arrive(s_read.at[2 * i + buf])
                 m_new = m_i
                 for s in parts:
                     m_new = jnp.maximum(m_new, s.max(axis=1))
@@ -228,49 +279,61 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
 
                 @pl.when(t >= 1)
                 def _():  # PV_{t-1} is done: O is complete up to t-1, and P may be rewritten
-                    plgpu.barrier_wait(pv_done)
-                    _rescale_o(o_tmem, alpha)
+                    plgpu.barrier_wait(pv_done.at[i])
+                    _rescale_o(o_buf, alpha)
 
                 for c, p in zip(range(0, block_kv, S_SLICE), parts):
-                    p_smem.at[:, pl.ds(c, S_SLICE)][...] = p
+                    p_smem.at[i, :, pl.ds(c, S_SLICE)][...] = p
                 plgpu.commit_smem()
-                plgpu.barrier_arrive(p_ready)
+                plgpu.barrier_arrive(p_ready.at[i])
                 return m_new, l_i
 
             m_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), MASK, jnp.float32), row)
             l_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), 0.0, jnp.float32), row)
             carry = (m_i, l_i)
-            if has_seg:  # masked up to the query tile's document, when it starts mid-tile
+            if has_seg or nq > 1:  # masked up to the tile's own document (or range)
                 carry = lax.fori_loop(lo, full_lo, lambda j, c: step(j, c, True), carry)
             carry = lax.fori_loop(full_lo, full_hi, lambda j, c: step(j, c, False), carry)
             m_i, l_i = lax.fori_loop(full_hi, hi, lambda j, c: step(j, c, True), carry)
 
             @pl.when(kv_steps > 0)
             def _():
-                plgpu.barrier_wait(pv_done)  # the last PV
+                plgpu.barrier_wait(pv_done.at[i])  # the last PV
 
-            if has_seg:
+            if has_seg or nq > 1:
                 @pl.when(kv_steps == 0)
-                def _():  # no key to see: O = 0 (TMEM holds whatever was there before),
-                    # and Q's copy (no MMA waited for it) lands before O overwrites it
+                def _():  # no key to see: O = 0 (TMEM holds whatever was there before), and
+                    # Q's copy (no MMA waited for it) lands before O overwrites it
                     plgpu.barrier_wait(q_loaded)
                     for cols in column_slices(D, RESCALE_SLICE):
-                        plgpu.async_store_tmem(o_tmem.at[:, cols], plgpu.layout_cast(
+                        plgpu.async_store_tmem(o_buf.at[:, cols], plgpu.layout_cast(
                             jnp.zeros((BLOCK_Q, RESCALE_SLICE), jnp.float32),
                             plgpu.Layout.TCGEN05))
                     plgpu.commit_tmem()
 
             l_safe = jnp.where(l_i == 0.0, 1.0, l_i)  # padded query rows of an empty tile
+            if nq > 1:  # a tile seeing no key among the CTA's (its scores all masked): O = 0;
+                # its log-sum-exp is MASK already (MASK + log2(count) rounds to MASK)
+                inv_l = jnp.where(own_hi <= own_lo, 0.0, 1.0) / l_safe
             for cols in column_slices(D):  # O / l a slice at a time: D/4 floats per thread
-                o = plgpu.async_load_tmem(o_tmem.at[:, cols])
+                o = plgpu.async_load_tmem(o_buf.at[:, cols])
                 plgpu.wait_load_tmem()
-                q_smem.at[:, cols][...] = (o / lax.broadcast_in_dim(l_safe, o.shape, [0])
-                                           ).astype(dtype)
-            lse_smem[...] = m_i + jnp.log2(l_safe)
+                o = (o / lax.broadcast_in_dim(l_safe, o.shape, [0]) if nq == 1
+                     else o * lax.broadcast_in_dim(inv_l, o.shape, [0]))
+                q_smem.at[i, :, cols][...] = o.astype(dtype)
+            lse_smem.at[i][...] = m_i + jnp.log2(l_safe)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_smem, out_gmem.at[batch, pl.ds(q_base, BLOCK_Q), q_head])
-            plgpu.copy_smem_to_gmem(lse_smem, lse_gmem.at[batch, q_head, pl.ds(q_base, BLOCK_Q)])
+            plgpu.copy_smem_to_gmem(q_smem.at[i],
+                                    out_gmem.at[batch, pl.ds(base, BLOCK_Q), q_head])
+            plgpu.copy_smem_to_gmem(lse_smem.at[i],
+                                    lse_gmem.at[batch, q_head, pl.ds(base, BLOCK_Q)])
             plgpu.wait_smem_to_gmem(0)
+
+        if nq == 1:
+            pl.when(wg == _SOFTMAX)(lambda: _softmax(0))
+        else:
+            pl.when((wg == _SOFTMAX) | (wg == _SOFTMAX1))(
+                lambda: _softmax(jnp.where(wg == _SOFTMAX1, 1, 0)))
 
     swizzle = plgpu.find_swizzle(D * jnp.dtype(dtype).itemsize * 8)
     tx = (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
@@ -279,25 +342,27 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
     p_swizzle = plgpu.find_swizzle(min(block_kv, S_SLICE) * jnp.dtype(dtype).itemsize * 8)
     p_tx = (plgpu.TilingTransform((8, p_swizzle // jnp.dtype(dtype).itemsize)),
             plgpu.SwizzleTransform(p_swizzle))
+    tc = dict(orders_tensor_core=True)
     scratch = dict(
-        q_smem=plgpu.SMEM((BLOCK_Q, D), dtype, transforms=tx),  # Q, then the output tile
+        q_smem=plgpu.SMEM((nq, BLOCK_Q, D), dtype, transforms=tx),  # Q, then the output
         k_smem=plgpu.SMEM((steps, block_kv, D), dtype, transforms=tx),
         v_smem=plgpu.SMEM((steps, block_kv, D), dtype, transforms=tx),
-        p_smem=plgpu.SMEM((BLOCK_Q, block_kv), dtype, transforms=p_tx),
-        lse_smem=plgpu.SMEM((BLOCK_Q,), jnp.float32),
-        qseg_smem=plgpu.SMEM((BLOCK_Q,), jnp.int32) if has_seg else None,
+        p_smem=plgpu.SMEM((nq, BLOCK_Q, block_kv), dtype, transforms=p_tx),
+        lse_smem=plgpu.SMEM((nq, BLOCK_Q), jnp.float32),
+        qseg_smem=plgpu.SMEM((nq * BLOCK_Q,), jnp.int32) if has_seg else None,
         kseg_smem=plgpu.SMEM((steps, block_kv), jnp.int32) if has_seg else None,
-        s_tmem=plgpu.TMEM((BLOCK_Q, 2 * block_kv), jnp.float32),  # two score buffers
-        o_tmem=plgpu.TMEM((BLOCK_Q, D), jnp.float32),
-        q_loaded=plgpu.Barrier(),
+        # Per query tile: two score buffers and the O accumulator (tile i's columns).
+        s_tmem=plgpu.TMEM((BLOCK_Q, nq * 2 * block_kv), jnp.float32),
+        o_tmem=plgpu.TMEM((BLOCK_Q, nq * D), jnp.float32),
+        q_loaded=plgpu.Barrier(num_arrivals=nq),
         kv_loaded=plgpu.Barrier(num_arrivals=2, num_barriers=steps),  # K and V
-        kv_free=plgpu.Barrier(num_barriers=steps, orders_tensor_core=True),
-        s_ready=plgpu.Barrier(num_barriers=2, orders_tensor_core=True),
+        kv_free=plgpu.Barrier(num_barriers=steps, **tc),
+        s_ready=plgpu.Barrier(num_barriers=2 * nq, **tc),
         # Arrived by the softmax after TMEM reads/writes, waited by the MMA issuer: tensor-core
         # ordered so the tcgen05 fences go around them.
-        s_read=plgpu.Barrier(num_barriers=2, orders_tensor_core=True),
-        p_ready=plgpu.Barrier(orders_tensor_core=True),
-        pv_done=plgpu.Barrier(orders_tensor_core=True),
+        s_read=plgpu.Barrier(num_barriers=2 * nq, **tc),
+        p_ready=plgpu.Barrier(num_barriers=nq, **tc),
+        pv_done=plgpu.Barrier(num_barriers=nq, **tc),
         qseg_loaded=plgpu.Barrier() if has_seg else None,
         kseg_loaded=plgpu.Barrier(num_barriers=steps) if has_seg else None,
     )
@@ -321,8 +386,7 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
     with interpret_ctx(interpret):
         return plgpu.kernel(
             entry, out_type=out_type, scratch_types=scratch,
-            grid=(Hq, Sp // BLOCK_Q, B), grid_names=("heads", "q_seq", "batch"),
-            num_threads=3, thread_name="wg",
+            grid=(Hq, Sp // (nq * BLOCK_Q), B), grid_names=("heads", "q_seq", "batch"),
+            num_threads=2 + nq, thread_name="wg",
             compiler_params=plgpu.CompilerParams(approx_math=True),
         )(*args)
-

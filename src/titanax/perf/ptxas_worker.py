@@ -93,11 +93,14 @@ def attention_cases(arch: str, head_dims, impls=None):
                 lse = jax.eval_shape(fwd, q, kv, kv, *segs)[1]
                 yield dict(meta, **{"pass": "fwd"}), fwd, (q, kv, kv, *segs)
                 if impl == "mosaic_sm90":  # the opt-in FA3 forms beside the shipped forward
-                    yield _overlap_fwd(meta, cfg, (q, kv, kv, *segs))
-                    yield _overlap_fwd(meta, cfg, (q, kv, kv, *segs), overlap=False,
-                                       persistent=True)
+                    yield _fwd_variant(meta, cfg, (q, kv, kv, *segs), fwd_overlap=True)
+                    yield _fwd_variant(meta, cfg, (q, kv, kv, *segs), fwd_persistent=True)
                     if d <= PERSISTENT_OVERLAP_MAX_HEAD_DIM:  # beyond it: the grid form
-                        yield _overlap_fwd(meta, cfg, (q, kv, kv, *segs), persistent=True)
+                        yield _fwd_variant(meta, cfg, (q, kv, kv, *segs), fwd_overlap=True,
+                                           fwd_persistent=True)
+                if impl == "mosaic_sm100" and d <= SM100_MAX_HEAD_DIM:  # FA4's two Q tiles
+                    yield _fwd_variant(meta, cfg, (q, kv, kv, *segs), fwd_q_tiles=2,
+                                       block_kv=64)
                 for name, pick in (("dq", lambda g: g[0]), ("dkv", lambda g: g[1:])):
                     def bwd(q, k, v, o, lse, do, *s, kw=kw, pick=pick):
                         return pick(flash_attention_bwd(q, k, v, s[0] if s else None, o, lse,
@@ -108,19 +111,21 @@ def attention_cases(arch: str, head_dims, impls=None):
                     yield _fused_bwd(meta, cfg, (q, kv, kv, q, lse, q, *segs))  # opt-in
 
 
-def _overlap_fwd(meta: dict, cfg, args, overlap: bool = True, persistent: bool = False):
-    """The sm90 forward with FlashConfig.fwd_overlap (docs/attention.md, "sm90 forward
-    overlap") and/or fwd_persistent (both: FA3's whole forward): (meta, fn, args)."""
+def _fwd_variant(meta: dict, cfg, args, **knobs):
+    """An opt-in forward form (docs/attention.md): sm90's fwd_overlap and/or fwd_persistent
+    (both: FA3's whole forward), sm100's fwd_q_tiles=2 (FA4's two query tiles), as
+    (meta, fn, args); the variant is tagged with its boolean knobs and fwd_q_tiles."""
     import dataclasses
 
     from pallas_kernels.flash_attention.api import flash_attention_fwd
 
-    ov = dataclasses.replace(cfg, fwd_overlap=overlap, fwd_persistent=persistent)
+    ov = dataclasses.replace(cfg, **knobs)
 
     def fwd(q, k, v, *s):
-        return flash_attention_fwd(q, k, v, *s, causal=True, impl="mosaic_sm90", config=ov)
+        return flash_attention_fwd(q, k, v, *s, causal=True, impl=meta["impl"], config=ov)
 
-    tag = ("+fwd_overlap" if overlap else "") + ("+fwd_persistent" if persistent else "")
+    tag = "".join(f"+{k}" if v is True else f"+{k}={v}" for k, v in knobs.items()
+                  if k != "block_kv")
     return (dict(meta, config=repr(ov), variant=meta["variant"] + tag,
                  **{"pass": "fwd"}), fwd, args)
 

@@ -26,6 +26,9 @@ tail: the attention kernels' FA3/FA4 forms, the FP8 structure, the documents row
 - sm100_bwd_fused (Blackwell, head_dim 128): the tcgen05 backward as one kernel (FlashConfig.
   bwd_fused: dkv's kernel also computing dQ_t = dS_t K per tile, added by TMA reduce-add)
   against the dq and dkv kernels (shipped);
+- sm100_fwd_q_tiles (Blackwell, head_dim 128): the tcgen05 forward with two 128-row query
+  tiles per CTA, a softmax warpgroup each (FlashConfig.fwd_q_tiles=2, FA4's q_stage=2; 64-key
+  tiles so that both tiles' scores and O fit TMEM) against one (shipped);
 - sm100_tmem_buffers_bwd (Blackwell): the tcgen05 backward at head_dim 128 with its X/Y score
   tiles double-buffered in TMEM (shipped: the next tile's MMAs overlap this one's softmax)
   against one buffer (each tile waits for the last);
@@ -117,6 +120,13 @@ CHOICES = (
            "kernels", 10, (
                _knob("mosaic_sm100", 128, "bwd_fused=False", bwd_fused=False),
                _knob("mosaic_sm100", 128, "bwd_fused=True", bwd_fused=True)),
+           tunes=("mosaic_sm100", 128)),
+    Choice("sm100_fwd_q_tiles", "tcgen05 attention forward at head_dim 128: one 128-row query "
+           "tile per CTA, or FA4's two (a softmax warpgroup each, 64-key tiles for TMEM)", 10, (
+               _knob("mosaic_sm100", 128, "fwd_q_tiles=1, block_kv=128", fwd_q_tiles=1,
+                     block_kv=128),
+               _knob("mosaic_sm100", 128, "fwd_q_tiles=2, block_kv=64", fwd_q_tiles=2,
+                     block_kv=64)),
            tunes=("mosaic_sm100", 128)),
     Choice("sm100_tmem_buffers_bwd", "tcgen05 attention backward at head_dim 128: X/Y scores "
            "double-buffered in TMEM, or one buffer", 10, (
