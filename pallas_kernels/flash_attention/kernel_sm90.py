@@ -76,6 +76,10 @@ MASK_RAW = -(2.0 ** 100)
 # causal attention into spilling 4 B (python -m launch.ptxas_report): there the grid form
 # runs; fwd_persistent alone runs persistent at every head_dim (0 spills).
 PERSISTENT_OVERLAP_MAX_HEAD_DIM = 128
+# fwd_persistent prefetches the next tile's Q into a second buffer per consumer up to this
+# head_dim: +32 KiB of SMEM at 128 (199,680 B in all); at 256 a second pair of 32 KiB tiles
+# exceeds 227 KiB, and the tile's Q is loaded when it starts.
+PREFETCH_MAX_HEAD_DIM = 128
 
 
 def pad_multiples(cfg):
@@ -152,11 +156,41 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
                 return lax.rem(t - first if has_seg else t, jnp.array(steps, t.dtype))
             return first, end, slot_of
 
-        def compute_tile(batch, q_head, q_blk):
-            """One warpgroup's block_q query rows of (batch, q_head, q_blk): Q in, O and the
-            log-sum-exp out, every K/V slot of the CTA's stream released."""
+        def load_q(batch, q_head, q_blk, qs):
+            """This warpgroup's Q rows of (batch, q_head, q_blk) (and their segment ids) into
+            Q buffer qs."""
+            q_base = q_blk * (COMPUTE_WGS * block_q) + wg * block_q
+            plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_base, block_q), q_head],
+                                    qo_smem2.at[qs], q_bars.at[qs])
+            if has_seg:
+                plgpu.copy_gmem_to_smem(qseg_ref.at[batch, pl.ds(q_base, block_q)],
+                                        qseg_smem2.at[qs], qseg_bars.at[qs])
+
+        def q_buffer(batch, q_head, q_blk, t):
+            """The Q buffer of this tile, its Q load issued. Prefetching (persistent, Q
+            double-buffered): the CTA's first tile loads its own Q, and every tile, once the
+            previous tile's output stores have read the other buffer, loads the next tile's Q
+            there, so it lands under this tile's loop instead of after its epilogue."""
+            if not prefetch:
+                load_q(batch, q_head, q_blk, wg)
+                return wg
+            sm = lax.axis_index("sm")
+            qs = lax.rem(lax.div(t - sm, ctas), 2) * COMPUTE_WGS + wg  # parity-th buffer
+            pl.when(t == sm)(lambda: load_q(batch, q_head, q_blk, qs))
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+            @pl.when(t + ctas < n_tiles)
+            def _():
+                load_q(*tile_coords(t + ctas), lax.rem(qs + COMPUTE_WGS, 2 * COMPUTE_WGS))
+            return qs
+
+        def compute_tile(batch, q_head, q_blk, t=None):
+            """One warpgroup's block_q query rows of (batch, q_head, q_blk) (t: its index in
+            the persistent tile list): Q in, O and the log-sum-exp out, every K/V slot of the
+            CTA's stream released."""
             first, end, slot_of = streamed(batch, q_blk)
-            qo_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
+            qs = q_buffer(batch, q_head, q_blk, t)
+            qo_smem, lse_smem = qo_smem2.at[qs], lse_smem2.at[wg]
             q_base = q_blk * (COMPUTE_WGS * block_q) + wg * block_q
             # This warpgroup computes tiles [lo, hi): masked, unmasked [full_lo, full_hi),
             # masked; it drains the CTA's other tiles (loaded for the other warpgroup).
@@ -172,14 +206,10 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
             else:
                 lo, full_lo, full_hi, hi = 0, 0, kv_full, n_kv
 
-            plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_base, block_q), q_head], qo_smem,
-                                    q_bars.at[wg])
             if has_seg:
-                plgpu.copy_gmem_to_smem(qseg_ref.at[batch, pl.ds(q_base, block_q)],
-                                        qseg_smem2.at[wg], qseg_bars.at[wg])
-                plgpu.barrier_wait(qseg_bars.at[wg])
-                q_seg = plgpu.load(qseg_smem2.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
-            plgpu.barrier_wait(q_bars.at[wg])
+                plgpu.barrier_wait(qseg_bars.at[qs])
+                q_seg = plgpu.load(qseg_smem2.at[qs], layout=plgpu.Layout.WGMMA.reduce(1))
+            plgpu.barrier_wait(q_bars.at[qs])
 
             m_i = plgpu.layout_cast(jnp.full((block_q,), MASK, jnp.float32),
                                     plgpu.Layout.WGMMA.reduce(1))
@@ -190,7 +220,7 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
             def kv_loop(kv_step, carry, masked: bool = False):
                 acc, m_i, l_i = carry
                 slot = slot_of(kv_step)
-                q_tile = qo_smem2.at[wg + unhoisted_zero(kv_step)]  # descriptors: registers
+                q_tile = qo_smem2.at[qs + unhoisted_zero(kv_step)]  # descriptors: registers
 
                 def compute_qk(acc_ref):
                     plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].transpose((1, 0)))
@@ -320,7 +350,7 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
                 plgpu.barrier_wait(k_bars.at[slot])
                 plgpu.barrier_wait(v_bars.at[prev])
                 p_prev = p_operand(p16)
-                q_tile = qo_smem2.at[wg + unhoisted_zero(kv_step)]  # descriptors: registers
+                q_tile = qo_smem2.at[qs + unhoisted_zero(kv_step)]  # descriptors: registers
 
                 def issue(s_ref, o_ref):
                     plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].transpose((1, 0)))
@@ -402,7 +432,8 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[batch, pl.ds(q_base, block_q), q_head])
             plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, q_head, pl.ds(q_base, block_q)])
-            plgpu.wait_smem_to_gmem(0)  # qo_smem and lse_smem are free for the next tile
+            if not prefetch:  # (prefetching, the next tile waits before reusing them)
+                plgpu.wait_smem_to_gmem(0)  # qo_smem and lse_smem are free for the next tile
 
         def producer_tile(batch, q_head, q_blk):
             """The K/V (and key id) tiles of (batch, q_head, q_blk) through the ring; returns
@@ -443,7 +474,9 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
         @pl.when(wg < COMPUTE_WGS)
         def _compute_wg():
             plgpu.set_max_registers(REGS_COMPUTE, action="increase")
-            for_each_tile(compute_tile)
+            for_each_tile(compute_tile, with_index=prefetch)
+            if prefetch:
+                plgpu.wait_smem_to_gmem(0)  # the last tile's output
 
         @pl.when(wg == COMPUTE_WGS)
         def _producer_wg():
@@ -454,20 +487,28 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
     n_tiles = n_qblk * Hq * B
     ctas = min(n_tiles, config.persistent_ctas or sm_count() or 132)
     persistent = config.fwd_persistent and not (overlap and D > PERSISTENT_OVERLAP_MAX_HEAD_DIM)
+    # Persistent: each consumer double-buffers its Q tile (also the output's staging) and
+    # prefetches the next tile's, where SMEM allows.
+    prefetch = persistent and D <= PREFETCH_MAX_HEAD_DIM
 
-    def for_each_tile(tile):
-        """tile(batch, q_head, q_blk) for this CTA's output tiles. One per CTA (the grid is
-        heads x query blocks x batch), or persistent (fwd_persistent: `ctas` CTAs, CTA c
-        taking tiles c, c + ctas, ... of the list ordered by query block, longest first when
-        causal, then head, then batch)."""
+    def tile_coords(t):
+        """(batch, q_head, q_blk) of tile t of the persistent list: ordered by query block,
+        longest first when causal, then head, then batch."""
+        blk, rest = lax.div(t, Hq * B), lax.rem(t, Hq * B)
+        return lax.rem(rest, B), lax.div(rest, B), n_qblk - 1 - blk if causal else blk
+
+    def for_each_tile(tile, with_index=False):
+        """tile(batch, q_head, q_blk) for this CTA's output tiles (with_index: and t=its
+        index in the list). One per CTA (the grid is heads x query blocks x batch), or
+        persistent (fwd_persistent: `ctas` CTAs, CTA c taking tiles c, c + ctas, ... of
+        tile_coords' list)."""
         if not persistent:
             return tile(lax.axis_index("batch"), lax.axis_index("heads"),
                         q_block("q_seq", n_qblk, causal))
         # Only t is live across the tiles (the bound and step are constants).
         @pl.loop(lax.axis_index("sm"), n_tiles, step=ctas)
         def _(t):
-            blk, rest = lax.div(t, Hq * B), lax.rem(t, Hq * B)
-            tile(lax.rem(rest, B), lax.div(rest, B), n_qblk - 1 - blk if causal else blk)
+            tile(*tile_coords(t), **(dict(t=t) if with_index else {}))
 
     def entry(q_ref, k_ref, v_ref, *rest):
         if has_seg:
@@ -475,20 +516,22 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
         else:
             (out_ref, lse_ref), qseg_ref, kseg_ref, ranges_ref = rest, None, None, None
         tx = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+        nbuf_q = 2 if prefetch else 1
         smem = (
-            plgpu.SMEM((COMPUTE_WGS, block_q, D), dtype, transforms=tx),
+            plgpu.SMEM((nbuf_q * COMPUTE_WGS, block_q, D), dtype, transforms=tx),
             plgpu.SMEM((steps, block_kv, D), dtype, transforms=tx),
             plgpu.SMEM((steps, block_kv, D), dtype, transforms=tx),
             plgpu.SMEM((COMPUTE_WGS, block_q), jnp.float32),
-            plgpu.SMEM((COMPUTE_WGS, block_q), jnp.int32) if has_seg else None,
+            plgpu.SMEM((nbuf_q * COMPUTE_WGS, block_q), jnp.int32) if has_seg else None,
             plgpu.SMEM((steps, block_kv), jnp.int32) if has_seg else None,
             plgpu.SMEM((COMPUTE_WGS, block_q, block_kv), dtype, transforms=tx) if interpret
             else None,
         )
         barriers = (
             (plgpu.Barrier(num_barriers=steps), plgpu.Barrier(num_barriers=steps),
-             plgpu.Barrier(num_barriers=COMPUTE_WGS), plgpu.Barrier(num_barriers=steps),
-             plgpu.Barrier(num_barriers=COMPUTE_WGS)),
+             plgpu.Barrier(num_barriers=nbuf_q * COMPUTE_WGS),
+             plgpu.Barrier(num_barriers=steps),
+             plgpu.Barrier(num_barriers=nbuf_q * COMPUTE_WGS)),
             (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=steps),) * 2,
             plgpu.Barrier(num_arrivals=COMPUTE_WGS),
         )
