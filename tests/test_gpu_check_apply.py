@@ -276,6 +276,30 @@ def test_a_variant_disagreeing_with_the_shipped_one_fails_and_is_never_adopted()
     assert tune(rep)[key][0] == {"bwd_fused": True}
 
 
+def test_after_a_tuning_the_choices_of_its_config_still_have_a_shipped_variant(monkeypatch):
+    """Variants are what runs now (TUNED included) with their knobs set: after --apply made
+    fwd_overlap the sm90 hd128 default, the fused-backward choice still finds its shipped
+    variant (and keeps the overlap in both), and the overlap choice's shipped one is the
+    tuned value, not the table's."""
+    import dataclasses
+
+    from titanax.perf.gpu_check import choices
+
+    tuned = dataclasses.replace(choices.base_config("mosaic_sm90", 128), fwd_overlap=True)
+    monkeypatch.setattr(choices, "default_config", lambda impl, hd: (
+        tuned if (impl, hd) == ("mosaic_sm90", 128) else choices.base_config(impl, hd)))
+    by_name = {c.name: c for c in choices.CHOICES}
+    fused = by_name["sm90_bwd_fused"]
+    marked = choices.ordered_variants(fused)
+    assert [(v.label, shipped) for v, shipped in marked] == [("bwd_fused=False", True),
+                                                             ("bwd_fused=True", False)]
+    assert all(choices.variant_config(fused, v).fwd_overlap for v, _ in marked)
+    overlap = by_name["sm90_fwd_overlap"]
+    (now, shipped), (other, _) = choices.ordered_variants(overlap)
+    assert shipped and now.label == "fwd_overlap=True" and not choices.is_base(overlap, now)
+    assert choices.is_base(overlap, other)  # winning back, it drops the knob from TUNED
+
+
 def test_dry_runs_and_cpu_results_are_refused(tmp_path, repo, capsys):
     dry = dict(_result(), dry_run=True)
     path = tmp_path / "dry.json"

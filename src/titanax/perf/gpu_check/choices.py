@@ -85,11 +85,24 @@ class Choice:
 
 
 def _knob(impl: str, head_dim: int, label: str, **knobs) -> Variant:
-    """A variant of the attention kernel `impl` at `head_dim`: the shipped table's config
-    (config.base_config) with `knobs` changed."""
-    return Variant(label, False, {"kind": "attention", "impl": impl, "head_dim": head_dim,
-                                  "config": dataclasses.replace(base_config(impl, head_dim),
-                                                                **knobs)}, knobs)
+    """A variant of the attention kernel `impl` at `head_dim`: its config is the one running
+    now (default_config, measured tuning included) with `knobs` set (variant_config)."""
+    return Variant(label, False, {"kind": "attention", "impl": impl, "head_dim": head_dim},
+                   knobs)
+
+
+def variant_config(choice: Choice, var: Variant):
+    """A tunable variant's FlashConfig on this GPU now: default_config with its knobs, so that
+    after an --apply made one knob a default the other choices of that config still have a
+    variant equal to what runs (their shipped row) and keep that knob."""
+    return dataclasses.replace(default_config(*choice.tunes), **var.knobs)
+
+
+def is_base(choice: Choice, var: Variant) -> bool:
+    """Whether the variant's knobs are the shipped table's own values (winning, it drops
+    them from TUNED instead of setting them)."""
+    base = base_config(*choice.tunes)
+    return all(getattr(base, k) == v for k, v in var.knobs.items())
 
 
 CHOICES = (
@@ -175,9 +188,8 @@ def ordered_variants(choice: Choice) -> list[tuple[Variant, bool]]:
     if choice.tunes is None:
         marked = [(v, v.shipped) for v in choice.variants]
     else:
-        impl, hd = choice.tunes
-        now = default_config(impl, hd)
-        marked = [(v, v.run["config"] == now) for v in choice.variants]
+        now = default_config(*choice.tunes)
+        marked = [(v, variant_config(choice, v) == now) for v in choice.variants]
     return sorted(marked, key=lambda vs: not vs[1])
 
 
@@ -273,12 +285,14 @@ def choices_section(ctx) -> None:
             label = {"choice": choice.name, "variant": var.label, "shipped": shipped}
             if choice.tunes is not None:
                 label.update(tunes=tuned_key(*choice.tunes), knobs=dict(var.knobs),
-                             base=var.run["config"] == base_config(*choice.tunes))
+                             base=is_base(choice, var))
             if cc is not None and choice.generation not in (None, cc[0]):
                 ctx.add({**label, "status": "n/a", "reason": f"a compute capability "
                          f"{choice.generation}.x choice; this GPU is {cc[0]}.{cc[1]}"})
                 continue
             run = dict(var.run)
+            if choice.tunes is not None:
+                run["config"] = variant_config(choice, var)
             if run.get("impl") == "ours":
                 run["impl"] = ours
             if run.pop("kind") == "fp8":
