@@ -17,7 +17,10 @@ and dP computed once per tile, dQ added with TMA reduce-adds), and the sm100 one
 128) to its dkv kernel computing dQ_t = dS_t K per tile as well (kernel_sm100_bwd.fused_bwd,
 the same reduce-adds); fwd_q_tiles=2 gives each sm100 forward CTA two 128-row query tiles with
 a softmax warpgroup each, taking turns on the tensor core (FlashAttention-4's q_stage=2,
-kernel_sm100.py); fwd_persistent makes the sm90
+kernel_sm100.py); fwd_exp2_fma computes one of each key tile's 32-score slices'
+exponentials with a polynomial on the FMA units instead of MUFU (FA4's exp2 emulation,
+kernel_sm100.exp2_fma: a quarter of them at 128-key tiles, half at 64); fwd_persistent makes
+the sm90
 forward persistent (kernel_sm90.py: persistent_ctas CTAs, by default one per SM, each walking
 output tiles longest first, the next tile's K/V loads under this tile's epilogue). All of
 them are off until a GPU run measures them (docs/attention.md).
@@ -57,6 +60,7 @@ class FlashConfig:
     fwd_persistent: bool = False  # sm90 forward: one CTA per SM walking the output tiles
     persistent_ctas: int | None = None  # fwd_persistent's CTAs; None: the GPU's SM count
     fwd_q_tiles: int = 1  # sm100 forward: 128-row query tiles per CTA, a softmax WG each
+    fwd_exp2_fma: bool = False  # sm100 forward: one 32-score slice per tile: exp2 on FMAs
 
 
     def __post_init__(self):
@@ -81,7 +85,7 @@ class FlashConfig:
                 not isinstance(self.persistent_ctas, int) or self.persistent_ctas < 1):
             raise ValueError(f"FlashConfig.persistent_ctas={self.persistent_ctas!r}: a CTA "
                              "count >= 1, or None for one per SM of the GPU")
-        for name in ("fwd_overlap", "bwd_fused", "fwd_persistent"):
+        for name in ("fwd_overlap", "bwd_fused", "fwd_persistent", "fwd_exp2_fma"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"FlashConfig.{name}={getattr(self, name)!r}: use True or False")
         if self.fwd_q_tiles not in (1, 2) or isinstance(self.fwd_q_tiles, bool):

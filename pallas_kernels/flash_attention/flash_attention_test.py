@@ -74,6 +74,20 @@ def test_one_tmem_buffer_with_more_keys_than_queries():
            causal=True, segments=False)
 
 
+def test_exp2_fma_is_exp2_to_its_polynomial_bound():
+    """kernel_sm100.exp2_fma (FA4's exp2 emulation) on every float32 step of a dense grid of
+    the softmax's range [-126, 0]: relative error within the polynomial's fitted 7.5e-5 (plus
+    float32 rounding of its three FMAs, ~3 ulp); below -126 (masked scores) at most 2^-125."""
+    from pallas_kernels.flash_attention.kernel_sm100 import exp2_fma
+    x = np.concatenate([np.linspace(-125, 0, 1_000_001, dtype=np.float32),
+                        np.float32([-0.0, -1e-8, -0.5, -0.49999997, -0.50000006, -1.5])])
+    got = np.asarray(jax.jit(exp2_fma)(jnp.asarray(x)), np.float64)
+    rel = np.abs(got / np.exp2(x.astype(np.float64)) - 1)
+    assert rel.max() < 7.5e-5 + 4 * 2.0 ** -24, rel.max()
+    tiny = np.asarray(jax.jit(exp2_fma)(jnp.float32([-126.5, -1000, -1e30, -np.inf])))
+    assert np.all((tiny >= 0) & (tiny <= 2.0 ** -125)), tiny
+
+
 def test_fwd_and_bwd_halves_are_the_vjp():
     # The public halves (what titanax runs under shard_map) give exactly flash_attention's
     # output and VJP, tails and segments included; they take Pallas impls only.
@@ -126,6 +140,8 @@ def test_config_validation_and_dispatch():
         jax.eval_shape(jax.grad(loss), q2)
     with pytest.raises(ValueError, match="fwd_q_tiles=3: 1 .* or 2"):
         FlashConfig(fwd_q_tiles=3)
+    with pytest.raises(ValueError, match="fwd_exp2_fma=2: use True or False"):
+        FlashConfig(fwd_exp2_fma=2)
     # Two query tiles, each with two 128-key score buffers and O: 768 columns.
     two = dataclasses.replace(default_config("mosaic_sm100", 128), fwd_q_tiles=2)
     with pytest.raises(ValueError, match="768 TMEM columns, over 512; use block_kv=64"):

@@ -37,6 +37,10 @@ The CTA visits the union of its tiles' key ranges (as FA4's 256-row blocks do), 
 outside a query tile's own range masked for it; a query tile with an empty own range writes
 O = 0.
 
+FlashConfig.fwd_exp2_fma (off until measured): the second 32-score slice of each key tile
+takes its exponentials from exp2_fma, a polynomial on the FMA units, beside MUFU's (FA4's
+exp2 emulation).
+
 Left for later, as FA4 does them: a separate correction warpgroup, conditional rescaling with
 a threshold, P kept in TMEM (tcgen05 A operand) instead of SMEM, and a persistent tile
 scheduler.
@@ -76,6 +80,28 @@ def pad_multiples(cfg):
 
 RESCALE_SLICE = 32  # O columns per rescale load (TMEM only: no SMEM tile to respect)
 S_SLICE = 32  # score columns per TMEM load and P store in the softmax
+# 2^f on [-1/2, 1/2], degree 3 (Horner: three FMAs), fitted for relative error: at most
+# 7.5e-5, against bf16 P's rounding of 2^-9 = 2e-3.
+POLY_EXP2 = (0.9999280571937561, 0.6932609677314758, 0.2426111400127411, 0.055171653628349304)
+_ROUND = 1.5 * 2.0 ** 23  # x + _ROUND rounds x to an integer, held in the low mantissa bits
+
+
+def exp2_fma(x):
+    """2^x for x <= 0 on the FMA and integer units instead of MUFU (FlashAttention-4's exp2
+    emulation, FlashConfig.fwd_exp2_fma): x = n + f with n = round(x) (adding 1.5 * 2^23
+    rounds to nearest) and f in [-1/2, 1/2], 2^f by POLY_EXP2, then n added into the
+    exponent bits. x is clamped at -126 so that the exponent cannot underflow: 2^-126 and
+    below give at most 2^-125 (hardware exp2 flushes them to 0), nothing against O."""
+    x = jnp.maximum(x, -126.0)
+    # The barrier keeps an algebraic simplifier from folding (x + R) - R into x (XLA's does,
+    # which the interpreter runs); LLVM keeps both roundings without fast-math flags.
+    xr = lax.optimization_barrier(x + _ROUND)
+    f = x - (xr - _ROUND)
+    c0, c1, c2, c3 = POLY_EXP2
+    p = ((c3 * f + c2) * f + c1) * f + c0
+    n_bits = lax.shift_left(lax.bitcast_convert_type(xr, jnp.int32), jnp.int32(23))
+    return lax.bitcast_convert_type(lax.bitcast_convert_type(p, jnp.int32) + n_bits,
+                                    jnp.float32)
 
 
 def _rescale_o(o_tmem, alpha):
@@ -270,7 +296,10 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
                 for s in parts:
                     m_new = jnp.maximum(m_new, s.max(axis=1))
                 alpha = jnp.exp2(m_i - m_new)
-                parts = [jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0])) for s in parts]
+                # fwd_exp2_fma: slice 1 on the FMA units, the rest on MUFU (FA4 starts its
+                # emulation at fragment 1 too); a second slice spilled (32-72 B, ptxas).
+                parts = [(exp2_fma if k == 1 and config.fwd_exp2_fma else jnp.exp2)(
+                    s - lax.broadcast_in_dim(m_new, s.shape, [0])) for k, s in enumerate(parts)]
                 l_i = l_i * alpha
                 for p in parts:
                     l_i = l_i + p.sum(axis=1)

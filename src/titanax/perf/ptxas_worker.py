@@ -98,9 +98,12 @@ def attention_cases(arch: str, head_dims, impls=None):
                     if d <= PERSISTENT_OVERLAP_MAX_HEAD_DIM:  # beyond it: the grid form
                         yield _fwd_variant(meta, cfg, (q, kv, kv, *segs), fwd_overlap=True,
                                            fwd_persistent=True)
-                if impl == "mosaic_sm100" and d <= SM100_MAX_HEAD_DIM:  # FA4's two Q tiles
+                if impl == "mosaic_sm100" and d <= SM100_MAX_HEAD_DIM:  # FA4's forms
                     yield _fwd_variant(meta, cfg, (q, kv, kv, *segs), fwd_q_tiles=2,
                                        block_kv=64)
+                    yield _fwd_variant(meta, cfg, (q, kv, kv, *segs), fwd_exp2_fma=True)
+                    yield _fwd_variant(meta, cfg, (q, kv, kv, *segs), fwd_q_tiles=2,
+                                       block_kv=64, fwd_exp2_fma=True)
                 for name, pick in (("dq", lambda g: g[0]), ("dkv", lambda g: g[1:])):
                     def bwd(q, k, v, o, lse, do, *s, kw=kw, pick=pick):
                         return pick(flash_attention_bwd(q, k, v, s[0] if s else None, o, lse,
@@ -113,7 +116,8 @@ def attention_cases(arch: str, head_dims, impls=None):
 
 def _fwd_variant(meta: dict, cfg, args, **knobs):
     """An opt-in forward form (docs/attention.md): sm90's fwd_overlap and/or fwd_persistent
-    (both: FA3's whole forward), sm100's fwd_q_tiles=2 (FA4's two query tiles), as
+    (both: FA3's whole forward), sm100's fwd_q_tiles=2 (FA4's two query tiles) and/or
+    fwd_exp2_fma (FA4's exp2 emulation), as
     (meta, fn, args); the variant is tagged with its boolean knobs and fwd_q_tiles."""
     import dataclasses
 

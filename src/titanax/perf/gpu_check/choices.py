@@ -29,6 +29,9 @@ tail: the attention kernels' FA3/FA4 forms, the FP8 structure, the documents row
 - sm100_fwd_q_tiles (Blackwell, head_dim 128): the tcgen05 forward with two 128-row query
   tiles per CTA, a softmax warpgroup each (FlashConfig.fwd_q_tiles=2, FA4's q_stage=2; 64-key
   tiles so that both tiles' scores and O fit TMEM) against one (shipped);
+- sm100_fwd_exp2_fma (Blackwell, head_dim 128): the tcgen05 forward computing one of each key
+  tile's 32-score slices' exp2 by a polynomial on the FMA units (FlashConfig.fwd_exp2_fma,
+  FA4's emulation) against all on MUFU (shipped);
 - sm100_tmem_buffers_bwd (Blackwell): the tcgen05 backward at head_dim 128 with its X/Y score
   tiles double-buffered in TMEM (shipped: the next tile's MMAs overlap this one's softmax)
   against one buffer (each tile waits for the last);
@@ -140,6 +143,11 @@ CHOICES = (
                      block_kv=128),
                _knob("mosaic_sm100", 128, "fwd_q_tiles=2, block_kv=64", fwd_q_tiles=2,
                      block_kv=64)),
+           tunes=("mosaic_sm100", 128)),
+    Choice("sm100_fwd_exp2_fma", "tcgen05 attention forward at head_dim 128: every exp2 on "
+           "MUFU, or a quarter of them as a polynomial on the FMA units (FA4)", 10, (
+               _knob("mosaic_sm100", 128, "fwd_exp2_fma=False", fwd_exp2_fma=False),
+               _knob("mosaic_sm100", 128, "fwd_exp2_fma=True", fwd_exp2_fma=True)),
            tunes=("mosaic_sm100", 128)),
     Choice("sm100_tmem_buffers_bwd", "tcgen05 attention backward at head_dim 128: X/Y scores "
            "double-buffered in TMEM, or one buffer", 10, (
