@@ -259,28 +259,22 @@ FUSED_CASES = {
 
 
 @pytest.mark.parametrize("case", list(FUSED_CASES))
-def test_sm90_bwd_fused_matches_reference(case, monkeypatch):
-    from pallas_kernels.flash_attention import default_config, kernel_sm90_bwd
+@pytest.mark.parametrize("impl,module", [("mosaic_sm90", "kernel_sm90_bwd"),
+                                         ("mosaic_sm100", "kernel_sm100_bwd")])
+def test_bwd_fused_matches_reference(impl, module, case, monkeypatch):
+    """Both generations' fused backward: sm90's FA3 kernel (kernel_sm90_bwd_fused.py) and
+    sm100's (kernel_sm100_bwd.fused_bwd: the dkv kernel plus an M = 64 tcgen05 dQ_t = dS_t K
+    per tile, drained by a fourth warpgroup)."""
+    import importlib
+
+    from pallas_kernels.flash_attention import default_config
+    mod = importlib.import_module(f"pallas_kernels.flash_attention.{module}")
     c = FUSED_CASES[case]
     ran = []
-    monkeypatch.setattr(kernel_sm90_bwd, "fused_bwd",
-                        lambda *a, f=kernel_sm90_bwd.fused_bwd, **k: ran.append(1) or f(*a, **k))
-    cfg = dataclasses.replace(default_config("mosaic_sm90", c.K), bwd_fused=True)
-    check_backend("mosaic_sm90", case, cases=FUSED_CASES, config=cfg)
-    assert ran, "the fused backward did not run"
-
-
-@pytest.mark.parametrize("case", list(FUSED_CASES))
-def test_sm100_bwd_fused_matches_reference(case, monkeypatch):
-    """The sm100 form of the same (kernel_sm100_bwd.fused_bwd: the dkv kernel plus an M = 64
-    tcgen05 dQ_t = dS_t K per tile, drained by a fourth warpgroup) on the same cases."""
-    from pallas_kernels.flash_attention import default_config, kernel_sm100_bwd
-    c = FUSED_CASES[case]
-    ran = []
-    monkeypatch.setattr(kernel_sm100_bwd, "fused_bwd",
-                        lambda *a, f=kernel_sm100_bwd.fused_bwd, **k: ran.append(1) or f(*a, **k))
-    cfg = dataclasses.replace(default_config("mosaic_sm100", c.K), bwd_fused=True)
-    check_backend("mosaic_sm100", case, cases=FUSED_CASES, config=cfg)
+    monkeypatch.setattr(mod, "fused_bwd",
+                        lambda *a, f=mod.fused_bwd, **k: ran.append(1) or f(*a, **k))
+    cfg = dataclasses.replace(default_config(impl, c.K), bwd_fused=True)
+    check_backend(impl, case, cases=FUSED_CASES, config=cfg)
     assert ran, "the fused backward did not run"
 
 

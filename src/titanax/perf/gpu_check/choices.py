@@ -108,20 +108,22 @@ def is_base(choice: Choice, var: Variant) -> bool:
     return all(getattr(base, k) == v for k, v in var.knobs.items())
 
 
+def _toggle(name: str, question: str, generation: int, impl: str, knob: str) -> Choice:
+    """A boolean FlashConfig knob of `impl` at head_dim 128, off against on."""
+    return Choice(name, question, generation, (
+        _knob(impl, 128, f"{knob}=False", **{knob: False}),
+        _knob(impl, 128, f"{knob}=True", **{knob: True})), tunes=(impl, 128))
+
+
 CHOICES = (
     # Run in this order, the most valuable first: the section's budget (sections.py) cuts
     # the tail of a loan's list. The attention kernels' forms of each GPU generation (the
     # other's are n/a at no cost), then the FP8 structure and the documents row, then the rest.
-    Choice("sm90_fwd_overlap", "Hopper attention forward at head_dim 128: FA3's intra-warpgroup "
-           "overlap (next QK^T issued before this tile's softmax) or not", 9, (
-               _knob("mosaic_sm90", 128, "fwd_overlap=False", fwd_overlap=False),
-               _knob("mosaic_sm90", 128, "fwd_overlap=True", fwd_overlap=True)),
-           tunes=("mosaic_sm90", 128)),
-    Choice("sm90_bwd_fused", "Hopper attention backward at head_dim 128: FA3's one kernel (dQ "
-           "by TMA reduce-add) or the dq and dkv kernels", 9, (
-               _knob("mosaic_sm90", 128, "bwd_fused=False", bwd_fused=False),
-               _knob("mosaic_sm90", 128, "bwd_fused=True", bwd_fused=True)),
-           tunes=("mosaic_sm90", 128)),
+    _toggle("sm90_fwd_overlap", "Hopper attention forward at head_dim 128: FA3's intra-"
+            "warpgroup overlap (next QK^T issued before this tile's softmax) or not", 9,
+            "mosaic_sm90", "fwd_overlap"),
+    _toggle("sm90_bwd_fused", "Hopper attention backward at head_dim 128: FA3's one kernel (dQ "
+            "by TMA reduce-add) or the dq and dkv kernels", 9, "mosaic_sm90", "bwd_fused"),
     Choice("sm90_fwd_persistent", "Hopper attention forward at head_dim 128: one CTA per "
            "output tile, or persistent (one per SM walking the tiles, longest first, the next "
            "tile's K/V loaded under this tile's epilogue), alone and with fwd_overlap (FA3's "
@@ -131,12 +133,9 @@ CHOICES = (
                _knob("mosaic_sm90", 128, "fwd_persistent=True, fwd_overlap=True",
                      fwd_persistent=True, fwd_overlap=True)),
            tunes=("mosaic_sm90", 128)),
-    Choice("sm100_bwd_fused", "tcgen05 attention backward at head_dim 128: one kernel (dQ_t = "
-           "dS_t K per tile, TMA reduce-add; X/Y in one TMEM buffer) or the dq and dkv "
-           "kernels", 10, (
-               _knob("mosaic_sm100", 128, "bwd_fused=False", bwd_fused=False),
-               _knob("mosaic_sm100", 128, "bwd_fused=True", bwd_fused=True)),
-           tunes=("mosaic_sm100", 128)),
+    _toggle("sm100_bwd_fused", "tcgen05 attention backward at head_dim 128: one kernel (dQ_t = "
+            "dS_t K per tile, TMA reduce-add; X/Y in one TMEM buffer) or the dq and dkv "
+            "kernels", 10, "mosaic_sm100", "bwd_fused"),
     Choice("sm100_fwd_q_tiles", "tcgen05 attention forward at head_dim 128: one 128-row query "
            "tile per CTA, or FA4's two (a softmax warpgroup each, 64-key tiles for TMEM)", 10, (
                _knob("mosaic_sm100", 128, "fwd_q_tiles=1, block_kv=128", fwd_q_tiles=1,
@@ -144,11 +143,9 @@ CHOICES = (
                _knob("mosaic_sm100", 128, "fwd_q_tiles=2, block_kv=64", fwd_q_tiles=2,
                      block_kv=64)),
            tunes=("mosaic_sm100", 128)),
-    Choice("sm100_fwd_exp2_fma", "tcgen05 attention forward at head_dim 128: every exp2 on "
-           "MUFU, or a quarter of them as a polynomial on the FMA units (FA4)", 10, (
-               _knob("mosaic_sm100", 128, "fwd_exp2_fma=False", fwd_exp2_fma=False),
-               _knob("mosaic_sm100", 128, "fwd_exp2_fma=True", fwd_exp2_fma=True)),
-           tunes=("mosaic_sm100", 128)),
+    _toggle("sm100_fwd_exp2_fma", "tcgen05 attention forward at head_dim 128: every exp2 on "
+            "MUFU, or a quarter of them as a polynomial on the FMA units (FA4)", 10,
+            "mosaic_sm100", "fwd_exp2_fma"),
     Choice("sm100_tmem_buffers_bwd", "tcgen05 attention backward at head_dim 128: X/Y scores "
            "double-buffered in TMEM, or one buffer", 10, (
                _knob("mosaic_sm100", 128, "tmem_buffers_bwd=None (2 at head_dim 128)",
