@@ -102,8 +102,6 @@ def attention_cases(arch: str, head_dims, impls=None):
                     yield _fwd_variant(meta, cfg, (q, kv, kv, *segs), fwd_q_tiles=2,
                                        block_kv=64)
                     yield _fwd_variant(meta, cfg, (q, kv, kv, *segs), fwd_exp2_fma=True)
-                    yield _fwd_variant(meta, cfg, (q, kv, kv, *segs), fwd_q_tiles=2,
-                                       block_kv=64, fwd_exp2_fma=True)
                 for name, pick in (("dq", lambda g: g[0]), ("dkv", lambda g: g[1:])):
                     def bwd(q, k, v, o, lse, do, *s, kw=kw, pick=pick):
                         return pick(flash_attention_bwd(q, k, v, s[0] if s else None, o, lse,
