@@ -39,8 +39,8 @@ for kind, impl in ((target, impl) for impl in IMPLS[target]):
         res[f"{kind}/mosaic_bwd"] = "__gpu$xla.gpu.triton" not in text
     if impl == "mosaic_sm100":  # the MMAs are tcgen05 with TMEM accumulators
         res["b200/tcgen05"] = "tcgen05.mma" in text and "tcgen05.ld" in text
-    if impl.startswith("mosaic"):  # FlashConfig.bwd_fused: dQ by TMA reduce-adds, compiled
-        # (the interpreter runs no reduction; the sm100 one's M = 64 dQ MMA only compiles here)
+    if impl.startswith("mosaic"):  # FlashConfig.bwd_fused: dQ by TMA reduce-adds, which the
+        # interpreter does not run (it gives each CTA a slice of its own): only here
         fused = dataclasses.replace(default_config(impl, D), bwd_fused=True)
         text = aot.compile_for(kind, fwd_bwd(impl, fused), q, kv, kv).as_text()
         res[f"{kind}/fused_reduce_add"] = "cp.reduce.async.bulk.tensor" in text

@@ -20,10 +20,9 @@ a softmax warpgroup each, taking turns on the tensor core (FlashAttention-4's q_
 kernel_sm100.py); fwd_exp2_fma computes one of each key tile's 32-score slices'
 exponentials with a polynomial on the FMA units instead of MUFU (FA4's exp2 emulation,
 kernel_sm100.exp2_fma: a quarter of them at 128-key tiles, half at 64); fwd_persistent makes
-the sm90
-forward persistent (kernel_sm90.py: persistent_ctas CTAs, by default one per SM, each walking
-output tiles longest first, the next tile's K/V loads under this tile's epilogue). All of
-them are off until a GPU run measures them (docs/attention.md).
+the sm90 forward persistent (kernel_sm90.py: persistent_ctas CTAs, by default one per SM,
+each walking output tiles longest first, the next tile's K/V and Q loads under this tile's
+loop and epilogue). All of them are off until a GPU run measures them (docs/attention.md).
 Invalid values fail here, at construction, instead of deep inside a kernel compile.
 
 default_config() is the shipped table below, with the knobs a GPU run measured faster on that
@@ -61,7 +60,6 @@ class FlashConfig:
     persistent_ctas: int | None = None  # fwd_persistent's CTAs; None: the GPU's SM count
     fwd_q_tiles: int = 1  # sm100 forward: 128-row query tiles per CTA, a softmax WG each
     fwd_exp2_fma: bool = False  # sm100 forward: one 32-score slice per tile: exp2 on FMAs
-
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd"):

@@ -67,7 +67,7 @@ TMEM_COLS = 512
 # 4 at 128; the load warpgroup gives up the most with two softmax warpgroups to feed
 # (24 + 40 + 2 x 224 = 512).
 REGS_LOAD = {1: 40, 2: 24}
-REGS_MMA = {1: 40, 2: 40}
+REGS_MMA = 40
 REGS_SOFTMAX = {1: 232, 2: 224}
 
 
@@ -201,7 +201,7 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
 
         @pl.when(wg == _MMA)
         def _mma():
-            plgpu.set_max_registers(REGS_MMA[nq], action="decrease")
+            plgpu.set_max_registers(REGS_MMA, action="decrease")
             kv_steps = visits()[2]
             plgpu.barrier_wait(q_loaded)
 
@@ -330,9 +330,11 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
                 plgpu.barrier_wait(pv_done.at[i])  # the last PV
 
             if has_seg or nq > 1:
-                @pl.when(kv_steps == 0)
-                def _():  # no key to see: O = 0 (TMEM holds whatever was there before), and
-                    # Q's copy (no MMA waited for it) lands before O overwrites it
+                @pl.when(own_hi <= own_lo)
+                def _():  # no key to see: O = 0 (TMEM holds whatever was there before, or
+                    # P V of the other tile's keys, all masked for this one: its log-sum-exp
+                    # is MASK already, MASK + log2(count) rounding to MASK), and Q's copy
+                    # (when no MMA waited for it) lands before O overwrites it
                     plgpu.barrier_wait(q_loaded)
                     for cols in column_slices(D, RESCALE_SLICE):
                         plgpu.async_store_tmem(o_buf.at[:, cols], plgpu.layout_cast(
@@ -341,15 +343,11 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
                     plgpu.commit_tmem()
 
             l_safe = jnp.where(l_i == 0.0, 1.0, l_i)  # padded query rows of an empty tile
-            if nq > 1:  # a tile seeing no key among the CTA's (its scores all masked): O = 0;
-                # its log-sum-exp is MASK already (MASK + log2(count) rounds to MASK)
-                inv_l = jnp.where(own_hi <= own_lo, 0.0, 1.0) / l_safe
             for cols in column_slices(D):  # O / l a slice at a time: D/4 floats per thread
                 o = plgpu.async_load_tmem(o_buf.at[:, cols])
                 plgpu.wait_load_tmem()
-                o = (o / lax.broadcast_in_dim(l_safe, o.shape, [0]) if nq == 1
-                     else o * lax.broadcast_in_dim(inv_l, o.shape, [0]))
-                q_smem.at[i, :, cols][...] = o.astype(dtype)
+                q_smem.at[i, :, cols][...] = (o / lax.broadcast_in_dim(l_safe, o.shape, [0])
+                                              ).astype(dtype)
             lse_smem.at[i][...] = m_i + jnp.log2(l_safe)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_smem.at[i],

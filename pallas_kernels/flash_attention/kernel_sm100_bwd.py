@@ -45,7 +45,6 @@ reduction: there each key block adds into its own slice of the buffer, which XLA
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -60,6 +59,8 @@ from .mosaic_common import (
     interpret_ctx,
     masked_plain_masked,
     q_block,
+    reduce_added_dq,
+    softmax_delta,
 )
 from .tile_ranges import tile_ranges
 
@@ -488,25 +489,19 @@ def fused_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, *, scale, causal, kv_len, con
     """FlashConfig.bwd_fused: the dkv kernel that also computes dQ_t = dS_t K per streamed
     tile and adds it into a float32 [B, Sp, Hq, D] buffer (TMA reduce-add), which XLA scales
     and casts: S and dP once per tile (5 matmul units, not the split's 7) -> (dq, dk, dv)."""
-    B, Sp, Hq, D = q.shape
-    delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
-    # The GPU adds every CTA's dQ into one buffer; the interpreter gives each key block its own.
-    n_blk = k.shape[1] // BLOCK
-    dq_acc = jax.new_ref(jnp.zeros((n_blk, B, Sp, Hq, D) if interpret else (B, Sp, Hq, D),
-                                   jnp.float32))
-    dk, dv = _kernel("fused", q, k, v, do, lse2, delta, q_seg, kv_seg, dq_acc, scale=scale,
-                     causal=causal, kv_len=kv_len, config=config, interpret=interpret)
-    dq = dq_acc[...]
-    if interpret:
-        dq = dq.sum(axis=0)
-    return (dq * scale).astype(q.dtype), dk, dv
+    delta = softmax_delta(o, do)
+    return reduce_added_dq(  # each key block's CTAs add into it (the interpreter: one slice)
+        q, k.shape[1] // BLOCK, scale, interpret,
+        lambda dq_acc: _kernel("fused", q, k, v, do, lse2, delta, q_seg, kv_seg, dq_acc,
+                               scale=scale, causal=causal, kv_len=kv_len, config=config,
+                               interpret=interpret))
 
 
 def mosaic_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, *, scale, causal, kv_len, config,
                interpret):
     """Padded q/o/do [B, Sp, Hq, D], k/v [B, Tp, Hkv, D] (Sp, Tp multiples of 128), lse2
     [B, Hq, Sp] in log2 units as kernel_sm100.flash_fwd saves it -> (dq, dk, dv)."""
-    delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
+    delta = softmax_delta(o, do)
     kw = dict(scale=scale, causal=causal, kv_len=kv_len, config=config, interpret=interpret)
     dq = _kernel("dq", q, k, v, do, lse2, delta, q_seg, kv_seg, **kw)
     dk, dv = _kernel("dkv", q, k, v, do, lse2, delta, q_seg, kv_seg, **kw)

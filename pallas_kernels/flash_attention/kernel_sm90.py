@@ -435,7 +435,7 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
             if not prefetch:  # (prefetching, the next tile waits before reusing them)
                 plgpu.wait_smem_to_gmem(0)  # qo_smem and lse_smem are free for the next tile
 
-        def producer_tile(batch, q_head, q_blk):
+        def producer_tile(batch, q_head, q_blk, t=None):
             """The K/V (and key id) tiles of (batch, q_head, q_blk) through the ring; returns
             once the consumers released every slot, so the next tile starts on a free ring."""
             first, end, _ = streamed(batch, q_blk)
@@ -474,7 +474,7 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
         @pl.when(wg < COMPUTE_WGS)
         def _compute_wg():
             plgpu.set_max_registers(REGS_COMPUTE, action="increase")
-            for_each_tile(compute_tile, with_index=prefetch)
+            for_each_tile(compute_tile)
             if prefetch:
                 plgpu.wait_smem_to_gmem(0)  # the last tile's output
 
@@ -497,18 +497,18 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
         blk, rest = lax.div(t, Hq * B), lax.rem(t, Hq * B)
         return lax.rem(rest, B), lax.div(rest, B), n_qblk - 1 - blk if causal else blk
 
-    def for_each_tile(tile, with_index=False):
-        """tile(batch, q_head, q_blk) for this CTA's output tiles (with_index: and t=its
-        index in the list). One per CTA (the grid is heads x query blocks x batch), or
-        persistent (fwd_persistent: `ctas` CTAs, CTA c taking tiles c, c + ctas, ... of
-        tile_coords' list)."""
+    def for_each_tile(tile):
+        """tile(batch, q_head, q_blk, t) for this CTA's output tiles, t its index in the
+        persistent list (None in the grid form). One per CTA (the grid is heads x query
+        blocks x batch), or persistent (fwd_persistent: `ctas` CTAs, CTA c taking tiles c,
+        c + ctas, ... of tile_coords' list)."""
         if not persistent:
             return tile(lax.axis_index("batch"), lax.axis_index("heads"),
                         q_block("q_seq", n_qblk, causal))
         # Only t is live across the tiles (the bound and step are constants).
         @pl.loop(lax.axis_index("sm"), n_tiles, step=ctas)
         def _(t):
-            tile(*tile_coords(t), **(dict(t=t) if with_index else {}))
+            tile(*tile_coords(t), t)
 
     def entry(q_ref, k_ref, v_ref, *rest):
         if has_seg:

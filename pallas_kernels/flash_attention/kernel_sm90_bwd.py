@@ -67,6 +67,7 @@ from .mosaic_common import (
     q_ring_producer,
     ring_producer,
     ring_slot,
+    softmax_delta,
     store_dkv,
     tile_mask,
     unhoisted_zero,
@@ -504,7 +505,7 @@ def mosaic_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, *, scale, causal, kv_len, co
     """Padded q/o/do [B, Sp, Hq, D], k/v [B, Tp, Hkv, D], lse2 [B, Hq, Sp] (log2 units, as
     kernel_sm90.flash_fwd saves it) -> (dq, dk, dv) in the input dtype."""
     # delta_i = sum_d dO_id O_id: one fused XLA reduction, read by both kernels.
-    delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
+    delta = softmax_delta(o, do)
     kw = dict(scale=scale, causal=causal, kv_len=kv_len, config=config, interpret=interpret)
     dq = _dq(q, k, v, do, lse2, delta, q_seg, kv_seg, **kw)
     dk, dv = _dkv(q, k, v, do, lse2, delta, q_seg, kv_seg, **kw)

@@ -39,7 +39,6 @@ P^T and dS^T reach wgmma through SMEM, as in kernel_sm90_bwd.py.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -58,7 +57,9 @@ from .mosaic_common import (
     cta_ranges,
     interpret_ctx,
     q_ring_producer,
+    reduce_added_dq,
     ring_slot,
+    softmax_delta,
     store_dkv,
     tile_mask,
     unhoisted_zero,
@@ -118,11 +119,8 @@ def fused_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, *, scale, causal, kv_len, con
     Tp = k.shape[1]
     if D > MAX_HEAD_DIM:
         raise ValueError(f"the fused sm90 backward takes head_dim <= {MAX_HEAD_DIM}, got {D}")
-    delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
+    delta = softmax_delta(o, do)
     n_cta = Tp // (WGS * config.block_kv_bwd)
-    # The GPU adds every CTA's dQ into one buffer; the interpreter gives each CTA its own.
-    acc_shape = (n_cta, B, Sp, Hq, D) if interpret else (B, Sp, Hq, D)
-    dq_acc = jax.new_ref(jnp.zeros(acc_shape, jnp.float32))
     if q_seg is not None:  # [B, Tp / bkv, bkv + RANGE_COLS]: each key tile's ids, then the
         # query tiles it sees (tile_ranges.py, transposed) with its CTA's union (cta_ranges)
         bkv = config.block_kv_bwd
@@ -132,17 +130,17 @@ def fused_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, *, scale, causal, kv_len, con
     kernel = _kernel(q.shape, k.shape, q.dtype, has_seg=q_seg is not None, scale=scale,
                      causal=causal, kv_len=kv_len, config=config, interpret=interpret)
     args = (q, k, v, do, lse2, delta) + ((q_seg, kv_seg) if q_seg is not None else ())
-    with interpret_ctx(interpret):
-        dk, dv = plgpu.kernel(
-            kernel, out_type=(out_struct(k, k.shape, q.dtype), out_struct(v, v.shape, q.dtype)),
-            grid=(k.shape[2], n_cta, B), grid_names=("heads", "kv_seq", "batch"),
-            num_threads=WGS + 1, thread_name="wg",
-            compiler_params=plgpu.CompilerParams(approx_math=True),
-        )(*args, dq_acc)
-    dq = dq_acc[...]
-    if interpret:
-        dq = dq.sum(axis=0)
-    return (dq * scale).astype(q.dtype), dk, dv
+
+    def run(dq_acc):
+        with interpret_ctx(interpret):
+            return plgpu.kernel(
+                kernel, out_type=(out_struct(k, k.shape, q.dtype),
+                                  out_struct(v, v.shape, q.dtype)),
+                grid=(k.shape[2], n_cta, B), grid_names=("heads", "kv_seq", "batch"),
+                num_threads=WGS + 1, thread_name="wg",
+                compiler_params=plgpu.CompilerParams(approx_math=True),
+            )(*args, dq_acc)
+    return reduce_added_dq(q, n_cta, scale, interpret, run)
 
 
 def _kernel(q_shape, k_shape, dtype, *, has_seg, scale, causal, kv_len, config, interpret):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -110,6 +111,26 @@ def column_slices(d: int, width: int = COLUMN_SLICE):
     """O's columns in `width`-wide pieces: a warpgroup holding all of O in registers (D
     floats per thread: 256 at head_dim 256) spills."""
     return [pl.ds(c, min(width, d - c)) for c in range(0, d, width)]
+
+
+def softmax_delta(o, do):
+    """delta = rowsum(dO * O) [B, Hq, S] in float32, which every backward kernel reads."""
+    return jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
+
+
+def reduce_added_dq(q, n_cta: int, scale: float, interpret: bool, run):
+    """The fused backwards' dQ (kernel_sm90_bwd_fused.py, kernel_sm100_bwd.fused_bwd):
+    run(dq_acc) -> (dk, dv) adds every CTA's float32 dQ tiles into dq_acc [B, S, Hq, D] by TMA
+    reduce-adds. jax 0.11.2's interpreter has no TMA reduction, so there dq_acc is
+    [n_cta, B, S, Hq, D], each CTA copying into its own slice, summed here. -> (dq scaled by
+    the softmax scale in q's dtype, dk, dv)."""
+    shape = (n_cta, *q.shape) if interpret else q.shape
+    dq_acc = jax.new_ref(jnp.zeros(shape, jnp.float32))
+    dk, dv = run(dq_acc)
+    dq = dq_acc[...]
+    if interpret:
+        dq = dq.sum(axis=0)
+    return (dq * scale).astype(q.dtype), dk, dv
 
 
 def grid_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, *, scale, causal, kv_len, config, interpret):

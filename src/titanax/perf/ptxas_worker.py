@@ -113,10 +113,9 @@ def attention_cases(arch: str, head_dims, impls=None):
 
 
 def _fwd_variant(meta: dict, cfg, args, **knobs):
-    """An opt-in forward form (docs/attention.md): sm90's fwd_overlap and/or fwd_persistent
-    (both: FA3's whole forward), sm100's fwd_q_tiles=2 (FA4's two query tiles) and/or
-    fwd_exp2_fma (FA4's exp2 emulation), as
-    (meta, fn, args); the variant is tagged with its boolean knobs and fwd_q_tiles."""
+    """An opt-in forward form (docs/attention.md) as (meta, fn, args): sm90's fwd_overlap
+    and/or fwd_persistent (both: FA3's whole forward), sm100's fwd_q_tiles=2 (FA4's two query
+    tiles) or fwd_exp2_fma (FA4's exp2 emulation); tagged with its knobs but block_kv."""
     import dataclasses
 
     from pallas_kernels.flash_attention.api import flash_attention_fwd

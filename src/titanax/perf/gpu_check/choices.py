@@ -67,7 +67,7 @@ from pallas_kernels.target import compute_capability
 from pallas_kernels.timing import median_call_seconds
 from titanax.perf.gpu_check.context import attention_key, fp8_key
 from titanax.perf.gpu_check.device import our_attention_impl
-from titanax.perf.gpu_check.kernels import ATTN_TOL
+from titanax.perf.gpu_check.kernels import ATTN_TOL, errors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,11 +219,8 @@ def _agreement(got, held: dict, shipped: bool) -> dict:
         return {}
     if "arrays" not in held:
         return {}
-    rel = {}
-    for name, x, r in zip(("out", "dq", "dk", "dv"), got, held["arrays"]):
-        x, r = x.astype(jnp.float32), r.astype(jnp.float32)  # on the device: 0.5 GB each
-        rel[name] = (float(jnp.max(jnp.abs(x - r))) / max(float(jnp.max(jnp.abs(r))), 1e-30)
-                     if bool(jnp.all(jnp.isfinite(x))) else float("inf"))
+    rel = {name: errors(x, r)["rel"]
+           for name, x, r in zip(("out", "dq", "dk", "dv"), got, held["arrays"])}
     return {"vs_shipped_rel": rel, "tol": AGREE_TOL,
             "pass": all(e < AGREE_TOL for e in rel.values())}
 

@@ -51,12 +51,14 @@ def _normal(seed: int, shape, dtype) -> jax.Array:
     return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, np.float32), dtype)
 
 
-def _errors(x, ref) -> dict:
-    x, ref = np.asarray(x, np.float32), np.asarray(ref, np.float32)
-    if not np.all(np.isfinite(x)):
+def errors(x, ref) -> dict:
+    """max|x - ref| and that over max|ref| (inf for a non-finite x), computed where the arrays
+    are (on the device for the 0.5 GB tensors of the choices section)."""
+    x, ref = jnp.asarray(x, jnp.float32), jnp.asarray(ref, jnp.float32)
+    if not bool(jnp.all(jnp.isfinite(x))):
         return {"max_abs": float("inf"), "rel": float("inf")}
-    max_abs = float(np.max(np.abs(x - ref)))
-    return {"max_abs": max_abs, "rel": max_abs / max(float(np.max(np.abs(ref))), 1e-30)}
+    max_abs = float(jnp.max(jnp.abs(x - ref)))
+    return {"max_abs": max_abs, "rel": max_abs / max(float(jnp.max(jnp.abs(ref))), 1e-30)}
 
 
 def _packed(B, S):
@@ -117,7 +119,7 @@ def _attention_rows(ctx, major: int) -> None:
                         flash_attention, causal=True, segment_ids=seg, impl=impl,
                         interpret=dry and impl != "cudnn"))  # config=None: the shipped one
                     got = jax.block_until_ready(fn(q, k, v, do))
-                    errs = {n: _errors(x, r) for n, x, r in zip(("out", "dq", "dk", "dv"),
+                    errs = {n: errors(x, r) for n, x, r in zip(("out", "dq", "dk", "dv"),
                                                                  got, ref)}
                     return {**{f"{n}_rel": e["rel"] for n, e in errs.items()},
                             "max_abs": max(e["max_abs"] for e in errs.values()),
@@ -184,7 +186,7 @@ def _fp8_rows(ctx, major: int) -> None:
                 atol = FP8_TOL * float(np.max(np.abs(ref)))
                 ok = bool(np.all(np.isfinite(got))
                           and np.all(np.abs(got - ref) <= atol + FP8_TOL * np.abs(ref)))
-                return {**_errors(got, ref), "tol": FP8_TOL, "pass": ok}
+                return {**errors(got, ref), "tol": FP8_TOL, "pass": ok}
             ctx.run_item(label, check, estimate_s=5.0, group="fp8", uses=(fp8_key(impl, mode),))
 
 
