@@ -11,7 +11,8 @@ section runs in its own process under a time budget; OUT/gpu_check.json and OUT/
 are rewritten after every section, and a kernel that failed or hung is skipped by the later
 sections. --pack DIR: also gpu_check.json, gpu_check.md and logs.tar.gz in DIR after every
 section. --dry-run runs the same code on tiny shapes on the CPU (the Pallas interpreters), as
-CI does. Exit status 0 when every section is ok or skipped.
+CI does. --preflight: the loan's first step (packages, jax version, a GPU), nothing else.
+Exit status 0 when every section is ok or skipped.
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ def main(argv=None) -> None:
     p.add_argument("--cache-dir", default=None,
                    help="persistent compilation cache, so a rerun skips compiles (GPU default "
                         "runs/jax_cache, dry run none; '' turns it off)")
+    p.add_argument("--preflight", action="store_true",
+                   help="only check that the packages import, jax is the pinned version and "
+                        "(without --dry-run) jax has a GPU; on a refusal one error: line, "
+                        "gpu_check.json/.md saying why (also in --pack), exit 3 (2: a package "
+                        "does not import). scripts/gpu_loan.sh runs it first")
     p.add_argument("--apply", default=None, metavar="RESULTS",
                    help="write a returned gpu_check.json into docs/bench/, docs/performance.md "
                         "and pallas_kernels/measured.py (titanax.perf.gpu_check.apply); runs "
@@ -61,6 +67,23 @@ def main(argv=None) -> None:
         except ApplyError as e:
             fail(f"--apply: {e}")
         print("wrote " + ", ".join(str(p) for p in written))
+        return
+    if args.preflight:
+        import pathlib
+
+        from titanax.perf.gpu_check.preflight import preflight
+        code, error, facts = preflight(
+            dry_run=args.dry_run, out_dir=pathlib.Path(args.out),
+            pack_dir=pathlib.Path(args.pack) if args.pack else None,
+            command="python -m launch.gpu_check " + shlex.join(argv))
+        if error:
+            fail(error, code)
+        print(f"preflight ok: {facts.get('device_kind', 'dry run, no GPU probe')}"
+              + (f" ({facts['backend_start_s']} s to start the backend)"
+                 if "backend_start_s" in facts else ""))
+        for row in facts.get("versions", []):
+            if row["status"] != "ok":
+                print(f"warning: {row['reason']}")
         return
     if args.worker:
         raise SystemExit(run_worker(args.worker, args.worker_fn, args.out, dry_run=args.dry_run,

@@ -153,6 +153,47 @@ def test_loan_command_names_a_missing_package_in_one_line(tmp_path):
     assert not (tmp_path / "work" / "gpu_check.json").exists()  # nothing ran
 
 
+def test_loan_without_a_gpu_stops_at_once_and_says_so(tmp_path):
+    """The loan command on a machine whose jax has no GPU (here: no CUDA plugin at all): one
+    error line naming what jax said and what CUDA it found, exit 3, within a minute, and a
+    report in $OUT saying no GPU was found; no section ran."""
+    env = _loan_machine(tmp_path)
+    out, work = tmp_path / "OUT", tmp_path / "work"
+    t0 = time.monotonic()
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_loan.sh")],
+                       env={**env, "OUT": str(out), "GPU_LOAN_WORK": str(work),
+                            "JAX_PLATFORMS": "cpu"},  # the script must override it
+                       capture_output=True, text=True, timeout=120)
+    assert time.monotonic() - t0 < 60
+    assert r.returncode == 3, r.stdout[-2000:] + r.stderr[-2000:]
+    err = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(err) == 1 and err[0].startswith("error: no GPU: "), r.stderr
+    assert "JAX_PLATFORMS=cuda" in err[0] and "CUDA plugins: " in err[0], err[0]
+    assert "Traceback" not in r.stderr
+    rep = json.loads((out / "gpu_check.json").read_text())
+    assert rep["error"] == err[0].removeprefix("error: ")
+    assert rep["preflight"]["cuda_plugins"] == ["none"]
+    assert all(s["status"] == "skipped" and not s["rows"] for s in rep["sections"].values())
+    assert "no GPU" in (out / "gpu_check.md").read_text()
+    assert not (work / "sections" / "device.json").exists()  # nothing ran
+    assert pack.check_returnable(out) == []
+
+
+def test_preflight_versions():
+    """jax other than the pin refuses the loan; flax/optax/orbax off their pins warn."""
+    from titanax.perf.gpu_check.preflight import JAX_PIN, pins, version_problems
+    pinned = pins()
+    assert pinned["jax"] == pinned["jaxlib"] == JAX_PIN
+    good = {n: pinned[n] for n in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint")}
+    assert version_problems(good, pinned) == (None, [
+        {"package": n, "version": v, "pinned": v, "status": "ok"} for n, v in good.items()])
+    error, rows = version_problems({**good, "jax": "0.12.0", "flax": "0.10.0"}, pinned)
+    assert error.startswith("jax 0.12.0 found, titanax pins 0.11.2"), error
+    status = {r["package"]: r["status"] for r in rows}
+    assert status == {"jax": "error", "jaxlib": "ok", "flax": "warning", "optax": "ok",
+                      "orbax-checkpoint": "ok"}
+
+
 FAKES = textwrap.dedent("""
     import time
 
@@ -171,6 +212,14 @@ FAKES = textwrap.dedent("""
         ctx.run_item({"case": "c"}, lambda: {"pass": False}, estimate_s=0, uses=("k:wrong",))
         ctx.run_item({"case": "d"}, lambda: {}, estimate_s=1e9, group="big")  # over budget
         ctx.run_item({"case": "e"}, lambda: {}, estimate_s=0, uses=("k:hangs",))  # not again
+
+    def spawner(ctx):
+        # A section with a child of its own (as ptxas' compile worker), then stuck.
+        import os, pathlib, subprocess, sys
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        pathlib.Path(os.environ["GPU_CHECK_TEST_PIDS"]).write_text(
+            f"{os.getpid()} {child.pid} {os.getpgid(0)}")
+        time.sleep(120)
 """)
 
 
@@ -200,3 +249,66 @@ def test_a_failing_or_hanging_section_keeps_its_rows_and_the_rest_run(tmp_path, 
     assert {n: s["status"] for n, s in on_disk["sections"].items()} == {
         "boom": "error", "hang": "timeout", "fine": "fail"}
     assert "## 2. hang: timeout" in (tmp_path / "out" / "gpu_check.md").read_text()
+
+
+def _gone(pid: int) -> bool:
+    """Dead or a zombie (reaped or not, it holds no GPU memory)."""
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _wait_for(predicate, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return predicate()
+
+
+def test_sections_share_the_runners_process_group_and_die_with_it(tmp_path, monkeypatch):
+    (tmp_path / "gpu_check_fakes.py").write_text(FAKES)
+    pids = tmp_path / "pids"
+    monkeypatch.setenv("PYTHONPATH", _env_with(tmp_path)["PYTHONPATH"])
+    monkeypatch.setenv("GPU_CHECK_TEST_PIDS", str(pids))
+    fake = [Section("spawner", "gpu_check_fakes:spawner", 30, 3, "fake spawner")]
+    # At its budget the section is killed with its own child.
+    rep = run(["spawner"], tmp_path / "out", dry_run=True, sections=fake)
+    assert rep["sections"]["spawner"]["status"] == "timeout"
+    section, child, group = map(int, pids.read_text().split())
+    assert group == os.getpgid(0)  # the runner's group: a loan's limit kills the sections too
+    assert _wait_for(lambda: _gone(section) and _gone(child))
+
+    # A runner killed outright (SIGKILL: no handler runs) takes its running section along.
+    pids.unlink()
+    script = ("import sys; from titanax.perf.gpu_check import Section, run; "
+              "run(['spawner'], sys.argv[1], dry_run=True, sections=[Section('spawner', "
+              "'gpu_check_fakes:spawner', 300, 300, 'fake')])")
+    runner = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "out2")],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert _wait_for(pids.exists, 60), "the section never started"
+        section, child, group = map(int, pids.read_text().split())
+        assert group == os.getpgid(runner.pid)
+        runner.kill()
+        runner.wait()
+        assert _wait_for(lambda: _gone(section)), "the section outlived its runner"
+    finally:
+        runner.kill()
+        for pid in (section, child) if pids.exists() else ():
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+
+
+def test_default_time_limit_and_budgets():
+    """The loan's arithmetic (docs/gpu_check.md): 510 s in all, the sections' budgets leaving
+    time for their processes to start, so that the loan command (30 s preflight included)
+    ends inside the device tool's timeout_s=570."""
+    from titanax.perf.gpu_check.sections import SECTIONS
+    assert DEFAULT_TIME_LIMIT_S == 510
+    budgets = {s.name: s.budget_s for s in SECTIONS}
+    assert sum(budgets[n] for n in DEFAULT_ORDER) <= DEFAULT_TIME_LIMIT_S - 30

@@ -63,6 +63,12 @@ WINDOWED_EINSUM_FLAGS = (
 # Set to replace GPU_FLAGS (e.g. to try a scheduler setting without editing code).
 OVERRIDE_ENV = "TITANAX_XLA_FLAGS"
 
+# The modules a jax CUDA PJRT plugin installs, CUDA 12 and CUDA 13 builds: the wheel's own
+# package (jax-cuda1x-plugin) and the jax_plugins namespace entry jax discovers it through.
+# The GPU image we are lent carries the CUDA 13 one; `pip install jax[cuda12]` the other.
+CUDA_PLUGIN_MODULES = ("jax_plugins.xla_cuda12", "jax_cuda12_plugin",
+                       "jax_plugins.xla_cuda13", "jax_cuda13_plugin")
+
 
 def gpu_flags(env=None) -> list[str]:
     env = os.environ if env is None else env
@@ -84,14 +90,15 @@ def with_gpu_flags(xla_flags: str, env=None) -> str:
 
 def runs_on_gpu(host_devices: int = 0, env=None) -> bool:
     """Whether jax will pick a GPU in a process started with this environment: not with
-    simulated CPU devices, as JAX_PLATFORMS says, else when the CUDA plugin is installed."""
+    simulated CPU devices, as JAX_PLATFORMS says, else when a CUDA plugin (12 or 13) is
+    installed."""
     env = os.environ if env is None else env
     if host_devices:
         return False
     platforms = env.get("JAX_PLATFORMS", "").strip()
     if platforms:
         return platforms.split(",")[0].strip() in ("cuda", "gpu")
-    return any(_installed(m) for m in ("jax_plugins.xla_cuda12", "jax_cuda12_plugin"))
+    return any(_installed(m) for m in CUDA_PLUGIN_MODULES)
 
 
 def _installed(module: str) -> bool:

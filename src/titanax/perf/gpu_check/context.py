@@ -3,8 +3,8 @@ rewritten after every row, so a section killed at its time limit still leaves th
 finished (and names the one it was in).
 
 Row status: 'ok', 'fail' (ran, outside its tolerance), 'error' (raised; the message is kept),
-'n/a' (this GPU or this run cannot do the case; the reason is kept) or 'skipped' (the section's
-budget could not cover it). No jax import here: the runner's parent process stays free of it.
+'n/a' (this GPU or this run cannot do the case; the reason is kept), 'warning' (fine to run,
+worth reading: a package off its pin) or 'skipped' (the section's budget could not cover it). No jax import here: the runner's parent process stays free of it.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pathlib
 import time
 import traceback
 
-ROW_OK = ("ok", "n/a")
+ROW_OK = ("ok", "n/a", "warning")  # warning: worth reading, not a failure (a version pin)
 # The runner hands each section the kernels that failed or hung in an earlier one, as JSON
 # {key: why}; keys name a kernel and its variant (attention_key, fp8_key).
 SUSPECTS_ENV = "TITANAX_GPU_CHECK_SUSPECTS"

@@ -13,6 +13,7 @@ import jax
 from pallas_kernels.flash_attention.backends import GPU_FALLBACK, generation_kernels
 from pallas_kernels.target import compute_capability
 from titanax.hardware import HARDWARE, lookup_device
+from titanax.perf.gpu_check.preflight import version_problems
 
 # ptxas_report targets: GB200 carries the B200's chip (compute capability 10.0, sm_100a code).
 _PTXAS_KIND = {"h100": "h100", "h200": "h200", "b200": "b200", "gb200": "b200"}
@@ -87,6 +88,10 @@ def device_section(ctx) -> None:
         peak_fp8_flops=hw.fp8_flops if hw else None,
         attention_kernel=our_attention_impl() if dev.platform == "gpu" else None,
         **_cuda_versions(), **(_nvidia_smi() if dev.platform == "gpu" else {}))
+    # The pins the loan's numbers are for: a package off its pin is a warning row (the
+    # preflight already refused a jax other than the pinned one).
+    for row in version_problems()[1]:
+        ctx.add(row)
 
 
 def ptxas_section(ctx) -> None:

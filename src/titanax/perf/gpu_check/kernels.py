@@ -33,6 +33,7 @@ from pallas_kernels.fp8.matmul_sm100 import supported as sm100_supported
 from pallas_kernels.fp8.reference import fp8_matmul_reference
 from pallas_kernels.target import compute_capability
 from titanax.perf.gpu_check.context import attention_key, fp8_key
+from titanax.perf.gpu_check.generation import attention_refusal, fp8_refusal
 
 ATTN_TOL = 2e-2  # bf16, flash_attention_test.py TOL
 FP8_TOL = 8e-3  # bf16 output, test_sm90.py / test_matmul.py
@@ -73,15 +74,18 @@ def _attn_na(impl: str, D: int, segments: bool, major: int, dry: bool) -> str | 
     why = unsupported(impl, jnp.bfloat16, D)
     if why:
         return why
-    need = backend(impl).compute_capability
     if dry:
-        if need and (D != 64 or not segments):
+        if backend(impl).compute_capability and (D != 64 or not segments):
             return ("dry run: the Mosaic GPU interpreter (~5 s a case) runs the training case "
                     "alone: head_dim 64 with segment ids")
         return None
-    if need and major != need:
-        return f"{impl} needs compute capability {need}.x (wgmma / tcgen05), this GPU is {major}.x"
-    return None
+    return attention_refusal(impl, major)
+
+
+def attention_cases(major: int, dry: bool):
+    """(impl, head_dim, segments, n/a reason or None) for every attention case, in order."""
+    return [(impl, D, segments, _attn_na(impl, D, segments, major, dry))
+            for D in HEAD_DIMS for segments in (False, True) for impl in ATTN_IMPLS]
 
 
 def _vjp_fn(attn):
@@ -94,6 +98,7 @@ def _vjp_fn(attn):
 def _attention_rows(ctx, major: int) -> None:
     dry = ctx.dry_run
     B, S, Hq, Hkv = ATTN_SHAPE[dry]
+    cases = attention_cases(major, dry)
     for D in HEAD_DIMS:
         q, k, v, do = (_normal(D + i, shape, jnp.bfloat16) for i, shape in enumerate(
             [(B, S, Hq, D), (B, S, Hkv, D), (B, S, Hkv, D), (B, S, Hq, D)]))
@@ -103,11 +108,10 @@ def _attention_rows(ctx, major: int) -> None:
                 q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
                 causal=True, segment_ids=seg))
             ref = None
-            for impl in ATTN_IMPLS:
+            for impl, _, _, why in [c for c in cases if c[1:3] == (D, segments)]:
                 label = {"kernel": "flash_attention", "impl": impl, "head_dim": D,
                          "segments": segments, "causal": True,
                          "shape": f"B{B} S{S} Hq{Hq}/Hkv{Hkv}"}
-                why = _attn_na(impl, D, segments, major, dry)
                 if why:
                     ctx.add({**label, "status": "n/a", "reason": why})
                     continue
@@ -131,31 +135,30 @@ def _attention_rows(ctx, major: int) -> None:
                 ctx.run_item(label, check, estimate_s=10.0, group="attention", uses=uses)
 
 
-def _fp8_cases(major: int, dry: bool):
-    """(impl, mode, n/a reason or None, kwargs) for every FP8 matmul case."""
-    interp = {"interpret": True} if dry else {}
-    sm90 = None if major == 9 else "sm90 needs compute capability 9.x (wgmma)"
-    sm100 = None if major == 10 else "sm100 needs compute capability 10.x (tcgen05)"
-    grid = None if dry else "pallas_grid is the CPU (interpret-mode) kernel, refused on GPU"
-    if dry:
-        sm90 = None
-        sm100 = "jax 0.11.2's Mosaic GPU interpreter does not run block-scaled tcgen05"
-    return [
-        ("sm90", "tensorwise", sm90,
-         {"interpret": plgpu.InterpretGPUParams()} if dry else {}),
-        ("sm90", "rowwise", sm90,
-         {"interpret": plgpu.InterpretGPUParams()} if dry else {}),
-        ("sm100", "mx", sm100, {}),
-        ("pallas_grid", "tensorwise", grid, interp),
-        ("pallas_grid", "rowwise", grid, interp),
-        ("pallas_grid", "mx", grid, interp),
-        ("xla", "tensorwise", None, {}),
-        ("xla", "rowwise", None, {}),
-        ("xla", "mx", None, {}),
-    ]
+FP8_CASES = (("sm90", "tensorwise"), ("sm90", "rowwise"), ("sm100", "mx"),
+             ("pallas_grid", "tensorwise"), ("pallas_grid", "rowwise"), ("pallas_grid", "mx"),
+             ("xla", "tensorwise"), ("xla", "rowwise"), ("xla", "mx"))
 
 
-def _fp8_rows(ctx, major: int) -> None:
+def fp8_cases(cc: tuple[int, int], dry: bool):
+    """(impl, mode, n/a reason or None, kwargs) for every FP8 matmul case. On a GPU what its
+    generation cannot run is n/a (generation.fp8_refusal: MX on Hopper, XLA's included); the
+    dry run interprets the grid kernel and the sm90 kernel."""
+    out = []
+    for impl, mode in FP8_CASES:
+        if not dry:
+            out.append((impl, mode, fp8_refusal(impl, mode, cc), {}))
+        elif impl == "sm100":
+            out.append((impl, mode, "jax 0.11.2's Mosaic GPU interpreter does not run "
+                                    "block-scaled tcgen05", {}))
+        else:
+            out.append((impl, mode, None, {"interpret": plgpu.InterpretGPUParams()}
+                        if impl == "sm90" else {"interpret": True}
+                        if impl == "pallas_grid" else {}))
+    return out
+
+
+def _fp8_rows(ctx, cc: tuple[int, int]) -> None:
     for m, k, n in FP8_SHAPES[ctx.dry_run]:
         x = _normal(m, (m, k), jnp.float32) * 3.0
         w = _normal(n, (k, n), jnp.float32) * 0.02
@@ -165,7 +168,7 @@ def _fp8_rows(ctx, major: int) -> None:
         mx = jax.jit(lambda x, w: (*quantize_mxfp8(x, axis=1), *quantize_mxfp8(w, axis=0)))
         ops = {"tensorwise": tw(x, w), "rowwise": rw(x, w), "mx": mx(x, w)}
         refs = {}
-        for impl, mode, why, kw_impl in _fp8_cases(major, ctx.dry_run):
+        for impl, mode, why, kw_impl in fp8_cases(cc, ctx.dry_run):
             label = {"kernel": "fp8_matmul", "impl": impl, "mode": mode,
                      "shape": f"{m}x{k}->{n}"}
             fits = {"sm90": lambda: sm90_supported(m, n, k, Sm90Config()),
@@ -191,10 +194,10 @@ def _fp8_rows(ctx, major: int) -> None:
 
 
 def kernels_section(ctx) -> None:
-    major = (compute_capability() or (0, 0))[0]
+    cc = compute_capability() or (0, 0)
     ctx.note(attention_tolerance=f"max|x-ref|/max|ref| < {ATTN_TOL} per tensor (bf16)",
              fp8_tolerance=f"|x-ref| <= {FP8_TOL}*|ref| + {FP8_TOL}*max|ref| (bf16 out)",
              configs="shipped: flash_attention default_config(impl, head_dim), "
                      "Sm90Config(), Sm100Config(), GridConfig()")
-    _fp8_rows(ctx, major)  # the cheap cases first: attention's compiles may use up the budget
-    _attention_rows(ctx, major)
+    _fp8_rows(ctx, cc)  # the cheap cases first: attention's compiles may use up the budget
+    _attention_rows(ctx, cc[0])

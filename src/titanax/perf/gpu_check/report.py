@@ -46,8 +46,18 @@ def tables(rows: list[dict]) -> list[str]:
 
 def markdown(report: dict) -> str:
     out = [f"# gpu_check{' (dry run)' if report['dry_run'] else ''}", "",
-           f"`{report['command']}`, started {report['started']}, "
-           f"{report.get('elapsed_s', 0):.0f} s of a {report['time_limit_s']:.0f} s limit.", ""]
+           f"`{report['command']}`, started {report['started']}, " + (
+               "refused by the preflight: no section ran." if report.get("error") else
+               f"{report.get('elapsed_s', 0):.0f} s of a {report['time_limit_s']:.0f} s limit."),
+           ""]
+    if report.get("error"):  # the preflight refused the run: nothing below ran
+        out += [f"**error**: {_fmt(report['error'])}", ""]
+    pre = {k: v for k, v in report.get("preflight", {}).items()
+           if k not in ("versions", "error")}  # the error is the line above
+    if pre:
+        out += [f"- {k}: {_fmt(v)}" for k, v in pre.items()] + [""]
+    if report.get("preflight", {}).get("versions"):
+        out += [rows_table(report["preflight"]["versions"]), ""]
     out += ["| section | status | seconds | budget s |", "| --- | --- | --- | --- |"]
     for name, s in report["sections"].items():
         out.append(f"| {name} | {s['status']} | {_fmt(s.get('seconds', ''))} | "

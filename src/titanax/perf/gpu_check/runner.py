@@ -3,7 +3,12 @@
 Why a process per section: a GPU kernel that faults (illegal address, a Mosaic or Triton
 abort) poisons the CUDA context or kills the process, and a hung compile cannot be interrupted
 from Python; a child process can be killed at its budget and the next section starts on a
-clean GPU. The parent never imports jax. Each child rewrites sections/NAME.json after every row
+clean GPU. The parent never imports jax.
+
+The children stay in the parent's process group and die with it: a loan whose own limit kills
+the command's group takes every section down with it, and a parent killed on its own
+(SIGKILL) takes its running section too (PR_SET_PDEATHSIG), so no section outlives the run
+holding most of the GPU's memory. A section past its budget is killed with its descendants. Each child rewrites sections/NAME.json after every row
 (context.py); the parent turns it into the section's entry of gpu_check.json and gpu_check.md,
 rewritten after every section, so a run stopped at any point keeps what it had measured.
 """
@@ -11,6 +16,7 @@ rewritten after every section, so a run stopped at any point keeps what it had m
 from __future__ import annotations
 
 import collections
+import ctypes
 import datetime
 import functools
 import importlib
@@ -30,6 +36,7 @@ from titanax.perf.gpu_check.sections import DEFAULT_TIME_LIMIT_S, SECTIONS, Sect
 
 REPO = pathlib.Path(__file__).resolve().parents[4]
 GRACE_S = 10.0  # past its budget a section is killed; before it, it skips what will not fit
+KILL_WAIT_S = 5.0  # from SIGTERM to SIGKILL of a section past its grace
 
 
 # --- the child ------------------------------------------------------------------------------
@@ -90,11 +97,45 @@ def _pump(stream, log, name: str, tail: collections.deque) -> None:
         print(f"[{name}] {line}", end="", flush=True)
 
 
-def _kill_group(proc: subprocess.Popen, sig: int) -> None:
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent() -> None:
+    """preexec_fn of a section: the kernel kills it (SIGKILL) when the runner dies, however
+    the runner dies. Linux only; elsewhere the shared process group is all there is."""
     try:
-        os.killpg(proc.pid, sig)  # the group this runner created for the child
-    except ProcessLookupError:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
         pass
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below pid (its children, theirs, ...), read from /proc (Linux; [] where
+    there is none): a section's own children (ptxas_report's compile worker) must go down
+    with it, and they share the runner's process group, so the group cannot be the unit."""
+    children: dict[int, list[int]] = {}
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _kill_tree(proc: subprocess.Popen, sig: int) -> None:
+    """The section and everything it started (grandchildren first found, then signalled
+    together, so none is reparented out of reach in between)."""
+    for pid in [*descendants(proc.pid), proc.pid]:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
 
 
 def _read_result(path: pathlib.Path) -> dict:
@@ -116,12 +157,11 @@ def _run_child(sec: Section, out: pathlib.Path, budget: float, *, dry_run: bool,
     tail: collections.deque = collections.deque(maxlen=30)
     t0 = time.monotonic()
     with open(log_path, "w") as log:
-        # Its own process group: a section's own children (ptxas_report's compile worker) go
-        # down with it at the time limit instead of holding the GPU.
+        # In this process group (a loan's limit kills the group: sections too), and dying
+        # with this process (_die_with_parent) when it is killed alone.
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env=_child_env(sec, dry_run, suspects),
-                                stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+                                stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
         pump = threading.Thread(target=_pump, args=(proc.stdout, log, sec.name, tail),
                                 daemon=True)
         pump.start()
@@ -130,14 +170,15 @@ def _run_child(sec: Section, out: pathlib.Path, budget: float, *, dry_run: bool,
             proc.wait(timeout=budget + GRACE_S)
         except BaseException as e:  # the time limit, or Ctrl-C / SIGTERM of this runner
             if not isinstance(e, subprocess.TimeoutExpired):
-                _kill_group(proc, signal.SIGKILL)  # never leave a child holding the GPU
+                _kill_tree(proc, signal.SIGKILL)  # never leave a child holding the GPU
+                proc.wait()
                 raise
             timed_out = True
-            _kill_group(proc, signal.SIGTERM)
+            _kill_tree(proc, signal.SIGTERM)
             try:
-                proc.wait(timeout=10)
+                proc.wait(timeout=KILL_WAIT_S)
             except subprocess.TimeoutExpired:
-                _kill_group(proc, signal.SIGKILL)
+                _kill_tree(proc, signal.SIGKILL)
                 proc.wait()
         pump.join(timeout=5)
     res = _read_result(result_path)
@@ -216,7 +257,9 @@ def _run_sections(chosen, rep: dict, out: pathlib.Path, *, dry_run: bool, time_l
     scale = time_limit_s / DEFAULT_TIME_LIMIT_S
     t0 = time.monotonic()
     for sec in chosen:
-        room = time_limit_s - (time.monotonic() - t0) - GRACE_S
+        # A section killed at its limit (budget + grace, then the SIGKILL wait) still ends
+        # inside the run's time limit: that limit is the run's worst case.
+        room = time_limit_s - (time.monotonic() - t0) - GRACE_S - KILL_WAIT_S
         budget = min((sec.dry_budget_s if dry_run else sec.budget_s) * scale, room)
         if room < 5:
             res = {"status": "skipped", "reason": f"the run's time limit ({time_limit_s:.0f} s) "

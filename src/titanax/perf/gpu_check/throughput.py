@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from pallas_kernels.flash_attention import bench as bench_attention
 from pallas_kernels.fp8 import bench as bench_fp8
-from pallas_kernels.fp8.backends import mx_refusal
 from pallas_kernels.target import compute_capability
 from titanax.perf.gpu_check.context import attention_key, fp8_key
 from titanax.perf.gpu_check.device import our_attention_impl
+from titanax.perf.gpu_check.generation import fp8_refusal
 
 # (seqs, tokens per call, iters): the GPU run, and the dry run's tiny twin. The training
 # length first: a budget that runs short drops the others.
@@ -83,14 +83,19 @@ def attention_section(ctx) -> None:
             base = row if base is None else base
 
 
-def _fp8_impls(dry: bool) -> list[str]:
-    """Explicit impl names (never a default that may change): ours and XLA's, bf16 and FP8."""
+def fp8_impls(cc: tuple[int, int] | None, dry: bool) -> tuple[list[str], dict]:
+    """Explicit case names (never a default that may change): ours and XLA's, bf16 and FP8;
+    and {case: reason} for those this GPU generation cannot run (generation.fp8_refusal:
+    before Blackwell no MX GEMM runs in hardware, and titanax refuses mxfp8 there)."""
     if dry:  # the grid kernel, interpreted
-        return ["bf16", "xla_fp8", "xla_rowwise", "xla_mx", "pallas_grid"]
-    cc = compute_capability()
-    # Before Blackwell no MX GEMM runs in hardware: titanax refuses mxfp8 there (mx_refusal).
-    return [c for c in bench_fp8.default_impls() if c != "xla_mx"] + (
-        [] if mx_refusal(cc) else ["xla_mx"])
+        return ["bf16", "xla_fp8", "xla_rowwise", "xla_mx", "pallas_grid"], {}
+    cases = ["bf16", "xla_fp8", "xla_rowwise", "xla_mx", *bench_fp8.KERNEL_CASES]
+    na = {}
+    for case in cases:
+        impl, mode = bench_fp8.case_kernel(case)
+        if impl is not None and (why := fp8_refusal(impl, mode, cc)):
+            na[case] = why
+    return [c for c in cases if c not in na], na
 
 
 def _fp8_uses(case: str) -> tuple:
@@ -99,7 +104,7 @@ def _fp8_uses(case: str) -> tuple:
 
 
 def fp8_section(ctx) -> None:
-    impls = _fp8_impls(ctx.dry_run)
+    impls, na = fp8_impls(None if ctx.dry_run else compute_capability(), ctx.dry_run)
     skipped = {i: "; ".join(ctx.suspects[u] for u in _fp8_uses(i) if u in ctx.suspects)
                for i in impls}
     run = [i for i in impls if not skipped[i]]
@@ -107,8 +112,8 @@ def fp8_section(ctx) -> None:
     argv = (f"--tokens {kw['tokens']} --iters {kw['iters']} --impls {' '.join(run)}"
             + (f" --scale {kw['scale']}" if ctx.dry_run else ""))  # the launch.bench fp8 twin
     ctx.note(impls=impls, argv=argv, flops="2*M*N*K; TFLOP/s = FLOPs / median time")
-    if not ctx.dry_run and mx_refusal(compute_capability()):
-        ctx.note(xla_mx=mx_refusal(compute_capability()))
+    for case, why in na.items():
+        ctx.add({"impl": case, "status": "n/a", "reason": why})
     for impl in impls:
         if skipped[impl]:
             ctx.add({"impl": impl, "status": "skipped", "reason": skipped[impl]})

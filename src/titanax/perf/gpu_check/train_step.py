@@ -1,6 +1,7 @@
 """Section 6: the real train step (titanax.perf.train_bench) of Llama-3-70B cut to the layers
 that fit one GPU: d_model 8192, ffn 28672, 64/8 heads, head_dim 128, vocab 128256, seq 8192,
-full remat, fp32 master weights and AdamW, for bf16 ('default') and each FP8 recipe.
+full remat, fp32 master weights and AdamW, for bf16 ('default') on cuDNN attention and on ours, and each FP8 recipe on cuDNN attention
+(train_plan).
 
 MFU as the README defines it: tokens/s x FLOPs per token / peak, FLOPs per token = 6*N +
 12*L*d*S (titanax.train.throughput.flops_per_token, N the parameters without the input embedding),
@@ -16,13 +17,15 @@ import pathlib
 
 import jax
 
+from pallas_kernels.flash_attention.backends import GPU_VENDOR
 from pallas_kernels.fp8.api import resolve_impl as fp8_resolve_impl
-from pallas_kernels.fp8.backends import RECIPES_TABLE, mx_refusal
+from pallas_kernels.fp8.backends import RECIPES_TABLE
 from pallas_kernels.target import compute_capability
 from titanax.config import load_config
 from titanax.models.registry import model_spec
 from titanax.perf.gpu_check.context import attention_key, fp8_key
 from titanax.perf.gpu_check.device import our_attention_impl
+from titanax.perf.gpu_check.generation import recipe_refusal
 from titanax.perf.train_bench import bench_train_step
 from titanax.train.throughput import FLOP_FORMULA, flops_per_token, peak_flops_per_device
 
@@ -91,6 +94,18 @@ def _fp8_auto(mode: str, m: int, n: int, k: int) -> str:
         return f"unknown ({type(e).__name__})"
 
 
+def train_plan(ours: str, dry: bool) -> list[tuple[str, str]]:
+    """(matmul precision, attention impl) per row, in measuring order. First what
+    configs/llama3_70b.py runs (bf16, and attention "auto": cuDNN's causal kernel for the
+    presets' unpacked data), then the same step on our attention kernel (its own row: the
+    kernel that packed documents run, never run on a GPU before), then every FP8 recipe on
+    cuDNN attention, so an FP8 row's gain is the matmuls' alone and a failure of our kernel
+    cannot skip it. Dry run: XLA attention throughout (cuDNN's is XLA's on a CPU anyway)."""
+    vendor = ours if dry else GPU_VENDOR
+    return ([("default", vendor), ("default", ours)]
+            + [(p, vendor) for p in PRECISIONS if p != "default"])
+
+
 def train_section(ctx) -> None:
     dev = jax.devices()[0]
     if ctx.dry_run:
@@ -107,16 +122,12 @@ def train_section(ctx) -> None:
         _config(ctx, overrides, "default", attention).train.peak_flops, "bfloat16")
     ctx.note(flop_formula=FLOP_FORMULA, mfu="tokens/s * FLOPs/token / peak (dense bf16)",
              peak_flops=peak, peak_source=source, overrides=overrides)
-    # What configs/llama3_70b.py runs first (bf16, and attention "auto", which is cuDNN's
-    # causal kernel for the presets' unpacked data); then our kernel under every recipe.
-    plan = [("default", attention if ctx.dry_run else "cudnn")]
-    plan += [(p, attention) for p in PRECISIONS]
     cc = None if ctx.dry_run else compute_capability()
-    for precision, attn in plan:
+    for precision, attn in train_plan(attention, ctx.dry_run):
         label = {"precision": precision, "attention": attn,
                  "n_layers": overrides["model.n_layers"],
                  "batch": overrides["train.batch_size"], "seq": overrides["train.seq_len"]}
-        why = mx_refusal(cc) if precision == "mxfp8" else None
+        why = recipe_refusal(precision, cc)
         if why:
             ctx.add({**label, "status": "n/a", "reason": why})
             continue
