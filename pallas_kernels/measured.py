@@ -1,5 +1,6 @@
-"""What GPU runs measured, by GPU generation: where our kernels beat the vendor path (WINS), and
-which kernel knobs beat the shipped defaults (TUNED).
+"""What GPU runs measured, by GPU generation: where our kernels beat the vendor path (WINS),
+which kernel knobs beat the shipped defaults (TUNED), and which attention kernels matched their
+reference on the device (VERIFIED).
 
 `auto` picks one of our kernels over the vendor path (cuDNN attention; XLA's FP8 dot and
 scaled matmul, i.e. cuBLASLt / cuDNN) only where a benchmark recorded in docs/ showed it
@@ -11,8 +12,16 @@ reference when a run shows a win; remove it when a later run does not.
 TUNED lays knob values over a kernel's shipped default config on one GPU generation, where the
 gpu_check choices section timed them faster than the shipped values by apply.MARGIN (e.g.
 ('flash_attention/triton/hd64', 9): {'num_warps': 4}); flash_attention.default_config reads it.
-Choices that trade accuracy (FP8 promotion) never land here. `launch.gpu_check --apply`
-rewrites both tables; by hand, keep one entry per line and a comment naming the run.
+Choices that trade accuracy (FP8 promotion) never land here.
+
+VERIFIED names the attention kernels whose values and gradients a GPU run checked against the
+reference on that GPU generation (the gpu_check kernels section: every head dim and document
+layout it ran passed). A kernel `auto` would run that neither VERIFIED nor WINS records there is
+checked by the run itself before its first step (titanax/train/attention_check.py, the
+first-contact check), and replaced by cuDNN if it fails.
+
+`launch.gpu_check --apply` rewrites the three tables; by hand, keep one entry per line and a
+comment naming the run.
 """
 
 from __future__ import annotations
@@ -26,6 +35,17 @@ WINS: dict[tuple[str, int], str] = {}
 
 def ours_won(op: str, cc: tuple[int, int], impl: str) -> bool:
     return WINS.get((op, cc[0])) == impl
+
+
+# (attention impl, compute capability major) -> the run that checked it against the reference
+# on that GPU generation.
+VERIFIED: dict[tuple[str, int], str] = {}
+
+
+def verified(impl: str, cc: tuple[int, int]) -> bool:
+    """Whether a GPU run of this generation recorded attention kernel `impl` matching the
+    reference: checked (VERIFIED), or timed as the winner (WINS), which ran it."""
+    return (impl, cc[0]) in VERIFIED or ours_won("attention", cc, impl)
 
 # (config name, compute capability major) -> knob values that replace the shipped default's.
 TUNED: dict[tuple[str, int], dict] = {}

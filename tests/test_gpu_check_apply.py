@@ -21,6 +21,7 @@ from titanax.perf.gpu_check.apply import (
     decide,
     tune,
     update_measured,
+    verify,
 )
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -99,7 +100,11 @@ def repo(tmp_path):
         "TUNED: dict[tuple[str, int], dict] = {}",
         "TUNED: dict[tuple[str, int], dict] = {\n"
         "    ('flash_attention/triton/hd256', 9): {'num_stages_bwd': 2},  # H100: earlier\n"
-        "    ('flash_attention/sm100/hd128', 10): {'tmem_buffers_bwd': 1},  # B200: earlier\n}"))
+        "    ('flash_attention/sm100/hd128', 10): {'tmem_buffers_bwd': 1},  # B200: earlier\n}").replace(
+        "VERIFIED: dict[tuple[str, int], str] = {}",
+        "VERIFIED: dict[tuple[str, int], str] = {\n"
+        "    ('mosaic_sm100', 10): 'B200 2026-11-30: earlier run',\n"
+        "    ('triton', 9): 'H100 2026-11-29: earlier run',\n}"))
     return tmp_path
 
 
@@ -139,6 +144,14 @@ def test_apply_writes_wins_tuning_tables_and_the_result(repo, tmp_path, monkeypa
     assert ("('flash_attention/triton/hd64', 9): {'num_warps': 4},  # NVIDIA H200 2026-12-02: "
             "triton_warps_hd64: num_warps=4 1.053x faster than num_warps=8") in source
     assert "# B200: earlier" in source
+    # The kernels section's one attention row passed: sm90 is checked on Hopper from now on;
+    # the portable kernel, not run this time, keeps its earlier entry.
+    assert measured["VERIFIED"] == {
+        ("mosaic_sm90", 9): "NVIDIA H200 2026-12-02: 1 case matching the reference "
+                            "(head_dim 128; causal)",
+        ("triton", 9): "H100 2026-11-29: earlier run",
+        ("mosaic_sm100", 10): "B200 2026-11-30: earlier run"}
+    assert measured["verified"]("mosaic_sm90", (9, 0))
     # ... and what default_config gives on each generation from then on.
     from pallas_kernels import measured as live
     from pallas_kernels.flash_attention import config
@@ -174,6 +187,51 @@ def test_apply_writes_wins_tuning_tables_and_the_result(repo, tmp_path, monkeypa
     assert perf2.count("## GPU: NVIDIA H200") == 1 and "attention: vendor" in perf2
     assert _load_measured(repo / "pallas_kernels" / "measured.py")["WINS"] == {
         ("attention", 10): "mosaic_sm100"}
+
+
+def _attention_row(impl, head_dim, segments, status="ok", **extra):
+    return {"kernel": "flash_attention", "impl": impl, "head_dim": head_dim,
+            "segments": segments, "causal": True, "status": status,
+            "uses": [f"flash_attention:{impl}" + (":documents" if segments else "")],
+            **({"pass": status == "ok"} if status in ("ok", "fail") else {}), **extra}
+
+
+def test_verified_needs_every_case_it_ran_to_pass(repo):
+    """VERIFIED: an attention kernel of this generation whose every row that ran passed; one
+    with a failing or raising row, or one a section found failing or hung, is not confirmed
+    and its entry goes; cases it could not run (n/a) and kernels of other generations do not
+    count."""
+    rep = _result()
+    rep["sections"]["kernels"]["rows"] = [
+        _attention_row("mosaic_sm90", 128, False), _attention_row("mosaic_sm90", 128, True),
+        _attention_row("mosaic_sm90", 64, True), _attention_row("mosaic_sm90", 256, False,
+                                                                "n/a", reason="budget"),
+        _attention_row("triton", 128, False), _attention_row("triton", 64, True, "fail"),
+        _attention_row("mosaic_sm100", 128, True, "n/a", reason="needs 10.x"),
+        _attention_row("cudnn", 128, True)]
+    got = verify(rep, 9)
+    assert got == {"mosaic_sm90": "3 cases matching the reference (head_dim 64/128; causal, "
+                                  "documents)", "triton": None}
+    source = (repo / "pallas_kernels" / "measured.py").read_text()
+    source = update_measured(source, {}, 9, "H200 2026-12-03", verifying=got)
+    measured = _exec(source)
+    assert measured["VERIFIED"] == {
+        ("mosaic_sm90", 9): "H200 2026-12-03: 3 cases matching the reference (head_dim "
+                            "64/128; causal, documents)",
+        ("mosaic_sm100", 10): "B200 2026-11-30: earlier run"}
+    assert not measured["verified"]("triton", (9, 0))
+    # A kernel that passed here but hung in a later section (the run's suspects), or whose
+    # kernels-section worker died in one of its cases, is not confirmed either.
+    hung = copy.deepcopy(rep)
+    hung["suspects"] = {"flash_attention:mosaic_sm90:documents": "timeout in section attention"}
+    assert verify(hung, 9)["mosaic_sm90"] is None
+    died = copy.deepcopy(rep)
+    died["sections"]["kernels"]["current"] = _attention_row("mosaic_sm90", 256, True)
+    assert verify(died, 9)["mosaic_sm90"] is None
+    source = update_measured(source, {}, 9, "H200 2026-12-04", verifying=verify(hung, 9))
+    assert ("mosaic_sm90", 9) not in _exec(source)["VERIFIED"]
+    # Only this generation's kernels and the portable one: sm100's rows on Hopper are n/a.
+    assert set(verify(rep, 10)) == {"triton"}
 
 
 def test_decide_needs_every_case_and_the_margin():

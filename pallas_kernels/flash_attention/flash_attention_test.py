@@ -192,3 +192,41 @@ def test_auto_takes_cudnn_until_a_recorded_benchmark_says_otherwise(monkeypatch,
     assert resolve_impl("auto", jnp.bfloat16, 128) == "cudnn"
     # An explicit impl is never second-guessed.
     assert resolve_impl(ours, jnp.bfloat16, 128) == ours
+
+
+def test_auto_never_picks_a_refused_kernel(monkeypatch, caplog):
+    """A kernel refused in this process (it failed the run's first-contact check on this GPU)
+    is replaced: by cuDNN where cuDNN takes the call (packed documents as its dense mask), by
+    the XLA reference inside shard_map or for dtypes cuDNN does not take. Explicit names and
+    the other GPU generation stay as they were."""
+    from pallas_kernels.flash_attention import resolve
+    monkeypatch.setattr(resolve, "target_platform", lambda: "gpu")
+    monkeypatch.setattr(resolve, "compute_capability", lambda: (9, 0))
+    monkeypatch.setattr(resolve, "_REFUSED", {})
+    resolve._log_once.cache_clear()
+    assert resolve_impl("auto", jnp.bfloat16, 128, segment_ids=True) == "mosaic_sm90"
+    resolve.refuse("mosaic_sm90", "dq rel error 0.64 > 0.02")
+    assert resolve.refused() == {"mosaic_sm90": "dq rel error 0.64 > 0.02"}
+    with caplog.at_level("WARNING"):
+        assert resolve_impl("auto", jnp.bfloat16, 128, segment_ids=True) == "cudnn"
+        assert resolve_impl("auto", jnp.bfloat16, 128, segment_ids=True) == "cudnn"
+        assert resolve_impl("auto", jnp.bfloat16, 128, manual=True) == "xla"
+    said = [r.message for r in caplog.records if "refused" in r.message]
+    assert len(said) == 2 and "dq rel error 0.64" in said[0] and "'cudnn'" in said[0], said
+    assert "shard_map" in said[1] and "'xla'" in said[1], said
+    assert resolve_impl("auto", jnp.bfloat16, 128) == "cudnn"  # no documents: cuDNN anyway
+    assert resolve_impl("mosaic_sm90", jnp.bfloat16, 128) == "mosaic_sm90"  # explicit
+    # The portable kernel (no generation kernel for float32) refused: cuDNN takes no float32.
+    resolve.refuse("triton", "crashed: Segmentation fault")
+    assert resolve_impl("auto", jnp.float32, 128, segment_ids=True) == "xla"
+    monkeypatch.setattr(resolve, "compute_capability", lambda: (10, 0))
+    assert resolve_impl("auto", jnp.bfloat16, 128, segment_ids=True) == "mosaic_sm100"
+    # Planning ahead (plan=True): what auto picks before any refusal, logging nothing.
+    monkeypatch.setattr(resolve, "compute_capability", lambda: (9, 0))
+    resolve._log_once.cache_clear()
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert resolve_impl("auto", jnp.bfloat16, 64, segment_ids=True, plan=True) == "mosaic_sm90"
+    assert not [r for r in caplog.records if "flash_attention auto" in r.message]
+    resolve.clear_refusals()
+    assert resolve.refused() == {}

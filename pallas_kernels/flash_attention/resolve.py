@@ -12,6 +12,12 @@ which is faster (measured.py):
 A recorded win makes ours the default for its GPU generation outright. Off a GPU: the XLA
 reference; with interpret=True: the grid kernel in interpret mode. The choice and its reason
 are logged once.
+
+A kernel refused in this process (refuse(): it failed the run's first-contact check against
+the reference on this GPU, titanax/train/attention_check.py) is never what `auto` picks: the
+call goes to cuDNN where cuDNN can take it (packed documents as its dense mask, whose cost
+backend_cudnn warns of once), else, inside jax.shard_map, to the XLA reference. Explicit
+impl names are never changed.
 """
 
 from __future__ import annotations
@@ -39,9 +45,34 @@ from .tile_ranges import causal_tiles
 log = logging.getLogger(__name__)
 
 
+REFERENCE = "xla"  # where a refused kernel's calls go when cuDNN cannot take them
+_CUDNN_DTYPES = ("bfloat16", "float16")
+_REFUSED: dict[str, str] = {}  # impl -> why, for this process
+
+
 @functools.cache
 def _log_once(msg: str) -> None:
     log.warning(msg)
+
+
+def _quiet(msg: str) -> None:
+    del msg
+
+
+def refuse(impl: str, why: str) -> None:
+    """From now on, in this process, `auto` never picks kernel `impl` (why: e.g. the error
+    of its check on this GPU). Call it before the programs that use attention are traced."""
+    _REFUSED[backend(impl).name] = why
+
+
+def refused() -> dict[str, str]:
+    """The kernels refused in this process: {impl: why}."""
+    return dict(_REFUSED)
+
+
+def clear_refusals() -> None:
+    """Forgets every refusal (tests; a process that starts over)."""
+    _REFUSED.clear()
 
 
 def unsupported(impl: str, dtype, head_dim: int) -> str | None:
@@ -63,27 +94,31 @@ def our_kernel(cc, dtype, head_dim: int) -> str | None:
 
 def resolve_impl(impl: str, dtype, head_dim: int, *, interpret: bool = False,
                  segment_ids: bool = False, manual: bool | None = None,
-                 seq_len: int | None = None, general: bool = False) -> str:
+                 seq_len: int | None = None, general: bool = False,
+                 plan: bool = False) -> str:
     """The backend 'auto' means here, by platform, compute capability, dtype, head_dim, whether
     there are segment ids, and whether we trace inside jax.shard_map (`manual`; None: look).
     seq_len (optional) puts numbers on the logged reason. general: the mask is more than causal
-    and segment ids (decoding with a KV cache): backends.GENERAL. Any other name is checked
-    against the table and returned as it is."""
+    and segment ids (decoding with a KV cache): backends.GENERAL. plan=True: what auto picks
+    for these inputs before any check refused a kernel (refusals ignored), logging nothing
+    (the call that runs logs its choice). Any other name is checked against the table and
+    returned as it is."""
     if impl != "auto":
         return backend(impl).name  # unknown names: one error listing the table
     if general:
         return GENERAL
     if interpret:
         return INTERPRET_DEFAULT
+    say = _quiet if plan else _log_once
     platform = target_platform()
     if platform != "gpu":
-        _log_once(f"flash_attention auto: platform {platform!r} has no Pallas GPU kernels; "
-                  f"using {CPU_DEFAULT!r} (pass interpret=True or impl='triton' to run the "
-                  "kernels)")
+        say(f"flash_attention auto: platform {platform!r} has no Pallas GPU kernels; "
+            f"using {CPU_DEFAULT!r} (pass interpret=True or impl='triton' to run the kernels)")
         return CPU_DEFAULT
     cc = compute_capability() or (0, 0)
     manual = in_manual_axes() if manual is None else manual
-    return _on_gpu(cc, dtype, head_dim, segment_ids, manual, seq_len)
+    return _on_gpu(cc, dtype, head_dim, segment_ids, manual, seq_len, say,
+                   {} if plan else _REFUSED)
 
 
 def _dense_mask_work(seq_len: int | None) -> str:
@@ -99,7 +134,9 @@ def _dense_mask_work(seq_len: int | None) -> str:
     return why
 
 
-def _on_gpu(cc, dtype, head_dim: int, segment_ids: bool, manual: bool, seq_len=None) -> str:
+def _on_gpu(cc, dtype, head_dim: int, segment_ids: bool, manual: bool, seq_len=None,
+            say=_log_once, refusals=None) -> str:
+    refusals = _REFUSED if refusals is None else refusals  # {}: planning, before any check
     vendor = backend(GPU_VENDOR)
     ours = our_kernel(cc, dtype, head_dim)
     won = ours is not None and measured.ours_won("attention", cc, ours)
@@ -110,16 +147,33 @@ def _on_gpu(cc, dtype, head_dim: int, segment_ids: bool, manual: bool, seq_len=N
     if ours is not None and (won or vendor_out):
         why = (f"{measured.WHERE} records it beating cuDNN on compute capability {cc[0]}.{cc[1]}"
                if won else vendor_out)
-        _log_once(f"flash_attention auto: using {ours!r}: {why}")
-        return ours
+        return _unless_refused(ours, f"flash_attention auto: using {ours!r}: {why}",
+                               refusals, dtype, manual, say)
     if vendor_out:
-        _log_once(f"flash_attention auto: no titanax kernel for compute capability "
-                  f"{cc[0]}.{cc[1]}, {jnp.dtype(dtype).name}, head_dim {head_dim}; using "
-                  f"{GPU_FALLBACK!r} (cuDNN cannot take segment ids or shard_map bodies here)")
-        return GPU_FALLBACK
-    _log_once(f"flash_attention auto: using {GPU_VENDOR!r} (causal mask type, no dense mask) "
-              f"on compute capability {cc[0]}.{cc[1]}: without packed documents both compute "
-              f"the causal half of the scores, and no benchmark in {measured.WHERE} shows a "
-              f"titanax kernel faster there (ours stay one impl= away: "
-              f"{', '.join(KERNEL_IMPLS)})")
+        return _unless_refused(
+            GPU_FALLBACK, f"flash_attention auto: no titanax kernel for compute capability "
+            f"{cc[0]}.{cc[1]}, {jnp.dtype(dtype).name}, head_dim {head_dim}; using "
+            f"{GPU_FALLBACK!r} (cuDNN cannot take segment ids or shard_map bodies here)",
+            refusals, dtype, manual, say)
+    say(f"flash_attention auto: using {GPU_VENDOR!r} (causal mask type, no dense mask) "
+        f"on compute capability {cc[0]}.{cc[1]}: without packed documents both compute "
+        f"the causal half of the scores, and no benchmark in {measured.WHERE} shows a "
+        f"titanax kernel faster there (ours stay one impl= away: {', '.join(KERNEL_IMPLS)})")
     return GPU_VENDOR
+
+
+def _unless_refused(kernel: str, line: str, refusals: dict, dtype, manual: bool, say) -> str:
+    """`kernel`, logging `line`, unless it is refused in this process: then cuDNN where it can
+    take the call, else the XLA reference, logging why."""
+    if kernel not in refusals:
+        say(line)
+        return kernel
+    # cuDNN's fused attention takes fp16/bf16 only, and does not compile in shard_map bodies.
+    why_not = ("inside jax.shard_map, where cuDNN does not compile"
+               if manual and not backend(GPU_VENDOR).in_shard_map else
+               f"cuDNN attention takes fp16/bf16, not {jnp.dtype(dtype).name}"
+               if jnp.dtype(dtype).name not in _CUDNN_DTYPES else None)
+    instead = REFERENCE if why_not else GPU_VENDOR
+    say(f"flash_attention auto: not {kernel!r}, refused in this process ({refusals[kernel]}); "
+        f"using {instead!r}" + (f" ({why_not})" if why_not else ""))
+    return instead

@@ -29,6 +29,11 @@ CONTEXT_STRATEGIES = ("ring", "all_gather")
 @dataclass(frozen=True)
 class ExecutionConfig:
     attention_impl: str = "xla"  # an attention backend (pallas_kernels BACKENDS) or auto
+    # Check auto's kernel against the reference on this GPU before step 1 when measured.py has
+    # no record of it (false: skip). A subprocess, < 30 s, its verdict cached in
+    # train.compilation_cache; a kernel that fails is replaced by cuDNN for the run
+    # (titanax/train/attention_check.py).
+    attention_check: bool = True
     # With mesh.context > 1, how attention reaches the other devices' keys: 'ring' (K/V
     # blocks passed around with ppermute, each transfer hidden under the attention of the
     # block before) or 'all_gather' (K/V gathered once per layer: one collective instead of

@@ -36,6 +36,7 @@ from titanax.parallel.mesh import build_mesh, describe_mesh
 from titanax.parallel.rules import batch_input_spec, model_context
 from titanax.preemption import PreemptionWatch, first_step_dispatched
 from titanax.train import metrics as M
+from titanax.train.attention_check import first_contact
 from titanax.train.bad_steps import BadStepCounter, TrainingDiverged
 from titanax.train.batches import global_batch, process_rows
 from titanax.train.compilation_cache import compilation_cache
@@ -88,8 +89,8 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, log=print, devices=None,
     check_source_kind(cfg)  # a text folder for a fine-tuning run: refused before anything
     # One run per workdir, for the run's whole life (process 0 holds it for all of them).
     with (workdir_lock(workdir, enabled=jax.process_index() == 0),
-          compilation_cache(cfg.train.compilation_cache, workdir)):
-        return Trainer(cfg, workdir, log, devices, fit).run()
+          compilation_cache(cfg.train.compilation_cache, workdir) as cache_dir):
+        return Trainer(cfg, workdir, log, devices, fit, cache_dir=cache_dir).run()
 
 
 def _build_data_in_turn(cfg: Config, workdir: pathlib.Path, rows: slice):
@@ -115,10 +116,12 @@ def write_config_json(workdir: pathlib.Path, cfg: Config) -> None:
 
 class Trainer:
     """One run in one workdir. Building it restores (or initialises) the state and compiles
-    nothing yet; run() trains to train.steps, or to a preemption, and returns a RunResult."""
+    nothing yet; run() trains to train.steps, or to a preemption, and returns a RunResult.
+    cache_dir: the compilation cache folder train() set up (None: none), where the attention
+    check keeps its verdicts."""
 
     def __init__(self, cfg: Config, workdir: pathlib.Path, log=print, devices=None,
-                 fit=None):
+                 fit=None, *, cache_dir: str | None = None):
         self.t_begin = time.perf_counter()
         self.workdir = workdir
         self.is_main = jax.process_index() == 0
@@ -133,6 +136,9 @@ class Trainer:
                               f"mesh data x fsdp = {batch_ways}")
         if why := precision_refusal(cfg.execution.matmul_precision):  # e.g. mxfp8 on Hopper
             raise ConfigError(why)
+        # A kernel `auto` would run that no GPU run has checked here is checked now, before
+        # anything compiles the step (the memory check does): a failing one is refused.
+        first_contact(cfg, self.mesh, cache_dir, self.log)
         # Before any state or data exists: a step that cannot fit stops here, in seconds.
         # The step compiled for the check is the one the first step runs (jax reuses it).
         self.checked_step = None  # the step the check compiled, run as is (no second compile)

@@ -14,7 +14,12 @@ Three files change:
   (against `xla_mx`, cuDNN's block-scaled GEMM). A generation's entry that the run measured and did not confirm is removed. And
   TUNED, from the choices section: where a tunable choice's fastest variant beats the one
   running now by MARGIN, its knobs become this generation's default (none when it is the
-  shipped table's own config); where the one running now holds, nothing changes.
+  shipped table's own config); where the one running now holds, nothing changes. And
+  VERIFIED: an attention kernel of this generation (or the portable one) whose kernels-section
+  rows all passed against the reference (every head dim and document layout it ran, none
+  failing or raising, and no section finding it failing or hung) is recorded as checked on
+  this GPU generation, so `auto` runs it without a run's own first-contact check
+  (titanax/train/attention_check.py); one the run measured and did not confirm is removed.
 
 Nothing is written unless the whole result reads: a dry run, a CPU result or one without its
 device section is refused with the reason.
@@ -38,6 +43,8 @@ _WINS_RE = re.compile(r"^WINS: dict\[tuple\[str, int\], str\] = (?:\{\}|\{\n.*?^
                       re.M | re.S)
 _TUNED_RE = re.compile(r"^TUNED: dict\[tuple\[str, int\], dict\] = (?:\{\}|\{\n.*?^\})$",
                        re.M | re.S)
+_VERIFIED_RE = re.compile(
+    r"^VERIFIED: dict\[tuple\[str, int\], str\] = (?:\{\}|\{\n.*?^\})$", re.M | re.S)
 
 
 class ApplyError(ValueError):
@@ -101,6 +108,39 @@ def decide(rep: dict) -> dict[str, tuple[str | None, str]]:
     return out
 
 
+def verify(rep: dict, major: int) -> dict[str, str | None]:
+    """{attention impl: evidence, or None where this run measured it and did not confirm it}
+    for our kernels of this GPU generation (and the portable one) that the kernels section
+    ran: confirmed when every row that ran passed (status ok, pass True), at least one ran,
+    and no section failed or hung on it (the run's suspects)."""
+    from pallas_kernels.flash_attention.backends import BACKENDS, KERNEL_IMPLS
+    from titanax.perf.gpu_check.context import attention_key
+
+    kernels = rep["sections"].get("kernels", {})
+    rows = [r for r in kernels.get("rows", []) if r.get("kernel") == "flash_attention"]
+    died_in = (kernels.get("current") or {}).get("uses", [])
+    out: dict[str, str | None] = {}
+    for impl in KERNEL_IMPLS:
+        if BACKENDS[impl].compute_capability not in (None, major):
+            continue
+        ran = [r for r in rows if r.get("impl") == impl
+               and r.get("status") in ("ok", "fail", "error")]
+        keys = {attention_key(impl, documents) for documents in (False, True)}
+        bad = keys & (set(rep.get("suspects") or {}) | set(died_in))
+        if not ran and not bad:
+            continue  # not measured: an earlier run's entry stands
+        good = [r for r in ran if r.get("status") == "ok" and r.get("pass") is True]
+        if bad or len(good) != len(ran):
+            out[impl] = None
+            continue
+        dims = "/".join(str(d) for d in sorted({int(r.get("head_dim") or 0) for r in good}))
+        layouts = ", ".join(sorted({"documents" if r.get("segments") else "causal"
+                                    for r in good}))
+        out[impl] = (f"{len(good)} case{'s' * (len(good) > 1)} matching the reference "
+                     f"(head_dim {dims}; {layouts})")
+    return out
+
+
 def tune(rep: dict) -> dict[str, tuple[dict, str]]:
     """{config name: (knobs, evidence)} for the tunable choices this run measured both ways:
     the faster variant's FlashConfig knobs, a knob None where the shipped table's own value won
@@ -137,6 +177,7 @@ def _knobs_source(knobs: dict) -> str:
 
 
 _WINS_DECL, _TUNED_DECL = "WINS: dict[tuple[str, int], str]", "TUNED: dict[tuple[str, int], dict]"
+_VERIFIED_DECL = "VERIFIED: dict[tuple[str, int], str]"
 
 
 def _table_source(decl: str, table: dict, comments: dict, value=repr) -> str:
@@ -165,7 +206,9 @@ def _tuned_comments(source: str) -> dict:
 
 
 def update_measured(source: str, decisions: dict, major: int, run: str,
-                    tuning: dict | None = None) -> str:
+                    tuning: dict | None = None, verifying: dict | None = None) -> str:
+    """measured.py's source with this run's WINS decisions, TUNED knobs and VERIFIED kernels
+    (verify()'s {impl: evidence or None}) for GPU generation `major`."""
     namespace: dict = {}
     exec(compile(source, MEASURED, "exec"), namespace)  # noqa: S102 - our own file
     wins, comments = dict(namespace["WINS"]), _existing_comments(source)
@@ -175,7 +218,8 @@ def update_measured(source: str, decisions: dict, major: int, run: str,
             comments[(op, major)] = f"{run}: {evidence}"
         else:
             wins.pop((op, major), None)
-    for pattern, table in ((_WINS_RE, _WINS_DECL), (_TUNED_RE, _TUNED_DECL)):
+    for pattern, table in ((_WINS_RE, _WINS_DECL), (_TUNED_RE, _TUNED_DECL),
+                           (_VERIFIED_RE, _VERIFIED_DECL)):
         if not pattern.search(source):
             raise ApplyError(f"{MEASURED}: no `{table} = {{...}}` to rewrite")
     source = _WINS_RE.sub(lambda m: _table_source(_WINS_DECL, wins, comments), source, count=1)
@@ -188,11 +232,20 @@ def update_measured(source: str, decisions: dict, major: int, run: str,
             t_comments[(name, major)] = f"{run}: {evidence}"
         else:
             tuned.pop((name, major), None)
-    return _TUNED_RE.sub(lambda m: _table_source(_TUNED_DECL, tuned, t_comments, _knobs_source),
-                          source, count=1)
+    source = _TUNED_RE.sub(lambda m: _table_source(_TUNED_DECL, tuned, t_comments,
+                                                   _knobs_source), source, count=1)
+    checked = dict(namespace["VERIFIED"])
+    for impl, evidence in (verifying or {}).items():
+        if evidence:
+            checked[(impl, major)] = f"{run}: {evidence}"
+        else:
+            checked.pop((impl, major), None)
+    return _VERIFIED_RE.sub(lambda m: _table_source(_VERIFIED_DECL, checked, {}), source,
+                            count=1)
 
 
-def performance_section(rep: dict, decisions: dict, tuning: dict | None = None) -> str:
+def performance_section(rep: dict, decisions: dict, tuning: dict | None = None,
+                        verifying: dict | None = None) -> str:
     from titanax.perf.gpu_check import report
 
     info = rep["sections"]["device"]["info"]
@@ -234,6 +287,11 @@ def performance_section(rep: dict, decisions: dict, tuning: dict | None = None) 
                   "; ".join(f"{name}: {_knobs_source(_set(knobs)) if _set(knobs) else 'the shipped table'} "
                             f"({evidence})" for name, (knobs, evidence) in sorted(tuning.items()))
                   + "."]
+    if verifying:
+        lines += ["", "Attention kernels checked against the reference on this GPU generation "
+                      "(pallas_kernels/measured.py VERIFIED): " + "; ".join(
+                          f"{impl}: {evidence or 'not confirmed (an earlier entry goes)'}"
+                          for impl, evidence in sorted(verifying.items())) + "."]
     return "\n".join(lines)
 
 
@@ -256,13 +314,14 @@ def apply(results: pathlib.Path, repo: pathlib.Path) -> list[pathlib.Path]:
     rep = load(results)
     info = rep["sections"]["device"]["info"]
     gpu, major = info["gpu"], int(str(info["compute_capability"]).split(".")[0])
-    decisions, tuning = decide(rep), tune(rep)
+    decisions, tuning, verifying = decide(rep), tune(rep), verify(rep, major)
     run = f"{info.get('device_kind')} {str(rep.get('started', ''))[:10]}"
     measured = repo / MEASURED
-    new_measured = update_measured(measured.read_text(), decisions, major, run, tuning)
+    new_measured = update_measured(measured.read_text(), decisions, major, run, tuning,
+                                   verifying)
     perf = repo / PERFORMANCE
     new_perf = update_performance(perf.read_text(), gpu,
-                                  performance_section(rep, decisions, tuning))
+                                  performance_section(rep, decisions, tuning, verifying))
     bench = repo / "docs" / "bench" / f"gpu_check_{gpu}.json"
     bench.parent.mkdir(parents=True, exist_ok=True)
     if pathlib.Path(results).resolve() != bench.resolve():
