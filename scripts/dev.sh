@@ -67,10 +67,26 @@ setup_cuda_plugin() {
   rm -rf "$dir.partial"
   if .venv/bin/python -m pip install -q --target "$dir.partial" -c constraints-cuda.txt \
        "jax-cuda12-plugin[with-cuda]==0.11.2"; then
+    setup_nvdisasm "$dir.partial"
     rm -rf "$dir" && mv "$dir.partial" "$dir" && touch "$stamp"
   else
     rm -rf "$dir.partial"
     echo "note: could not install the CUDA plugin; deviceless GPU compile tests will skip" >&2
+  fi
+}
+
+# nvdisasm for the SASS audit (titanax.perf.sass_audit, launch.ptxas_report --sass): the
+# nvidia-cuda-nvdisasm wheel (CUDA 13 only on PyPI; it reads sm_90a and sm_100a cubins) in
+# tools/, off sys.path (its nvidia/cu13 would make jax take nvidia.cu13, which has no ptxas,
+# for its CUDA path), linked into nvidia/cuda_nvcc/bin where jaxlib's MOSAIC_GPU_DUMP_SASS
+# runs it ($CUDA_ROOT/bin/nvdisasm). Without it the SASS tests skip (fail in CI).
+setup_nvdisasm() {
+  local dir=$1
+  if .venv/bin/python -m pip install -q --no-deps --target "$dir/tools" -c constraints-cuda.txt \
+       nvidia-cuda-nvdisasm; then
+    ln -sf ../../../tools/nvidia/cu13/bin/nvdisasm "$dir/nvidia/cuda_nvcc/bin/nvdisasm"
+  else
+    echo "note: could not install nvdisasm; the SASS audit tests will skip" >&2
   fi
 }
 

@@ -11,6 +11,7 @@ import pytest
 from launch.ptxas_report import DOCS
 from pallas_kernels import aot
 from titanax.perf import ptxas_report as rep
+from titanax.perf import sass_audit
 
 # `ptxas -v` as Mosaic prints it, a spilling kernel first, with a device function's properties
 # in between (they must not be taken for the entry's).
@@ -104,7 +105,9 @@ def test_every_kernel_within_budgets():
     start = time.monotonic()
     # Llama's head_dim and the register-heaviest one; `python -m launch.ptxas_report` adds 64.
     head_dims = (128, 256)
-    rows = rep.collect_all(("h100", "b200"), head_dims=head_dims)  # side by side
+    # With the SASS audit where nvdisasm is (CI installs it: there a missing one fails below).
+    sass = sass_audit.nvdisasm_path() is not None or bool(os.environ.get("CI"))
+    rows = rep.collect_all(("h100", "b200"), head_dims=head_dims, sass=sass)  # side by side
     seen = {(r["gpu"], r["op"], r["impl"]) for r in rows}
     for kind, impls in (("h100", ("mosaic_sm90", "triton")), ("b200", ("mosaic_sm100", "triton"))):
         assert all((kind, "attention", impl) in seen for impl in impls), seen
@@ -124,3 +127,22 @@ def test_every_kernel_within_budgets():
         stale = sorted(ours ^ set(fresh.splitlines()[2:]))
         assert not stale, (f"{doc}'s ptxas table differs from a fresh run (python -m "
                            "launch.ptxas_report --write-docs):\n" + "\n".join(stale[:8]))
+    if sass:
+        _check_sass(rows, head_dims)
+
+
+def _check_sass(rows, head_dims):
+    """Every kernel's declared overlaps are in its SASS (titanax.perf.sass_audit), and the SASS
+    tables in docs/ are this run's at the head dims compiled, as the ptxas tables above."""
+    problems = sass_audit.problems(rows)
+    assert not problems, f"{len(problems)} SASS audit problem(s):\n" + "\n".join(problems)
+    hd = re.compile(r"^\| \w+ \| \w+ \| \w+ \| (\d*) \|")
+    for op, doc in DOCS.items():
+        shipped = rep.between_markers((aot.REPO / doc).read_text(), sass_audit.BEGIN,
+                                      sass_audit.END)
+        fresh = sass_audit.markdown_table([r for r in rows if r["op"] == op])
+        ours = {ln for ln in shipped.splitlines()[2:]
+                if not hd.match(ln).group(1) or int(hd.match(ln).group(1)) in head_dims}
+        stale = sorted(ours ^ set(fresh.splitlines()[2:]))
+        assert not stale, (f"{doc}'s SASS table differs from a fresh run (python -m "
+                           "launch.ptxas_report --sass --write-docs):\n" + "\n".join(stale[:8]))

@@ -22,7 +22,9 @@ matmul is CPU-only) are compiled by XLA: it dumps each module's PTX (--xla_dump_
 sequence (launch threads and shared memory), and the worker runs the CUDA plugin's `ptxas -v`
 on that PTX, keeping the Pallas kernels' entries (XLA's own fusions are left out).
 The compiles run in a subprocess per GPU kind (ptxas_worker.py), as Mosaic GPU keeps the first
-target's architecture for the whole process.
+target's architecture for the whole process. collect(..., sass=True) adds each kernel's SASS
+audit (titanax.perf.sass_audit: main loop, wgmma overlap windows, a cycle bound per tile, the
+overlaps its config declares).
 """
 
 from __future__ import annotations
@@ -142,7 +144,7 @@ def ptxas_path() -> str:
 
 # --- collect, check, render -------------------------------------------------------------------
 
-def _worker_env(dump_dir: str, on_device: bool) -> dict:
+def _worker_env(dump_dir: str, on_device: bool, sass: bool = False) -> dict:
     from pallas_kernels import aot
     env = aot.cuda_plugin_env() if not on_device else dict(os.environ)
     if on_device:
@@ -155,6 +157,8 @@ def _worker_env(dump_dir: str, on_device: bool) -> dict:
     env.update(MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_RESOURCES="1",
                TITANAX_PTXAS_XLA_DUMP=dump_dir)
     env.pop("MOSAIC_GPU_DUMP_TO", None)  # would turn on every dump (see the module docstring)
+    if sass:  # the kernel's SASS too (jaxlib runs nvdisasm: titanax.perf.sass_audit)
+        env["MOSAIC_GPU_DUMP_SASS"] = "1"
     # Only our modules, only their PTX and thunk sequences beside the HLO text.
     env["XLA_FLAGS"] = " ".join((env.get("XLA_FLAGS", ""), f"--xla_dump_to={dump_dir}",
                                  "--xla_dump_emitter_re=ptx",
@@ -163,7 +167,8 @@ def _worker_env(dump_dir: str, on_device: bool) -> dict:
 
 
 def collect(kind: str, head_dims=(64, 128, 256), on_device: bool = False, *,
-            timeout: int = 900, overlap_budgets=None, fused_bwd: bool = False) -> list[dict]:
+            timeout: int = 900, overlap_budgets=None, fused_bwd: bool = False,
+            sass: bool = False, only: str | None = None) -> list[dict]:
     """Compiles every kernel for `kind` (h100/h200: sm_90a; b200/gb200: sm_100a) in a
     subprocess; one row per kernel entry with its verdict ("ok", "why"). Deviceless by default
     (the CUDA plugin of .venv/cuda-plugin); on_device=True compiles for the local GPU, which
@@ -171,7 +176,9 @@ def collect(kind: str, head_dims=(64, 128, 256), on_device: bool = False, *,
     fwd_overlap off and on at each of these compute-warpgroup register budgets (0: shipped;
     ptxas_worker.overlap_budget_cases). fused_bwd (sm_90a only): instead, the fused backward
     (FlashConfig.bwd_fused) at every head dim, its flash_bwd gate lifted
-    (ptxas_worker.fused_bwd_cases)."""
+    (ptxas_worker.fused_bwd_cases). sass: each row also gets its SASS audit and declared
+    overlaps' status (titanax.perf.sass_audit: `sass`, `ptxas`, `claims`, `claim_problems`);
+    only: a regex over "impl pass head_dim variant" picking the cases to compile."""
     if kind not in ARCH:
         raise ValueError(f"unknown GPU kind {kind!r}; known: {sorted(ARCH)}")
     from pallas_kernels import aot
@@ -181,21 +188,26 @@ def collect(kind: str, head_dims=(64, 128, 256), on_device: bool = False, *,
                    if overlap_budgets else [])
         cmd = [sys.executable, "-m", "titanax.perf.ptxas_worker", kind, out,
                *(["--on-device"] if on_device else []), *budgets,
-               *(["--fused-bwd"] if fused_bwd else []), *map(str, head_dims)]
-        proc = subprocess.run(cmd, env=_worker_env(os.path.join(tmp, "xla"), on_device),
+               *(["--fused-bwd"] if fused_bwd else []), *(["--sass"] if sass else []),
+               *([f"--only={only}"] if only else []), *map(str, head_dims)]
+        proc = subprocess.run(cmd, env=_worker_env(os.path.join(tmp, "xla"), on_device, sass),
                               cwd=aot.REPO, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0 or not os.path.exists(out):
             raise RuntimeError(f"ptxas worker for {kind} failed ({proc.returncode}):\n"
                                f"{proc.stderr[-4000:]}")
         with open(out) as f:
             rows = json.load(f)
+    if sass:
+        from titanax.perf import sass_audit
+        rows = [sass_audit.annotate(row) for row in rows]
     return [dict(row, **verdict(row)) for row in rows]
 
 
-def collect_all(kinds=("h100", "b200"), head_dims=(64, 128, 256), on_device: bool = False):
+def collect_all(kinds=("h100", "b200"), head_dims=(64, 128, 256), on_device: bool = False,
+                sass: bool = False):
     """collect() for several kinds, their subprocesses side by side; rows in `kinds` order."""
     with ThreadPoolExecutor(len(kinds)) as pool:
-        results = list(pool.map(lambda k: collect(k, head_dims, on_device), kinds))
+        results = list(pool.map(lambda k: collect(k, head_dims, on_device, sass=sass), kinds))
     return [row for rows in results for row in rows]
 
 
@@ -261,9 +273,14 @@ def markdown_table(rows: list[dict]) -> str:
 BEGIN, END = "<!-- ptxas-report:begin -->", "<!-- ptxas-report:end -->"
 
 
-def replace_between_markers(text: str, body: str) -> str:
-    """`text` with everything between the BEGIN and END marker lines replaced by `body`."""
-    start, stop = text.find(BEGIN), text.find(END)
+def replace_between_markers(text: str, body: str, begin: str = BEGIN, end: str = END) -> str:
+    """`text` with everything between the begin and end marker lines replaced by `body`."""
+    start, stop = text.find(begin), text.find(end)
     if start < 0 or stop < start:
-        raise ValueError(f"no {BEGIN} ... {END} section")
-    return text[:start + len(BEGIN)] + "\n" + body.strip("\n") + "\n" + text[stop:]
+        raise ValueError(f"no {begin} ... {end} section")
+    return text[:start + len(begin)] + "\n" + body.strip("\n") + "\n" + text[stop:]
+
+
+def between_markers(text: str, begin: str = BEGIN, end: str = END) -> str:
+    """What `text` holds between the marker lines, stripped."""
+    return text[text.index(begin) + len(begin):text.index(end)].strip()

@@ -1,6 +1,6 @@
 """The compiling half of titanax.perf.ptxas_report, run as a subprocess per GPU kind:
 
-    python -m titanax.perf.ptxas_worker KIND OUT.json [--on-device] HEAD_DIM...
+    python -m titanax.perf.ptxas_worker KIND OUT.json [--on-device] [--sass] [--only=RE] HEAD_DIM...
 
 Compiles every kernel case (flash attention fwd/dq/dkv per impl, head_dim and masking; the
 FP8 matmuls) as its own jit and writes one JSON record per kernel entry to OUT.json. The
@@ -14,6 +14,11 @@ own (the sm90 backward's dkv kernel before dq), so each case is a jit holding at
 Mosaic kernel: the backward is compiled twice, keeping dq, then dk and dv (jit drops the
 kernel whose outputs are unused). Each case's stdout goes to its own file (file descriptor 1
 redirected: the dumps come from C++ as well as Python).
+
+--sass adds each kernel's SASS audit (titanax.perf.sass_audit) to its record: Mosaic prints the
+SASS with MOSAIC_GPU_DUMP_SASS=1 (set by the parent) into the same stdout; Triton kernels' PTX
+is assembled to a cubin with the same ptxas and disassembled with nvdisasm. --only=RE keeps the
+cases whose "impl pass head_dim variant" label RE matches (re.search): the tests compile two.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from pallas_kernels.flash_attention.kernel_sm90_bwd import FUSED_MAX_HEAD_DIM
 from pallas_kernels.flash_attention.kernel_sm100_bwd import MAX_HEAD_DIM as SM100_MAX_HEAD_DIM
 from pallas_kernels.fp8.backends import MATMULS
 from titanax.perf import ptxas_report as rep
+from titanax.perf import sass_audit
 
 # Small but real: GQA 8 q heads on 1 kv head. Sizes enter the kernels as loop bounds and grid
 # dimensions only, so registers and shared memory are those of the 70B shapes.
@@ -285,10 +291,11 @@ def mosaic_entries(log_text: str) -> list[dict]:
                  tmem_cols=res["tmem_cols"])]
 
 
-def triton_entries(dump_dir: str, name: str) -> list[dict]:
+def triton_entries(dump_dir: str, name: str, sass: bool = False) -> list[dict]:
     """The module's Pallas Triton kernels: their names from the optimized HLO's Triton custom
     calls (the thunk sequence also lists XLA's own fusions), launch threads and shared memory
-    from the thunk sequence, and `ptxas -v` run on the module's PTX as XLA dumped it."""
+    from the thunk sequence, and `ptxas -v` run on the module's PTX as XLA dumped it (sass:
+    its cubin disassembled and audited too)."""
     def dumped(suffix):
         return glob.glob(os.path.join(dump_dir, f"module_*.jit_{name}.{suffix}"))
 
@@ -299,18 +306,55 @@ def triton_entries(dump_dir: str, name: str) -> list[dict]:
         thunks.update(rep.parse_thunks(pathlib.Path(path).read_text()))
     if not kernels:
         return []
+    audits, ptxas = {}, rep.ptxas_path()
     for ptx in dumped("*ptx"):
         arch = re.search(r"^\.target\s+(sm_\w+)", pathlib.Path(ptx).read_text(), re.M).group(1)
-        out = subprocess.run([rep.ptxas_path(), "-v", f"-arch={arch}", ptx, "-o", os.devnull],
+        cubin = ptx + ".cubin" if sass else os.devnull
+        out = subprocess.run([ptxas, "-v", f"-arch={arch}", ptx, "-o", cubin],
                              capture_output=True, text=True, check=True)
         reports.update({r["kernel"]: r for r in rep.parse_ptxas(out.stdout + out.stderr)})
+        if sass:
+            text = subprocess.run([sass_audit.nvdisasm_path() or "nvdisasm", "-ndf", "-c", cubin],
+                                  capture_output=True, text=True, check=True).stdout
+            audits.update({a["kernel"]: dict(a, ptxas=_version(ptxas))
+                           for a in sass_audit.audit_sass(text, arch, kernels)})
     missing = sorted(kernels - set(reports) | kernels - set(thunks))
     if missing:
         raise RuntimeError(f"no PTX or thunk dumped for Triton kernels {missing} (XLA_FLAGS "
                            "need --xla_dump_to and --xla_dump_emitter_re=ptx)")
     return [dict(reports[k], backend="triton", threads=thunks[k][0],
-                 smem_bytes=thunks[k][1] + reports[k]["static_smem"], tmem_cols=None)
+                 smem_bytes=thunks[k][1] + reports[k]["static_smem"], tmem_cols=None,
+                 **(_sass_fields(audits.get(k), kernel=k) if sass else {}))
             for k in sorted(kernels)]
+
+
+def _version(tool: str | None) -> str | None:
+    """`tool --version`'s last line ("Cuda compilation tools, release 13.0, V13.0.88")."""
+    if tool is None:
+        return None
+    out = subprocess.run([tool, "--version"], capture_output=True, text=True)
+    lines = [ln for ln in out.stdout.splitlines() if "release" in ln]
+    return lines[-1].strip() if lines else None
+
+
+def _sass_fields(audit: dict | None, kernel: str) -> dict:
+    """A record's `sass` (the audit, without its ptxas) and `ptxas` (the version it ran)."""
+    if audit is None:
+        return dict(sass=dict(kernel=kernel, error="no SASS for this kernel"))
+    audit = dict(audit)
+    return dict(ptxas=audit.pop("ptxas", None), sass=audit)
+
+
+def mosaic_sass(log_text: str, arch: str, kernel: str, softmax_warpgroups: int) -> dict:
+    """The `sass`/`ptxas` fields of a Mosaic record: its SASS, as MOSAIC_GPU_DUMP_SASS printed
+    it into the compile's stdout, audited."""
+    found = sass_audit.audit_sass(log_text, arch, softmax_warpgroups=softmax_warpgroups)
+    mine = [a for a in found if a["kernel"] == kernel] or found
+    if not mine:
+        why = ("no SASS in the compile's output (MOSAIC_GPU_DUMP_SASS unset, or no nvdisasm "
+               "in the CUDA plugin's nvidia/cuda_nvcc/bin: bash scripts/dev.sh cuda-plugin)")
+        return dict(sass=dict(kernel=kernel, error=why))
+    return _sass_fields(dict(mine[0], ptxas=_version(sass_audit.xla_ptxas())), kernel)
 
 
 @contextlib.contextmanager
@@ -337,10 +381,30 @@ def _check_local_gpu(arch: str) -> None:
                          f"{jax.devices()[0].device_kind} (compute capability {cc})")
 
 
+def _case_label(meta: dict) -> str:
+    return f"{meta['impl']} {meta['pass']} {meta.get('head_dim')} {meta['variant']}"
+
+
+def _entries(kind: str, arch: str, meta: dict, log_path: str, dump_dir: str, name: str,
+             sass: bool) -> list[dict]:
+    """The compiled case's kernel records (Mosaic's from its stdout, Triton's from the dump)."""
+    log = pathlib.Path(log_path).read_text(errors="replace")
+    entries = mosaic_entries(log)
+    if sass:
+        wgs = 2 if "fwd_q_tiles=2" in meta["variant"] else 1  # softmax WGs per MMA iteration
+        entries = [dict(e, **mosaic_sass(log, arch, e["kernel"], wgs)) for e in entries]
+    entries += triton_entries(dump_dir, name, sass)
+    if not entries:
+        raise RuntimeError("no kernel found in the compiled module")
+    return entries
+
+
 def main(argv: list[str]) -> None:
-    """argv: KIND OUT [--on-device] [--overlap-budgets=R1,R2,...] [--fused-bwd] HEAD_DIM..."""
+    """argv: KIND OUT [--on-device] [--overlap-budgets=R1,R2,...] [--fused-bwd] [--sass]
+    [--only=REGEX] HEAD_DIM..."""
     kind, out_path, *rest = argv
-    on_device, fused = "--on-device" in rest, "--fused-bwd" in rest
+    on_device, fused, sass = "--on-device" in rest, "--fused-bwd" in rest, "--sass" in rest
+    only = [a.split("=", 1)[1] for a in rest if a.startswith("--only=")]
     budgets = [a.split("=", 1)[1] for a in rest if a.startswith("--overlap-budgets=")]
     head_dims = [int(x) for x in rest if not x.startswith("--")]
     arch = rep.ARCH[kind]
@@ -353,6 +417,8 @@ def main(argv: list[str]) -> None:
         cases = [(*c, None) for c in fused_bwd_cases(head_dims)]
     else:
         cases = [(*c, None) for c in (*attention_cases(arch, head_dims), *fp8_cases(arch))]
+    if only:
+        cases = [c for c in cases if re.search(only[0], _case_label(c[0]))]
     rows = []
     with tempfile.TemporaryDirectory(prefix="ptxas-log-") as tmp:
         for i, (meta, fn, args, budget) in enumerate(cases):
@@ -362,10 +428,7 @@ def main(argv: list[str]) -> None:
             try:
                 with _compute_registers(budget), _fused_gate_lifted(fused):
                     compile_case(kind, name, fn, args, on_device, log_path)
-                log = pathlib.Path(log_path).read_text(errors="replace")
-                entries = mosaic_entries(log) + triton_entries(dump_dir, name)
-                if not entries:
-                    raise RuntimeError("no kernel found in the compiled module")
+                entries = _entries(kind, arch, meta, log_path, dump_dir, name, sass)
             except Exception as e:  # one broken case must not hide the others' reports
                 msg = " ".join(f"{type(e).__name__}: {e}".split())  # one line, for tables
                 rows.append(dict(base, error=msg[:400]))
