@@ -20,7 +20,10 @@ layout it ran passed). A kernel `auto` would run that neither VERIFIED nor WINS 
 checked by the run itself before its first step (titanax/train/attention_check.py, the
 first-contact check), and replaced by cuDNN if it fails.
 
-`launch.gpu_check --apply` rewrites the three tables; by hand, keep one entry per line and a
+FAILED names the kernels a GPU run saw hang, crash or compute wrong values on a generation,
+with or without packed documents: `auto` routes around them there.
+
+`launch.gpu_check --apply` rewrites the four tables; by hand, keep one entry per line and a
 comment naming the run.
 """
 
@@ -46,6 +49,20 @@ def verified(impl: str, cc: tuple[int, int]) -> bool:
     """Whether a GPU run of this generation recorded attention kernel `impl` matching the
     reference: checked (VERIFIED), or timed as the winner (WINS), which ran it."""
     return (impl, cc[0]) in VERIFIED or ours_won("attention", cc, impl)
+
+# ('<attention impl>:documents' or ':causal', compute capability major) -> what a GPU run of
+# that generation saw the kernel do with / without packed documents (hang, crash, values off
+# the reference). `auto` never picks it there (resolve.py: cuDNN instead, or the reference in
+# shard_map bodies), and no first-contact check is spent on it. `--apply` writes it from a
+# run's suspects and removes an entry a later run saw pass.
+FAILED: dict[tuple[str, int], str] = {}
+
+
+def failed(impl: str, cc: tuple[int, int], documents: bool) -> str | None:
+    """What a GPU run of this generation recorded attention kernel `impl` doing wrong with
+    (documents) or without packed documents, or None."""
+    return FAILED.get((f"{impl}:{'documents' if documents else 'causal'}", cc[0]))
+
 
 # (config name, compute capability major) -> knob values that replace the shipped default's.
 TUNED: dict[tuple[str, int], dict] = {}

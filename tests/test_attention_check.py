@@ -133,10 +133,12 @@ def test_a_crashing_kernel_is_a_failure_that_names_the_crash(tmp_path, monkeypat
 
 @pytest.fixture()
 def hopper(monkeypatch):
-    """A faked H100 for the planning (the run itself is never traced here)."""
+    """A faked H100 for the planning (the run itself is never traced here), with no kernel
+    recorded failing on it (measured.FAILED; the test below puts one back)."""
     for module in (resolve, attention_check):
         monkeypatch.setattr(module, "target_platform", lambda: "gpu")
         monkeypatch.setattr(module, "compute_capability", lambda: (9, 0))
+    monkeypatch.setattr(measured, "FAILED", {})
 
 
 def _plan(**overrides):
@@ -163,6 +165,12 @@ def test_planned_kernel_is_the_unrecorded_kernel_auto_would_run(hopper, monkeypa
     monkeypatch.setitem(measured.VERIFIED, ("mosaic_sm90", 10), "B200 run")  # another GPU
     monkeypatch.delitem(measured.WINS, ("attention", 9))
     assert _plan() == "mosaic_sm90"
+    # A kernel a GPU run saw fail with documents (FAILED) is not planned there: auto takes
+    # cuDNN and nothing is checked; without documents it still is.
+    monkeypatch.setitem(measured.FAILED, ("mosaic_sm90:documents", 9), "hung")
+    assert _plan() is None
+    monkeypatch.setattr(attention_check, "_in_shard_map", lambda mesh: False)
+    assert _plan(**{"data.document_masking": False}) is None  # cuDNN anyway
 
 
 def test_the_switch_skips_the_check(tmp_path, hopper, children):

@@ -72,7 +72,9 @@ def _result() -> dict:
                 "cudnn": 91000, "cuda_driver": 13000}},
             "kernels": {"status": "fail", "rows": [
                 {"kernel": "flash_attention", "impl": "mosaic_sm90", "head_dim": 128,
-                 "status": "ok", "pass": True},
+                 "segments": False, "status": "ok", "pass": True},
+                {"kernel": "flash_attention", "impl": "mosaic_sm90", "head_dim": 128,
+                 "segments": True, "status": "ok", "pass": True},
                 {"kernel": "fp8_matmul", "impl": "sm90", "mode": "tensorwise",
                  "status": "fail", "pass": False, "rel": 0.02}]},
             "train": {"status": "ok", "what": "Train step", "rows": [
@@ -144,11 +146,11 @@ def test_apply_writes_wins_tuning_tables_and_the_result(repo, tmp_path, monkeypa
     assert ("('flash_attention/triton/hd64', 9): {'num_warps': 4},  # NVIDIA H200 2026-12-02: "
             "triton_warps_hd64: num_warps=4 1.053x faster than num_warps=8") in source
     assert "# B200: earlier" in source
-    # The kernels section's one attention row passed: sm90 is checked on Hopper from now on;
-    # the portable kernel, not run this time, keeps its earlier entry.
+    # The kernels section's attention rows (both layouts) passed: sm90 is checked on Hopper
+    # from now on; the portable kernel, not run this time, keeps its earlier entry.
     assert measured["VERIFIED"] == {
-        ("mosaic_sm90", 9): "NVIDIA H200 2026-12-02: 1 case matching the reference "
-                            "(head_dim 128; causal)",
+        ("mosaic_sm90", 9): "NVIDIA H200 2026-12-02: 2 cases matching the reference "
+                            "(head_dim 128; causal, documents)",
         ("triton", 9): "H100 2026-11-29: earlier run",
         ("mosaic_sm100", 10): "B200 2026-11-30: earlier run"}
     assert measured["verified"]("mosaic_sm90", (9, 0))
@@ -173,7 +175,7 @@ def test_apply_writes_wins_tuning_tables_and_the_result(repo, tmp_path, monkeypa
     assert perf.count("<!-- gpu-check:h200:begin -->") == 1
     assert perf.index("## GPU: NVIDIA H200, jax 0.11.2, 2026-12-02") < perf.index("## CPU:")
     assert "| impl | seq | batch | documents | fwd_tflops |" in perf
-    assert "1 of 2 cases pass:" in perf and "| sm90 | tensorwise | fail |" in perf
+    assert "2 of 3 cases pass:" in perf and "| sm90 | tensorwise | fail |" in perf
     assert json.loads((repo / "docs/bench/gpu_check_h200.json").read_text()) == _result()
 
     # A later run replaces its GPU's section, and a loss removes the win it had recorded.
@@ -374,3 +376,61 @@ def test_dry_runs_and_cpu_results_are_refused(tmp_path, repo, capsys):
         launch.gpu_check.main(["--apply", str(tmp_path / "missing.json")])
     assert "error: --apply: cannot read" in capsys.readouterr().err
     assert (repo / "docs" / "performance.md").read_text() == before
+
+
+def test_a_kernel_that_hung_is_recorded_failed_and_auto_routes_around_it(repo, monkeypatch):
+    """The first loan's finding (docs/performance.md): mosaic_sm90's backward with packed
+    documents hung on an H200. --apply records it in FAILED for Hopper and that layout only,
+    adopts no knob of that kernel, does not verify it; `auto` then sends packed documents on
+    Hopper to cuDNN (dense mask) with no first-contact check, and plain causal is unchanged;
+    a later run that passes the layout removes the entry."""
+    import types
+
+    import jax.numpy as jnp
+
+    import pallas_kernels.target as target
+    from pallas_kernels.flash_attention import resolve
+    from titanax.perf.gpu_check.apply import failures
+
+    rep = _result()
+    rep["suspects"] = {"flash_attention:mosaic_sm90:documents":
+                       "timeout in section kernels while it ran"}
+    rep["sections"]["kernels"]["rows"] = [_attention_row("mosaic_sm90", 128, False),
+                                          _attention_row("triton", 128, False)]
+    rep["sections"]["choices"]["rows"].append(
+        {"choice": "sm90_bwd_fused", "variant": "bwd_fused=False", "shipped": True,
+         "base": True, "tunes": "flash_attention/mosaic_sm90/hd128",
+         "knobs": {"bwd_fused": False}, "ms": 16.0, "status": "ok"})
+    rep["sections"]["choices"]["rows"].append(
+        {"choice": "sm90_bwd_fused", "variant": "bwd_fused=True", "shipped": False,
+         "base": False, "tunes": "flash_attention/mosaic_sm90/hd128",
+         "knobs": {"bwd_fused": True}, "ms": 15.4, "status": "ok"})
+    got = failures(rep, 9)
+    assert got == {"mosaic_sm90:documents": "timeout in section kernels while it ran",
+                   "mosaic_sm90:causal": None, "triton:causal": None}
+    assert "flash_attention/mosaic_sm90/hd128" not in tune(rep)  # never from a failing kernel
+    assert verify(rep, 9) == {"mosaic_sm90": None}  # triton: one layout only, no verdict
+    source = (repo / "pallas_kernels" / "measured.py").read_text()
+    source = update_measured(source, {}, 9, "NVIDIA H200 2026-12-04", failing=got)
+    measured = _exec(source)
+    assert measured["FAILED"] == {("mosaic_sm90:documents", 9): "NVIDIA H200 2026-12-04: "
+                                  "timeout in section kernels while it ran"}
+    assert measured["failed"]("mosaic_sm90", (9, 0), True)
+    assert not measured["failed"]("mosaic_sm90", (9, 0), False)
+    assert not measured["failed"]("mosaic_sm90", (10, 0), True)
+
+    from pallas_kernels import measured as live
+    monkeypatch.setattr(live, "FAILED", measured["FAILED"])
+    fake = types.SimpleNamespace(platform="gpu", compute_capability="9.0", core_count=132,
+                                 device_kind="NVIDIA H200")
+    monkeypatch.setattr(target, "target_device", lambda: fake)
+    pick = lambda **kw: resolve.resolve_impl("auto", jnp.bfloat16, 128, **kw)
+    assert pick(segment_ids=True, manual=False) == "cudnn"
+    assert pick(segment_ids=True, manual=False, plan=True) == "cudnn"  # nothing to check
+    assert pick(segment_ids=True, manual=True) == "xla"  # no cuDNN inside shard_map
+    assert pick(segment_ids=False, manual=True) == "mosaic_sm90"  # the working layout
+    # A later run that ran the layout and passed removes the entry.
+    fixed = failures({"suspects": {}, "sections": {"kernels": {"rows": [
+        _attention_row("mosaic_sm90", 128, True)]}}}, 9)
+    source = update_measured(source, {}, 9, "NVIDIA H200 2026-12-05", failing=fixed)
+    assert _exec(source)["FAILED"] == {}

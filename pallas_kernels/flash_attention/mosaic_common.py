@@ -161,11 +161,13 @@ def unhoisted_zero(t):
     return lax.shift_right_logical(t, jnp.array(30, t.dtype))
 
 
-def ring_producer(total, steps, load, consumed, regs: int):
+def ring_producer(total, steps, load, consumed, regs: int | None):
     """An sm90 backward's producer warpgroup (kernel_sm90_bwd*.py): preload `steps` tiles,
     refill a slot once every consumer released it, and wait for the last releases so no
-    barrier phase is left unobserved when the CTA exits."""
-    plgpu.set_max_registers(regs, action="decrease")
+    barrier phase is left unobserved when the CTA exits. regs: its setmaxnreg budget (None:
+    the caller released its registers already)."""
+    if regs is not None:
+        plgpu.set_max_registers(regs, action="decrease")
     for i in range(steps):
         @pl.when(i < total)
         def _():
@@ -187,12 +189,20 @@ def q_ring_producer(refs, smems, ring_bars, consumed, *, batch, kv_head, G, bq, 
     """The producer warpgroup of an sm90 backward that streams query tiles per key CTA
     (kernel_sm90_bwd.py's dkv kernel, kernel_sm90_bwd_fused.py): q_tile_loader's loads through
     ring_producer. range_ready: the barrier after which the CTA's query range, held in SMEM by
-    the first consumer (packed documents), can be read."""
+    the first consumer (packed documents), can be read.
+
+    The registers go back first: the consumers' setmaxnreg.inc blocks until the producer's
+    setmaxnreg.dec has returned registers to the CTA's pool (2 x 240 + 24 per thread is the
+    whole pool), and the first consumer copies the range only after its increase. Waiting for
+    the range before decreasing deadlocked the dkv and fused backwards with packed documents
+    on an H200 (docs/performance.md, the first loan); the Mosaic GPU interpreter models no
+    register pool, so only the order of these calls can be tested on a CPU."""
     load = q_tile_loader(refs, smems, ring_bars, batch=batch, kv_head=kv_head, G=G, bq=bq,
                          q_start=q_start, per_head=per_head)
+    plgpu.set_max_registers(regs, action="decrease")
     if range_ready is not None:
         plgpu.barrier_wait(range_ready)
-    ring_producer(G * per_head(), steps, load, consumed, regs)
+    ring_producer(G * per_head(), steps, load, consumed, None)
 
 
 def store_dkv(dk, dv, k_smem, v_smem, dk_ref, dv_ref, rows, *, scale, dtype):

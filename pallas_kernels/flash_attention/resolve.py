@@ -17,7 +17,9 @@ A kernel refused in this process (refuse(): it failed the run's first-contact ch
 the reference on this GPU, titanax/train/attention_check.py) is never what `auto` picks: the
 call goes to cuDNN where cuDNN can take it (packed documents as its dense mask, whose cost
 backend_cudnn warns of once), else, inside jax.shard_map, to the XLA reference. Explicit
-impl names are never changed.
+impl names are never changed. A kernel that pallas_kernels/measured.py FAILED records failing
+on this GPU generation (with or without packed documents, as the call has them) is refused the
+same way, in every process.
 """
 
 from __future__ import annotations
@@ -137,6 +139,11 @@ def _dense_mask_work(seq_len: int | None) -> str:
 def _on_gpu(cc, dtype, head_dim: int, segment_ids: bool, manual: bool, seq_len=None,
             say=_log_once, refusals=None) -> str:
     refusals = _REFUSED if refusals is None else refusals  # {}: planning, before any check
+    # Kernels a GPU run recorded failing here (measured.FAILED) are refused even when planning:
+    # no check is spent on a kernel known to hang.
+    refusals = {**refusals, **{
+        k: f"a GPU run recorded it failing on compute capability {cc[0]}.x: {why}"
+        for k in KERNEL_IMPLS if (why := measured.failed(k, cc, segment_ids))}}
     vendor = backend(GPU_VENDOR)
     ours = our_kernel(cc, dtype, head_dim)
     won = ours is not None and measured.ours_won("attention", cc, ours)
@@ -174,6 +181,6 @@ def _unless_refused(kernel: str, line: str, refusals: dict, dtype, manual: bool,
                f"cuDNN attention takes fp16/bf16, not {jnp.dtype(dtype).name}"
                if jnp.dtype(dtype).name not in _CUDNN_DTYPES else None)
     instead = REFERENCE if why_not else GPU_VENDOR
-    say(f"flash_attention auto: not {kernel!r}, refused in this process ({refusals[kernel]}); "
+    say(f"flash_attention auto: not {kernel!r}, refused ({refusals[kernel]}); "
         f"using {instead!r}" + (f" ({why_not})" if why_not else ""))
     return instead

@@ -20,6 +20,10 @@ Three files change:
   failing or raising, and no section finding it failing or hung) is recorded as checked on
   this GPU generation, so `auto` runs it without a run's own first-contact check
   (titanax/train/attention_check.py); one the run measured and did not confirm is removed.
+  And FAILED: an attention kernel the run's suspects name (failed, raised or hung), per
+  document layout, so `auto` routes around it on this generation; an entry whose layout the
+  run ran and passed is removed. Knobs of a kernel the run found failing are never adopted
+  into TUNED.
 
 Nothing is written unless the whole result reads: a dry run, a CPU result or one without its
 device section is refused with the reason.
@@ -111,8 +115,8 @@ def decide(rep: dict) -> dict[str, tuple[str | None, str]]:
 def verify(rep: dict, major: int) -> dict[str, str | None]:
     """{attention impl: evidence, or None where this run measured it and did not confirm it}
     for our kernels of this GPU generation (and the portable one) that the kernels section
-    ran: confirmed when every row that ran passed (status ok, pass True), at least one ran,
-    and no section failed or hung on it (the run's suspects)."""
+    ran: confirmed when every row that ran passed (status ok, pass True), rows ran with and
+    without packed documents, and no section failed or hung on it (the run's suspects)."""
     from pallas_kernels.flash_attention.backends import BACKENDS, KERNEL_IMPLS
     from titanax.perf.gpu_check.context import attention_key
 
@@ -133,11 +137,38 @@ def verify(rep: dict, major: int) -> dict[str, str | None]:
         if bad or len(good) != len(ran):
             out[impl] = None
             continue
+        if {bool(r.get("segments")) for r in good} != {False, True}:
+            continue  # one document layout checked: the other is the first contact's to check
         dims = "/".join(str(d) for d in sorted({int(r.get("head_dim") or 0) for r in good}))
         layouts = ", ".join(sorted({"documents" if r.get("segments") else "causal"
                                     for r in good}))
         out[impl] = (f"{len(good)} case{'s' * (len(good) > 1)} matching the reference "
                      f"(head_dim {dims}; {layouts})")
+    return out
+
+
+def failures(rep: dict, major: int) -> dict[str, str | None]:
+    """{'<impl>:documents' or ':causal': what this run saw it do, or None where the kernels
+    section ran it and every row passed} for our attention kernels of this GPU generation
+    (and the portable one): a kernel the run's suspects name (it failed, raised, or hung in a
+    section) is recorded in measured.FAILED, so `auto` routes around it on this generation."""
+    from pallas_kernels.flash_attention.backends import BACKENDS, KERNEL_IMPLS
+
+    ours = {i for i in KERNEL_IMPLS if BACKENDS[i].compute_capability in (None, major)}
+    out: dict[str, str | None] = {}
+    rows = [r for r in rep["sections"].get("kernels", {}).get("rows", [])
+            if r.get("kernel") == "flash_attention" and r.get("impl") in ours]
+    for impl in ours:
+        for documents in (False, True):
+            ran = [r for r in rows if r["impl"] == impl and bool(r.get("segments")) == documents
+                   and r.get("status") in ("ok", "fail", "error")]
+            if ran and all(r.get("status") == "ok" and r.get("pass") for r in ran):
+                out[f"{impl}:{'documents' if documents else 'causal'}"] = None
+    for key, why in (rep.get("suspects") or {}).items():
+        kernel, _, rest = key.partition(":")
+        impl, _, layout = rest.partition(":")
+        if kernel == "flash_attention" and impl in ours:
+            out[f"{impl}:{layout or 'causal'}"] = why
     return out
 
 
@@ -151,10 +182,15 @@ def tune(rep: dict) -> dict[str, tuple[dict, str]]:
     for r in _ok_rows(rep, "choices"):
         if r.get("tunes") and "ms" in r:
             by_choice.setdefault(r["choice"], []).append(r)
+    # A kernel the run saw fail or hang (in any layout) gets no new defaults from it: its
+    # variants were timed on the layout that works, and would ship to the one that does not.
+    suspect = {k.split(":")[1] for k in (rep.get("suspects") or {})
+               if k.startswith("flash_attention:")}
     out = {}
     for name, rows in sorted(by_choice.items()):
         now = [r for r in rows if r.get("shipped")]
-        if not now or len(rows) < 2:
+        if not now or len(rows) < 2 or any(f"/{impl}/" in r["tunes"] for impl in suspect
+                                           for r in rows):
             continue
         best = min(rows, key=lambda r: r["ms"])
         ratio = now[0]["ms"] / best["ms"]
@@ -178,6 +214,9 @@ def _knobs_source(knobs: dict) -> str:
 
 _WINS_DECL, _TUNED_DECL = "WINS: dict[tuple[str, int], str]", "TUNED: dict[tuple[str, int], dict]"
 _VERIFIED_DECL = "VERIFIED: dict[tuple[str, int], str]"
+_FAILED_DECL = "FAILED: dict[tuple[str, int], str]"
+_FAILED_RE = re.compile(r"^FAILED: dict\[tuple\[str, int\], str\] = (?:\{\}|\{\n.*?^\})$",
+                        re.M | re.S)
 
 
 def _table_source(decl: str, table: dict, comments: dict, value=repr) -> str:
@@ -206,7 +245,8 @@ def _tuned_comments(source: str) -> dict:
 
 
 def update_measured(source: str, decisions: dict, major: int, run: str,
-                    tuning: dict | None = None, verifying: dict | None = None) -> str:
+                    tuning: dict | None = None, verifying: dict | None = None,
+                    failing: dict | None = None) -> str:
     """measured.py's source with this run's WINS decisions, TUNED knobs and VERIFIED kernels
     (verify()'s {impl: evidence or None}) for GPU generation `major`."""
     namespace: dict = {}
@@ -240,12 +280,21 @@ def update_measured(source: str, decisions: dict, major: int, run: str,
             checked[(impl, major)] = f"{run}: {evidence}"
         else:
             checked.pop((impl, major), None)
-    return _VERIFIED_RE.sub(lambda m: _table_source(_VERIFIED_DECL, checked, {}), source,
-                            count=1)
+    source = _VERIFIED_RE.sub(lambda m: _table_source(_VERIFIED_DECL, checked, {}), source,
+                              count=1)
+    if not _FAILED_RE.search(source):
+        raise ApplyError(f"{MEASURED}: no `{_FAILED_DECL} = {{...}}` to rewrite")
+    broken = dict(namespace.get("FAILED", {}))
+    for key, why in (failing or {}).items():
+        if why:
+            broken[(key, major)] = f"{run}: {why}"
+        else:
+            broken.pop((key, major), None)
+    return _FAILED_RE.sub(lambda m: _table_source(_FAILED_DECL, broken, {}), source, count=1)
 
 
 def performance_section(rep: dict, decisions: dict, tuning: dict | None = None,
-                        verifying: dict | None = None) -> str:
+                        verifying: dict | None = None, failing: dict | None = None) -> str:
     from titanax.perf.gpu_check import report
 
     info = rep["sections"]["device"]["info"]
@@ -292,6 +341,10 @@ def performance_section(rep: dict, decisions: dict, tuning: dict | None = None,
                       "(pallas_kernels/measured.py VERIFIED): " + "; ".join(
                           f"{impl}: {evidence or 'not confirmed (an earlier entry goes)'}"
                           for impl, evidence in sorted(verifying.items())) + "."]
+    if any(failing.values() if failing else ()):
+        lines += ["", "Attention kernels that failed on this GPU generation, which `auto` now "
+                      "routes around (pallas_kernels/measured.py FAILED): " + "; ".join(
+                          f"{key}: {why}" for key, why in sorted(failing.items()) if why) + "."]
     return "\n".join(lines)
 
 
@@ -315,13 +368,15 @@ def apply(results: pathlib.Path, repo: pathlib.Path) -> list[pathlib.Path]:
     info = rep["sections"]["device"]["info"]
     gpu, major = info["gpu"], int(str(info["compute_capability"]).split(".")[0])
     decisions, tuning, verifying = decide(rep), tune(rep), verify(rep, major)
+    failing = failures(rep, major)
     run = f"{info.get('device_kind')} {str(rep.get('started', ''))[:10]}"
     measured = repo / MEASURED
     new_measured = update_measured(measured.read_text(), decisions, major, run, tuning,
-                                   verifying)
+                                   verifying, failing)
     perf = repo / PERFORMANCE
     new_perf = update_performance(perf.read_text(), gpu,
-                                  performance_section(rep, decisions, tuning, verifying))
+                                  performance_section(rep, decisions, tuning, verifying,
+                                                      failing))
     bench = repo / "docs" / "bench" / f"gpu_check_{gpu}.json"
     bench.parent.mkdir(parents=True, exist_ok=True)
     if pathlib.Path(results).resolve() != bench.resolve():
