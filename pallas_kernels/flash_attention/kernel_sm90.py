@@ -67,7 +67,7 @@ COMPUTE_WGS = 2
 # setmaxnreg budgets: 2 x 240 + 24 spends the 168-per-thread launch pool of 384 threads; the
 # TMA producer fits 24; the softmax warpgroups need up to 232 (docs/attention.md).
 REGS_COMPUTE, REGS_PRODUCER = 240, 24
-# fwd_overlap masks raw scores (the scale is applied inside exp2's FMA): a power of two, so
+# The forward masks raw scores (the scale is applied inside exp2's FMA): a power of two, so
 # that MASK_RAW * qk_scale is exact and s * qk_scale - m, fused or not, is exactly 0 for a row
 # whose keys are all masked so far (MASK's rounding error, ~1e22, would overflow exp2).
 MASK_RAW = -(2.0 ** 100)
@@ -234,17 +234,19 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
                     k_seg = plgpu.load(kseg_smem.at[slot],
                                        layout=plgpu.Layout.WGMMA.reduce(0))
                 plgpu.barrier_arrive(k_consumed.at[slot])
-                qk = qk * qk_scale  # log2 domain: exp2 below is one FMA + ex2
                 if masked:
                     mask = tile_mask(q_base, kv_step * block_kv, (block_q, block_kv),
                                       causal=causal, kv_len=kv_len,
                                       q_seg=q_seg if has_seg else None,
                                       k_seg=k_seg if has_seg else None)
-                    qk = jnp.where(mask, qk, MASK)
-                m_ij = jnp.maximum(m_i, qk.max(axis=1))
+                    qk = jnp.where(mask, qk, MASK_RAW)
+                # The scale rides exp2's FMA (s * qk_scale - m, one FFMA and one ex2 a score)
+                # and the max is taken on the raw scores, scaled once per row, as fwd_overlap
+                # does: no separate FMUL per score. m_i and the log-sum-exp stay in log2 units.
+                m_ij = jnp.maximum(m_i, qk.max(axis=1) * qk_scale)
                 alpha = jnp.exp2(m_i - m_ij)
                 m_i = m_ij
-                p = jnp.exp2(qk - lax.broadcast_in_dim(m_ij, qk.shape, [0]))
+                p = jnp.exp2(qk * qk_scale - lax.broadcast_in_dim(m_ij, qk.shape, [0]))
                 acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
                 l_i *= alpha
                 p16 = p.astype(dtype)
