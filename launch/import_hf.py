@@ -12,13 +12,18 @@ after 3% warmup, FSDP over all devices, full remat, train.seq_len min(8192, the 
 context), and no data.source: launch.train asks for one); with --config, that file's
 train/optim/mesh/data sections apply and its model.* must agree with config.json. The folder's tokenizer becomes the run's (data.tokenizer),
 a Llama 3 tokenizer turns data.bos on, and the folder's generation_config.json, chat template
-and config.json keys titanax does not use are kept for launch.export_hf. --set wins over all."""
+and config.json keys titanax does not use are kept for launch.export_hf. --set wins over all.
+
+It holds the workdir's lock (one command per workdir, as launch.train): exit 75 with one line
+naming the holder when a live run has it, 2 for a bad folder or config."""
 
 from __future__ import annotations
 
 import argparse
 
 from launch.common import add_config_flags, add_host_devices_flag, fail, setup_jax
+
+EXIT_LOCKED = 75  # as launch.train: another live command holds the workdir; rerun after it
 
 
 def main(argv=None) -> None:
@@ -43,11 +48,14 @@ def main(argv=None) -> None:
     setup_jax(args.host_devices)
 
     from titanax.hf.importer import import_hf
+    from titanax.train.workdir_lock import WorkdirLocked
 
     try:
         import_hf(hf_dir, cfg, args.workdir, origin=import_origin(args.hf, hf_dir))
     except (HFImportError, ConfigError) as e:
         fail(str(e))
+    except WorkdirLocked as e:  # a live run holds the folder: nothing was written
+        fail(str(e), EXIT_LOCKED)
 
 
 if __name__ == "__main__":

@@ -91,3 +91,34 @@ def test_a_workdir_that_is_a_file_or_read_only_is_one_line(tmp_path):
             subprocess.run(["umount", str(ro)], check=False)
         else:
             ro.chmod(0o755)
+
+
+def test_an_import_into_a_workdir_a_trainer_holds_is_refused_untouched(tmp_path):
+    """launch.import_hf takes the workdir's lock for the whole import: started beside a live
+    run on the same folder it is refused (launch.import_hf exits 75) before it reads or writes
+    anything, where it used to finish and leave its config beside the trainer's checkpoints."""
+    from titanax.config import load_config
+    from titanax.hf.importer import import_hf
+
+    work = tmp_path / "run"
+    holder = _holder(work)
+    try:
+        cfg = load_config(ROOT / "configs" / "tiny.py", {})
+        with pytest.raises(WorkdirLocked, match=f"pid {holder.pid}"):
+            import_hf(tmp_path / "no-such-hf-folder", cfg, work)
+        assert sorted(p.name for p in work.iterdir()) == [LOCK_NAME]
+        # The command: one line naming the holder, exit 75 (config.json is all it reads first).
+        hf = tmp_path / "hf"
+        hf.mkdir()
+        (hf / "config.json").write_text(json.dumps({
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+            "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "num_hidden_layers": 2, "vocab_size": 256, "rope_theta": 10000.0,
+            "max_position_embeddings": 128, "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": False, "torch_dtype": "float32"}))
+        r = cli("launch.import_hf", "--hf", hf, "--workdir", work)
+        assert_one_error(r, 75, "is in use by", f"pid {holder.pid}", "one run per workdir")
+        assert sorted(p.name for p in work.iterdir()) == [LOCK_NAME]
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()

@@ -263,9 +263,21 @@ def import_hf(hf_dir: str | pathlib.Path, cfg: Config, workdir: str | pathlib.Pa
     source's config.json and generation_config.json go to WORKDIR/hf_source/ (hf/source.py),
     for export to write back, with `origin` ((hub id, commit) the folder came from; default
     its path), the base a LoRA run's PEFT export names."""
+    from titanax.train.workdir_lock import workdir_lock
+
+    # The workdir's lock for the whole import (train/workdir_lock.py): an import started
+    # beside a live trainer on the same folder is refused (WorkdirLocked, exit 75), and a
+    # trainer started during the import waits its turn, instead of the folder ending with one
+    # command's config and the other's checkpoints.
+    with workdir_lock(workdir, enabled=jax.process_index() == 0):
+        return _import_locked(pathlib.Path(hf_dir), cfg, pathlib.Path(workdir), devices,
+                              progress, log, origin)
+
+
+def _import_locked(hf_dir: pathlib.Path, cfg: Config, workdir: pathlib.Path, devices,
+                   progress: bool, log, origin) -> ImportResult:
     from titanax.checkpoint.orbax_io import Checkpointer
 
-    hf_dir, workdir = pathlib.Path(hf_dir), pathlib.Path(workdir)
     ckpt_dir = workdir / "checkpoints"
     if ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir()):
         raise HFImportError(f"{ckpt_dir} already holds checkpoints; import into a new --workdir")
