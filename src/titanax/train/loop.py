@@ -162,26 +162,33 @@ class Trainer:
         # the embedded corpus writes here, its tokenizer and token caches, once they are valid.
         self.data = _build_data_in_turn(cfg, workdir, process_rows(
             self.batch_sharding, cfg.train.batch_size, cfg.train.seq_len))
-        if self.is_main:  # the config as it runs (grad_accum=auto as chosen)
-            write_config_json(workdir, cfg)
-        self._announce()
-        if resumed:
-            self.log(resumed)
-            if self.schedule_change:
-                self.log(self.schedule_change)
-        self.train_iter = self.data.train_iterator()
-        if data_state is not None:
-            self.train_iter.set_state(data_state)
-        if self.is_main:  # step 0 is evaluated again by a run that starts there
-            M.drop_metrics_from(workdir, self.start_step + 1 if self.start_step else 0)
-
-        self.step_fn = jit_train_step(cfg, self.mesh, self.graphdef, self.shardings, self.tx,
-                                      self.schedule)
-        self.eval_fn = jit_eval_step(cfg, self.mesh, self.graphdef, self.shardings)
+        # The last checks that can refuse the command come before the workdir changes: the
+        # validation batches (a split that cannot fill one) and the loggers' start (an MLflow
+        # store that cannot be written, W&B without a key). A refused command leaves
+        # config.json and metrics.jsonl as they were: the run stays the run it was.
         self.val_batches = self.data.val_batches()
         self.writer = M.MetricsWriter(workdir, enabled=self.is_main,
                                       purge_step=self.start_step + 1 if self.start_step else 0,
                                       loggers=cfg.train.logger_names, config=cfg.to_dict())
+        try:
+            if self.is_main:  # the config as it runs (grad_accum=auto as chosen)
+                write_config_json(workdir, cfg)
+            self._announce()
+            if resumed:
+                self.log(resumed)
+                if self.schedule_change:
+                    self.log(self.schedule_change)
+            self.train_iter = self.data.train_iterator()
+            if data_state is not None:
+                self.train_iter.set_state(data_state)
+            if self.is_main:  # step 0 is evaluated again by a run that starts there
+                M.drop_metrics_from(workdir, self.start_step + 1 if self.start_step else 0)
+            self.step_fn = jit_train_step(cfg, self.mesh, self.graphdef, self.shardings,
+                                          self.tx, self.schedule)
+            self.eval_fn = jit_eval_step(cfg, self.mesh, self.graphdef, self.shardings)
+        except BaseException:  # the loggers' runs (W&B, MLflow) end with the command
+            self.writer.close()
+            raise
         self.bad_steps = BadStepCounter(cfg.train.max_bad_steps, run_state)
         self.profile = ProfileWindow(cfg.train.profile_window, workdir, self.start_step, self.log)
         self.losses, self.val_losses = {}, {}
