@@ -402,3 +402,45 @@ def test_dropout_masks_follow_the_tokens_through_pipeline_and_grad_accum():
                                    "pipeline.schedule": "gpipe", "pipeline.microbatches": 2})
     two, _ = _train(staged, jax.devices()[:2], batches)
     np.testing.assert_allclose(two, one, rtol=1e-5)
+
+
+def test_a_copied_or_moved_lora_run_keeps_and_finds_its_own_base(tmp_path):
+    """A LoRA run's steps name its own base relative to their folder (checkpoint/lora_base.py):
+    a copy (cp -a) rotates its own steps with `keep` and never its base, and a moved run
+    resumes on the base in its new place. Before, the absolute path sent a copy's rotation
+    past its base (the guard compared folders) and a moved run to "frozen base ... is gone"."""
+    every = {"checkpoint.every_steps": 1, "checkpoint.async_save": False, "checkpoint.keep": 1}
+    run_dir = tmp_path / "run"
+    run_small(run_dir, 1, **every)  # the base: step 1
+    lora = {**every, "lora.rank": RANK}
+    run_small(run_dir, 2, **lora)
+    copy, moved = tmp_path / "copy", tmp_path / "moved"
+    shutil.copytree(run_dir, copy, symlinks=True)
+    shutil.move(run_dir, moved)
+    for folder in (copy, moved):
+        result, log = run_small(folder, 4, **lora)
+        assert "resumed" in log and result.final_step == 4, log
+        steps = sorted(int(p.name) for p in (folder / "checkpoints").iterdir()
+                       if p.name.isdigit())
+        assert steps == [1, 4], (folder, steps)  # keep=1, and the base step 4 names
+    _, _, base, _ = load_for_inference(moved, step=1)
+    _, _, tuned, _ = load_for_inference(moved, step=4)
+    params, _ = nnx.split_state(tuned, nnx.Param, ...)
+    assert tree_equal(params, base)
+
+
+def test_a_base_reference_written_before_relative_ones_follows_a_moved_run(tmp_path):
+    from titanax.checkpoint.lora_base import BaseRef
+
+    here = tmp_path / "new" / "checkpoints"
+    (here / "1" / "state").mkdir(parents=True)
+    other = tmp_path / "other" / "checkpoints"
+    (other / "1" / "state").mkdir(parents=True)
+    assert BaseRef(here, 1).to_json(here) == {"directory": ".", "step": 1}
+    assert BaseRef(other, 1).to_json(here) == {"directory": str(other), "step": 1}
+    assert BaseRef.from_json({"directory": ".", "step": 1}, here).directory == here
+    # Old absolute references: the run's old place is gone, its own step is here.
+    gone = tmp_path / "old" / "checkpoints"
+    assert BaseRef.from_json({"directory": str(gone), "step": 1}, here).directory == here
+    # Another run's base that still exists stays that run's.
+    assert BaseRef.from_json({"directory": str(other), "step": 1}, here).directory == other

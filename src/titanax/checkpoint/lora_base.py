@@ -1,7 +1,8 @@
 """A LoRA run's checkpoints name their frozen base instead of copying it (docs/lora.md
 "Checkpoints"): a step holds the adapters, their optimizer state, the step counter (and fp8
 histories), plus an item 'lora_base' = {"directory": <a run's checkpoints/>, "step": N}, the
-step whose 'params' are the base. Llama-3-70B's base is 141 GB in bf16; its rank-16 adapters
+step whose 'params' are the base; the run's own folder is written "." (a copied or moved run
+still finds its base, and its rotation keeps it), another run's absolutely. Llama-3-70B's base is 141 GB in bf16; its rank-16 adapters
 and moments 3.3 GB.
 
 The base step is kept as long as a step of this run names it (KeepBases, one of the
@@ -24,15 +25,30 @@ class MissingBase(FileNotFoundError):
 
 @dataclasses.dataclass(frozen=True)
 class BaseRef:
-    directory: pathlib.Path  # a run's checkpoints/ folder, absolute
+    directory: pathlib.Path  # a run's checkpoints/ folder, absolute (stored relative: to_json)
     step: int
 
-    def to_json(self) -> dict:
-        return {"directory": str(self.directory), "step": int(self.step)}
+    def to_json(self, here: pathlib.Path | None = None) -> dict:
+        """The reference as a step stores it. A base in `here` (the checkpoints folder the
+        naming step is saved in: the run's own) is written as ".", so a copied or moved run
+        finds (and keeps) its own base step; another run's folder stays absolute."""
+        same = here is not None and self.directory.resolve() == pathlib.Path(here).resolve()
+        return {"directory": "." if same else str(self.directory), "step": int(self.step)}
 
     @classmethod
-    def from_json(cls, d: dict) -> BaseRef:
-        return cls(pathlib.Path(d["directory"]), int(d["step"]))
+    def from_json(cls, d: dict, here: pathlib.Path | None = None) -> BaseRef:
+        """The reference a step in `here` stores: relative to `here`; an absolute one (written
+        before references were relative) whose folder no longer holds the step, where `here`
+        does, is the run's own base at its old place (the run was moved)."""
+        raw, step = pathlib.Path(d["directory"]), int(d["step"])
+        if here is None:
+            return cls(raw, step)
+        here = pathlib.Path(here).absolute()
+        if not raw.is_absolute():
+            return cls((here / raw).resolve() if str(raw) != "." else here, step)
+        if not (raw / str(step)).is_dir() and (here / str(step) / "state").is_dir():
+            return cls(here, step)
+        return cls(raw, step)
 
     def missing(self, by: pathlib.Path) -> MissingBase:
         return MissingBase(

@@ -293,7 +293,7 @@ class Checkpointer:
         items = {"config": ocp.args.JsonSave(config)}
         if lora_base is not None:
             state = {k: v for k, v in state.items() if k != "params"}
-            items[LORA_BASE_ITEM] = ocp.args.JsonSave(lora_base.to_json())
+            items[LORA_BASE_ITEM] = ocp.args.JsonSave(lora_base.to_json(self.directory))
             if lora_base.directory == self.directory:
                 self.bases.steps.add(lora_base.step)
         items["state"] = ocp.args.StandardSave(state)
@@ -396,7 +396,7 @@ class Checkpointer:
         if not (self.step_dir(step) / LORA_BASE_ITEM).is_dir():
             return None
         return BaseRef.from_json(self.manager.restore(step, args=ocp.args.Composite(
-            **{LORA_BASE_ITEM: ocp.args.JsonRestore()}))[LORA_BASE_ITEM])
+            **{LORA_BASE_ITEM: ocp.args.JsonRestore()}))[LORA_BASE_ITEM], self.directory)
 
     def restore_subtree(self, step: int, target, *, concurrent_gb: float | None = None):
         """The entries `target` names (e.g. {'params': ...}) of the step, in the current
