@@ -399,16 +399,16 @@ def test_a_kernel_that_hung_is_recorded_failed_and_auto_routes_around_it(repo, m
                                           _attention_row("triton", 128, False)]
     rep["sections"]["choices"]["rows"].append(
         {"choice": "sm90_bwd_fused", "variant": "bwd_fused=False", "shipped": True,
-         "base": True, "tunes": "flash_attention/mosaic_sm90/hd128",
+         "base": True, "tunes": "flash_attention/sm90/hd128", "impl": "mosaic_sm90",
          "knobs": {"bwd_fused": False}, "ms": 16.0, "status": "ok"})
     rep["sections"]["choices"]["rows"].append(
         {"choice": "sm90_bwd_fused", "variant": "bwd_fused=True", "shipped": False,
-         "base": False, "tunes": "flash_attention/mosaic_sm90/hd128",
+         "base": False, "tunes": "flash_attention/sm90/hd128", "impl": "mosaic_sm90",
          "knobs": {"bwd_fused": True}, "ms": 15.4, "status": "ok"})
     got = failures(rep, 9)
     assert got == {"mosaic_sm90:documents": "timeout in section kernels while it ran",
                    "mosaic_sm90:causal": None, "triton:causal": None}
-    assert "flash_attention/mosaic_sm90/hd128" not in tune(rep)  # never from a failing kernel
+    assert "flash_attention/sm90/hd128" not in tune(rep)  # never from a failing kernel
     assert verify(rep, 9) == {"mosaic_sm90": None}  # triton: one layout only, no verdict
     source = (repo / "pallas_kernels" / "measured.py").read_text()
     source = update_measured(source, {}, 9, "NVIDIA H200 2026-12-04", failing=got)

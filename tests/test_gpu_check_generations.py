@@ -134,3 +134,25 @@ def test_choices_section_cases(gpu):
                         *choice.tunes) or _shipped
             ran += 1
     assert ran >= 6
+
+
+def test_a_tuned_choice_reaches_the_config_that_runs(gpu, monkeypatch):
+    """A tunable choice's row names the TUNED key that default_config reads on that GPU, so a
+    variant --apply adopts is what runs afterwards (the rows once named the backend,
+    'flash_attention/mosaic_sm90/hd128', where default_config reads the config family's
+    'flash_attention/sm90/hd128': no Mosaic win could ever take effect)."""
+    from pallas_kernels import measured
+    from pallas_kernels.flash_attention.config import tuned_key
+
+    for choice in choices.CHOICES:
+        if choice.tunes is None or choice.generation not in (None, gpu[0]):
+            continue
+        impl, head_dim = choice.tunes
+        for var, shipped in choices.ordered_variants(choice):
+            if shipped or not var.knobs:
+                continue
+            monkeypatch.setattr(measured, "TUNED", {(tuned_key(impl, head_dim), gpu[0]):
+                                                    dict(var.knobs)})
+            got = default_config(impl, head_dim)
+            assert all(getattr(got, k) == v for k, v in var.knobs.items()), (choice.name, var)
+        monkeypatch.setattr(measured, "TUNED", {})

@@ -176,3 +176,53 @@ def test_table_markers():
     new = rep.replace_between_markers(text, "| sass |\n", sa.BEGIN, sa.END)
     assert rep.between_markers(new, sa.BEGIN, sa.END) == "| sass |"
     assert rep.between_markers(new) == "| ptxas |" and new.endswith(f"{sa.END}\nafter\n")
+
+
+# The sm90 dkv backward with segment ids as ptxas 13 compiled it (4d18d51, trimmed): consumers
+# retry setmaxnreg.inc; the producer (from .L_x_0) waits for the range barrier, whose retry
+# stub returns to .L_x_60, and only then gives its registers back. It hung on an H200.
+ROLES = """\
+.text.dkv:
+        /*0e10*/                   ISETP.GE.AND P1, PT, R0, 0x100, PT ;
+        /*0e20*/               @P1 BRA `(.L_x_0) ;
+.L_x_1:
+        /*0e50*/                   USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xf0 ;
+        /*0e60*/                   PLOP3.LUT P1, PT, PT, PT, UP0, 0x80, 0x0 ;
+        /*0e70*/              @!P1 BRA `(.L_x_1) ;
+        /*1250*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR17], R6 ;
+        /*1260*/              @!P1 BRA `(.L_x_2) ;
+        /*5360*/                   BAR.SYNC.DEFER_BLOCKING R42, 0x80 ;
+.L_x_0:
+        /*5380*/                   UISETP.NE.U32.AND UP0, UPT, UR7, 0x2, UPT ;
+        /*5390*/                   PLOP3.LUT P1, PT, PT, PT, UP0, 0x80, 0x0 ;
+        /*53a0*/               @P1 EXIT ;
+FIRST
+.L_x_60:
+        /*5410*/                   LDS R4, [UR15+0x10114] ;
+THEN
+        /*5480*/                   UISETP.GE.AND UP0, UPT, UR6, 0x1, UPT ;
+        /*5490*/                   EXIT ;
+.L_x_2:
+        /*5500*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR17], R6 ;
+        /*5510*/              @!P1 BRA `(.L_x_2) ;
+        /*5520*/                   BRA `(.L_x_60) ;
+.L_x_28:
+        /*5530*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR6], R4 ;
+        /*5540*/              @!P1 BRA `(.L_x_28) ;
+        /*5550*/                   BRA `(.L_x_60) ;
+"""
+WAIT_RANGE = ("        /*53c0*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR6], R4 ;\n"
+              "        /*53d0*/              @!P1 BRA `(.L_x_28) ;\n")
+DEALLOC = "        /*5470*/                   USETMAXREG.DEALLOC.CTAPOOL 0x18 ;\n"
+
+
+def test_a_warpgroup_must_give_registers_back_before_it_waits():
+    (hung,) = sa.parse_sass(ROLES.replace("FIRST\n", WAIT_RANGE).replace("THEN\n", DEALLOC))
+    (fixed,) = sa.parse_sass(ROLES.replace("FIRST\n", DEALLOC).replace("THEN\n", WAIT_RANGE))
+    (problem,) = sa.register_release_problems(hung)
+    assert "mbarrier wait at 53c0" in problem and "DEALLOC at 5470" in problem
+    # The consumers' own waits (before .L_x_0) and retry stubs are not the producer's.
+    assert sa.register_release_problems(fixed) == []
+    row = {"gpu": "h100", "impl": "mosaic_sm90", "pass": "dkv", "head_dim": 128,
+           "variant": "causal+segments", "sass": {"register_order": [problem]}}
+    assert sa.problems([row]) == [f"h100 mosaic_sm90 dkv hd128 causal+segments: {problem}"]

@@ -136,9 +136,10 @@ _INTERPRET = FlashConfig(block_q=128, block_kv=128, block_q_bwd=128, block_kv_bw
 _FAMILY_MAJOR = {"sm90": 9, "sm100": 10}
 
 
-def tuned_key(family: str, head_dim: int) -> str:
-    """measured.TUNED's name for the default of (family, head_dim bucket)."""
-    return f"flash_attention/{family}/hd{_bucket(head_dim)}"
+def tuned_key(impl: str, head_dim: int) -> str:
+    """measured.TUNED's name for the default of backend `impl` at head_dim: its config family
+    and head_dim bucket (what default_config reads and gpu_check's choices write)."""
+    return f"flash_attention/{backend(impl).config_family or 'triton'}/hd{_bucket(head_dim)}"
 
 
 def _bucket(head_dim: int) -> int:
@@ -161,5 +162,5 @@ def default_config(impl: str, head_dim: int, *, interpret: bool = False) -> Flas
     if major is None:
         cc = compute_capability()
         major = cc[0] if cc else None
-    knobs = measured.tuned(tuned_key(family, head_dim), major)
+    knobs = measured.tuned(tuned_key(impl, head_dim), major)
     return dataclasses.replace(cfg, **knobs) if knobs else cfg

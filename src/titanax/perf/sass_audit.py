@@ -500,6 +500,38 @@ def _mma_kinds(fn: Function, body: list[Instr]) -> str:
     return ", ".join(f"{n}x {k}" for k, n in kinds.items())
 
 
+def register_release_problems(fn: Function) -> list[str]:
+    """A warpgroup that gives registers back to the CTA's pool (setmaxnreg.dec:
+    USETMAXREG.DEALLOC) must do so before it waits on an mbarrier (SYNCS.PHASECHK): the other
+    warpgroups' setmaxnreg.inc (USETMAXREG.TRY_ALLOC, retried until it succeeds) waits for those
+    registers, and an mbarrier they complete only after their increase never completes. The
+    sm90 dkv and fused backwards with segment ids hung on an H200 so (docs/performance.md); no
+    interpreter shows it. Walks back from each DEALLOC to the start of its warpgroup's code:
+    the nearest label an earlier branch jumps forward to (a wait's retry stub jumps back from
+    later addresses: its return label is passed), or an unpredicated EXIT / BRA."""
+    role_starts = set()
+    for ins in fn.instrs:
+        for label in _TARGET.findall(ins.args):
+            if fn.labels.get(label, -1) > ins.index:
+                role_starts.add(fn.labels[label])
+    out = []
+    for ins in fn.instrs:
+        if not ins.op.startswith("USETMAXREG.DEALLOC"):
+            continue
+        k = ins.index
+        while k > 0 and k not in role_starts:
+            k -= 1
+            prev = fn.instrs[k]
+            if prev.base == "SYNCS" and "PHASECHK" in prev.op:
+                out.append(f"mbarrier wait at {prev.addr:04x} before its warpgroup gives "
+                           f"registers back (USETMAXREG.DEALLOC at {ins.addr:04x}): another "
+                           "warpgroup's setmaxnreg.inc can wait for them forever")
+                break
+            if not prev.pred and prev.base in ("EXIT", "BRA", "RET"):
+                break
+    return out
+
+
 def audit_function(fn: Function, arch: str, softmax_warpgroups: int = 1) -> dict:
     """JSON-able audit of one kernel function: per role loop its counts by class, schedule and
     (Hopper) wgmma windows; the static bound per tile (a warp-specialized kernel's softmax loop
@@ -507,9 +539,10 @@ def audit_function(fn: Function, arch: str, softmax_warpgroups: int = 1) -> dict
     no matmul loop."""
     found = roles(fn)
     mma = found["mma"]
+    order = register_release_problems(fn)
     if mma is None:
-        return dict(kernel=fn.name, error="no loop issues a matmul")
-    out = dict(kernel=fn.name, arch=arch, loops=len(find_loops(fn)))
+        return dict(kernel=fn.name, error="no loop issues a matmul", register_order=order)
+    out = dict(kernel=fn.name, arch=arch, loops=len(find_loops(fn)), register_order=order)
     for role, loop in found.items():
         if loop is not None:
             out[role] = dict(at=f"{loop.body[0].addr:04x}-{loop.body[-1].addr:04x}",
@@ -635,13 +668,14 @@ def annotate(row: dict) -> dict:
 
 
 def problems(rows: list[dict]) -> list[str]:
-    """One line per kernel whose SASS audit failed or whose declared overlaps are not as
-    declared; [] when all are."""
+    """One line per kernel whose SASS audit failed, whose declared overlaps are not as
+    declared, or whose warpgroup waits before giving registers back; [] when all are."""
     out = []
     for r in rows:
         label = f"{r['gpu']} {r['impl']} {r['pass']} hd{r.get('head_dim')} {r['variant']}"
         if "sass" in r and "error" in r["sass"]:
             out.append(f"{label}: SASS audit: {r['sass']['error']}")
+        out += [f"{label}: {p}" for p in r.get("sass", {}).get("register_order", ())]
         out += [f"{label}: {p}" for p in r.get("claim_problems", ())]
     return out
 

@@ -189,8 +189,7 @@ def tune(rep: dict) -> dict[str, tuple[dict, str]]:
     out = {}
     for name, rows in sorted(by_choice.items()):
         now = [r for r in rows if r.get("shipped")]
-        if not now or len(rows) < 2 or any(f"/{impl}/" in r["tunes"] for impl in suspect
-                                           for r in rows):
+        if not now or len(rows) < 2 or any(r.get("impl") in suspect for r in rows):
             continue
         best = min(rows, key=lambda r: r["ms"])
         ratio = now[0]["ms"] / best["ms"]

@@ -3,17 +3,20 @@ of our kernels compiled for it (registers, spills, shared memory: titanax.perf.p
 
 from __future__ import annotations
 
-import importlib.metadata
 import platform
 import socket
-import subprocess
 
 import jax
 
 from pallas_kernels.flash_attention.backends import GPU_FALLBACK, generation_kernels
 from pallas_kernels.target import compute_capability
 from titanax.hardware import HARDWARE, lookup_device
-from titanax.perf.gpu_check.preflight import version_problems
+from titanax.perf.gpu_check.preflight import (
+    cuda_versions,
+    nvidia_smi,
+    package_version,
+    version_problems,
+)
 
 # ptxas_report targets: GB200 carries the B200's chip (compute capability 10.0, sm_100a code).
 _PTXAS_KIND = {"h100": "h100", "h200": "h200", "b200": "b200", "gb200": "b200"}
@@ -33,42 +36,6 @@ def our_attention_impl() -> str:
     return ours[0].name if ours else GPU_FALLBACK
 
 
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def _nvidia_smi() -> dict:
-    fields = "name,driver_version,memory.total,clocks.max.sm,power.limit,temperature.gpu"
-    try:
-        r = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"],
-                           capture_output=True, text=True, timeout=15)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return {"nvidia_smi": f"not available ({type(e).__name__})"}
-    if r.returncode:
-        return {"nvidia_smi": f"exit {r.returncode}: {r.stderr.strip()[:200]}"}
-    first = r.stdout.strip().splitlines()[0].split(", ")
-    return {f"smi_{k.replace('.', '_')}": v for k, v in zip(fields.split(","), first)}
-
-
-def _cuda_versions() -> dict:
-    try:
-        from jax._src.lib import cuda_versions  # None in a CPU-only jaxlib
-    except ImportError:
-        return {}
-    out = {}
-    for name in ("cuda_runtime_get_version", "cudnn_get_version", "cuda_driver_get_version",
-                 "cublas_get_version"):
-        fn = getattr(cuda_versions, name, None)
-        try:
-            out[name.removesuffix("_get_version")] = fn() if fn else None
-        except Exception:  # noqa: BLE001 - a missing library is worth a None, not a failure
-            out[name.removesuffix("_get_version")] = None
-    return out
-
-
 def device_section(ctx) -> None:
     dev = jax.devices()[0]
     key = gpu_key(dev.device_kind)
@@ -77,8 +44,9 @@ def device_section(ctx) -> None:
     cc = compute_capability()
     ctx.note(
         python=platform.python_version(), host=socket.gethostname(), jax=jax.__version__,
-        jaxlib=_version("jaxlib"), cuda_plugin=_version("jax-cuda13-plugin") or _version("jax-cuda12-plugin"),
-        flax=_version("flax"), platform=dev.platform,
+        jaxlib=package_version("jaxlib"),
+        cuda_plugin=package_version("jax-cuda13-plugin") or package_version("jax-cuda12-plugin"),
+        flax=package_version("flax"), platform=dev.platform,
         platform_version=getattr(dev.client, "platform_version", None),
         device_kind=dev.device_kind, device_count=jax.device_count(), gpu=key,
         compute_capability=f"{cc[0]}.{cc[1]}" if cc else None,
@@ -87,7 +55,7 @@ def device_section(ctx) -> None:
         peak_bf16_flops=hw.bf16_flops if hw else None,
         peak_fp8_flops=hw.fp8_flops if hw else None,
         attention_kernel=our_attention_impl() if dev.platform == "gpu" else None,
-        **_cuda_versions(), **(_nvidia_smi() if dev.platform == "gpu" else {}))
+        **cuda_versions(), **(nvidia_smi() if dev.platform == "gpu" else {}))
     # The pins the loan's numbers are for: a package off its pin is a warning row (the
     # preflight already refused a jax other than the pinned one).
     for row in version_problems()[1]:

@@ -7,7 +7,7 @@ Refusals are one `error:` line and a gpu_check.json / gpu_check.md in the loan's
 why (exit 3), so the loan returns the reason; no section runs. flax, optax and orbax outside
 their pins (constraints.txt) are warnings, kept in the report's `preflight` entry.
 
-Nothing at module level imports jax: the runner's parent process imports this module, and the
+Nothing at module level imports jax (the device section imports these helpers too), and the
 GPU probe starts the backend in a thread it can give up on (a hung driver must not hang the
 loan).
 """
@@ -31,7 +31,7 @@ PROBE_TIMEOUT_S = 30.0
 EXIT_NO_GPU = 3
 
 
-def _version(dist: str) -> str | None:
+def package_version(dist: str) -> str | None:
     try:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
@@ -59,7 +59,7 @@ def version_problems(versions: dict[str, str | None] | None = None,
     package, version, pinned, status 'ok' or 'warning')."""
     pinned = pins() if pinned is None else pinned
     versions = versions if versions is not None else {
-        n: _version(n) for n in ("jax", "jaxlib", *WARN_PINS)}
+        n: package_version(n) for n in ("jax", "jaxlib", *WARN_PINS)}
     wrong = [f"{n} {versions.get(n)}" for n in ("jax", "jaxlib") if versions.get(n) != JAX_PIN]
     error = (f"{' and '.join(wrong)} found, titanax pins {JAX_PIN} (constraints.txt; the "
              "kernels and the loan's numbers are for that version): run on an image with jax "
@@ -78,30 +78,45 @@ def version_problems(versions: dict[str, str | None] | None = None,
     return error, rows
 
 
+def nvidia_smi() -> dict:
+    """The GPU as nvidia-smi sees it (smi_name, smi_driver_version, ...), or why it cannot say
+    ({"nvidia_smi": ...})."""
+    fields = "name,driver_version,memory.total,clocks.max.sm,power.limit,temperature.gpu"
+    try:
+        r = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=15)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {"nvidia_smi": f"not available ({type(e).__name__})"}
+    if r.returncode:
+        return {"nvidia_smi": f"exit {r.returncode}: {r.stderr.strip()[:200]}"}
+    first = r.stdout.strip().splitlines()[0].split(", ")
+    return {f"smi_{k.replace('.', '_')}": v for k, v in zip(fields.split(","), first)}
+
+
+def cuda_versions() -> dict:
+    """The CUDA runtime, cuDNN, driver and cuBLAS versions jaxlib reports ({} in a jaxlib
+    without CUDA; None for a library it cannot load)."""
+    try:
+        from jax._src.lib import cuda_versions as versions  # None in a CPU-only jaxlib
+    except ImportError:
+        return {}
+    out = {}
+    for name in ("cuda_runtime_get_version", "cudnn_get_version", "cuda_driver_get_version",
+                 "cublas_get_version"):
+        fn = getattr(versions, name, None)
+        try:
+            out[name.removesuffix("_get_version")] = fn() if fn else None
+        except Exception:  # noqa: BLE001 - a missing library is worth a None, not a failure
+            out[name.removesuffix("_get_version")] = None
+    return out
+
+
 def cuda_facts() -> dict:
     """What the machine offers a CUDA backend, for the refusal line: jax's CUDA plugin
-    distributions and versions, the CUDA versions jaxlib reports, the driver nvidia-smi sees."""
+    distributions and versions, the CUDA versions jaxlib reports, the GPU nvidia-smi sees."""
     plugins = sorted(f"{d.metadata['Name']} {d.version}" for d in importlib.metadata.distributions()
                      if "jax-cuda" in (d.metadata["Name"] or "").lower())
-    facts = {"cuda_plugins": plugins or ["none"]}
-    try:
-        from jax._src.lib import cuda_versions  # None in a jaxlib without CUDA
-        if cuda_versions is not None:
-            for name in ("cuda_runtime_get_version", "cuda_driver_get_version"):
-                try:
-                    facts[name.removesuffix("_get_version")] = getattr(cuda_versions, name)()
-                except Exception:  # noqa: BLE001 - a missing library is worth a None
-                    facts[name.removesuffix("_get_version")] = None
-    except ImportError:
-        pass
-    try:
-        r = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version",
-                            "--format=csv,noheader"], capture_output=True, text=True, timeout=10)
-        facts["nvidia_smi"] = (r.stdout.strip().splitlines() or [f"exit {r.returncode}"])[0] \
-            if r.returncode == 0 else f"exit {r.returncode}: {r.stderr.strip()[:120]}"
-    except (OSError, subprocess.TimeoutExpired) as e:
-        facts["nvidia_smi"] = f"not available ({type(e).__name__})"
-    return facts
+    return {"cuda_plugins": plugins or ["none"], **cuda_versions(), **nvidia_smi()}
 
 
 def _start_backend(result: dict) -> None:
@@ -136,9 +151,10 @@ def probe_gpu(timeout_s: float = PROBE_TIMEOUT_S) -> tuple[dict, str | None]:
                                    f"({result.get('device_kind')}), not a GPU")
     import os
     return facts, (f"no GPU: {said}; JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS') or '(unset)'}"
-                   f", jax {_version('jax')}, CUDA plugins: {', '.join(facts['cuda_plugins'])}"
+                   f", jax {package_version('jax')}, CUDA plugins: {', '.join(facts['cuda_plugins'])}"
                    f", CUDA runtime {facts.get('cuda_runtime')}, driver "
-                   f"{facts.get('cuda_driver')}, nvidia-smi: {facts['nvidia_smi']}")
+                   f"{facts.get('cuda_driver')}, nvidia-smi: "
+                   f"{facts.get('nvidia_smi') or facts.get('smi_name')}")
 
 
 def write_refusal(error: str, facts: dict, *, out_dir: pathlib.Path,

@@ -1,9 +1,7 @@
-"""python -m titanax.perf.gpu_check.smoke: the first 2 seconds of a GPU loan (scripts/gpu_loan.sh).
-
-Imports everything the sections need, in dependency order, and prints each version, so a loan on
+"""The first check of a GPU loan's preflight (preflight.py, `launch.gpu_check --preflight`):
+imports everything the sections need, in dependency order, and prints each version, so a loan on
 a machine that lacks a package ends in one line naming it (and what to carry: docs/gpu_check.md)
 instead of a traceback minutes in. Imports only: no device is touched and nothing compiles.
-Exit 0, or 2 with `error: ...` on stderr.
 """
 
 from __future__ import annotations
@@ -57,14 +55,3 @@ def check(out=sys.stdout) -> str | None:
             return f"importing {name} failed: {type(e).__name__}: {str(e)[:300]}"
     print(f"titanax and its GPU check import from {sys.modules['titanax'].__file__}", file=out)
     return None
-
-
-def main() -> None:
-    problem = check()
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        raise SystemExit(2)
-
-
-if __name__ == "__main__":
-    main()
