@@ -52,8 +52,20 @@ def add_config_flags(p: argparse.ArgumentParser, *, default_config: str | None) 
                    metavar="SECTION.FIELD=VALUE", help="override one config field (repeatable)")
 
 
+def _device_count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of devices, got {text!r}") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of devices, got {n} "
+                                         "(leave the flag out for the real devices)")
+    return n
+
+
 def add_host_devices_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host-devices", type=int, default=0,
+    # None: not given (the real devices); a value given must be positive.
+    p.add_argument("--host-devices", type=_device_count, default=None, metavar="N",
                    help="simulate N CPU devices (testing meshes without GPUs)")
 
 
@@ -68,7 +80,7 @@ def add_distributed_flags(p: argparse.ArgumentParser) -> None:
                    help="a process silent this long counts as dead and stops the others")
 
 
-def setup_jax(host_devices: int, args: argparse.Namespace | None = None) -> None:
+def setup_jax(host_devices: int | None, args: argparse.Namespace | None = None) -> None:
     """Must run before jax is imported: simulated CPU devices, then (when the run is
     multi-process: `args`' distributed flags, the env or SLURM) a process guard and
     jax.distributed."""

@@ -1,5 +1,7 @@
 """python -m launch.export_hf --workdir DIR --out DIR [--step N] [--dtype bfloat16|float32]
-                              [--max-shard-size 5GB] [--adapter | --base] [--drop-router-bias]
+                              [--max-shard-size 5GB] [--drop-router-bias]
+                              [--adapter [--base-model-id ORG/NAME[@REV]] | --base]
+                              [--no-verify]
                               [--push-to-hub ORG/NAME [--private]
                               [--revision BRANCH] [--commit-message TEXT]]
 Writes a run's checkpoint as a Hugging Face folder of its model.arch (e.g. LlamaForCausalLM:
@@ -9,7 +11,10 @@ adapters merged into the weights (a plain model), or with --adapter as a PEFT ad
 (adapter_config.json + adapter_model.safetensors, float32 unless --dtype says otherwise) for
 its base, or with --base as the frozen base alone (docs/lora.md). --push-to-hub then uploads that folder as one
 commit to the hub repository (created when missing), with the token of HF_TOKEN or
-hf auth login, checked before the export starts (docs/hub.md)."""
+hf auth login, checked before the export starts (docs/hub.md). The step is first checked
+against its manifest (a damaged one: one line, exit 1; --no-verify skips it); an --out inside
+a run folder is written holding that run's lock (exit 75 beside a live run); a full disk is
+one line, exit 1."""
 
 from __future__ import annotations
 
@@ -17,6 +22,8 @@ import argparse
 import signal
 
 from launch.common import fail, stop
+
+EXIT_LOCKED = 75  # as launch.train: another live command holds the run folder --out is in
 
 
 class _Stopped(BaseException):
@@ -38,6 +45,11 @@ def main(argv=None) -> None:
     which.add_argument("--adapter", action="store_true",
                        help="write a PEFT adapter folder (peft.PeftModel.from_pretrained(base, OUT))")
     which.add_argument("--base", action="store_true", help="write the frozen base weights alone")
+    lora.add_argument("--base-model-id", metavar="ORG/NAME[@REV]", help="with --adapter: the hub "
+                      "id it names as its base (default: the import's hub id, else its folder)")
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip checking the step's files against its manifest (CRC-32 of every "
+                        "byte of the step, read once) before exporting it")
     p.add_argument("--drop-router-bias", action="store_true",
                    help="an MoE trained with model.router_bias_update_rate > 0: export without "
                         "its routing bias, which the HF format has no tensor for (the HF model "
@@ -56,9 +68,12 @@ def main(argv=None) -> None:
     if not args.push_to_hub and (args.private or args.revision or args.commit_message):
         p.error("--private, --revision and --commit-message go with --push-to-hub ORG/NAME")
     token = _hub_token(args.push_to_hub) if args.push_to_hub else None
+    _check_adapter_base(p, args)
 
+    from titanax.checkpoint.orbax_io import is_disk_full
     from titanax.checkpoint.params_only import UnreadableCheckpoint
     from titanax.hf.exporter import export_hf, parse_size
+    from titanax.train.workdir_lock import WorkdirLocked
 
     def stopped(signum, _frame):  # unwinds through export_hf, which removes its partial folder
         raise _Stopped(signum)
@@ -69,11 +84,20 @@ def main(argv=None) -> None:
         max_bytes = parse_size(args.max_shard_size)
         r = export_hf(args.workdir, args.out, step=args.step, dtype=args.dtype,
                       max_shard_bytes=max_bytes, lora=lora_export,
-                      drop_unmapped=args.drop_router_bias)
+                      drop_unmapped=args.drop_router_bias, verify=not args.no_verify,
+                      base_model_id=args.base_model_id)
+    except WorkdirLocked as e:  # --out inside a run a live command holds: nothing written
+        fail(str(e), EXIT_LOCKED)
     except (FileNotFoundError, FileExistsError, ValueError) as e:  # ConfigError is a ValueError
         fail(str(e))
-    except UnreadableCheckpoint as e:  # a damaged run, not a bad flag
+    except UnreadableCheckpoint as e:  # a damaged run (DamagedCheckpoint too), not a bad flag
         stop(str(e))
+    except OSError as e:  # the partial export is removed by export_hf
+        if not is_disk_full(e):
+            raise
+        stop(f"disk full writing {e.filename or args.out} ({e.strerror}); nothing was written "
+             f"to {args.out} (the partial export is removed): free space and run the same "
+             "command again")
     except _Stopped as e:
         fail(f"stopped by {signal.Signals(e.args[0]).name}: nothing was written to {args.out} "
              "(the partial export is removed); run the same command again", 128 + e.args[0])
@@ -94,6 +118,24 @@ def _hub_token(repo_id: str) -> str:
     try:
         return check_push(repo_id)
     except HubError as e:
+        fail(str(e))
+
+
+def _check_adapter_base(p, args) -> None:
+    """Before the export: --base-model-id goes with --adapter, and an adapter pushed to the
+    hub must name a base on the hub, not a folder of this machine."""
+    if args.base_model_id and not args.adapter:
+        p.error("--base-model-id names the base of an --adapter export; add --adapter")
+    if not args.adapter:
+        return
+    from titanax.hf.lora_export import adapter_base
+    from titanax.hf.push import check_adapter_base
+
+    try:
+        base = adapter_base(args.workdir, args.base_model_id)
+        if args.push_to_hub:
+            check_adapter_base(args.push_to_hub, base)
+    except ValueError as e:  # HubError is a ValueError
         fail(str(e))
 
 

@@ -1,9 +1,11 @@
 """python -m launch.generate --workdir DIR --prompt TEXT [--max-new-tokens N] [--temperature T]
-[--top-k K] [--top-p P] [--chat [--system TEXT]]
+[--top-k K] [--top-p P] [--chat [--system TEXT]] [--step N] [--no-verify]
 Samples from the run's latest checkpoint with a KV cache (T=0: greedy; top-k and top-p as
 transformers' generate applies them). --chat sends the prompt as a user message through the
 run's chat template (an imported Instruct model's) and prints the reply. Restores the
-parameters only (no optimizer state), sharded over this machine's devices; writes nothing."""
+parameters only (no optimizer state), sharded over this machine's devices; writes nothing.
+The step is first checked against its manifest (every byte read once, CRC-32): a damaged one
+is refused in one line naming the file, exit 1; --no-verify skips the check."""
 
 from __future__ import annotations
 
@@ -32,6 +34,9 @@ def main(argv=None) -> None:
                    help="the compute dtype to sample in (default: the run's execution.dtype; an "
                         "imported model's is the one its config.json names)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip checking the step's files against its manifest (CRC-32 of every "
+                        "byte of the step, read once) before sampling from it")
     args = p.parse_args(argv)
     _check_flags(args)
 
@@ -45,7 +50,8 @@ def main(argv=None) -> None:
     try:
         cfg, graphdef, params, step = load_for_inference(args.workdir, args.step,
                                                          devices=jax.local_devices(),
-                                                         dtype=args.dtype)
+                                                         dtype=args.dtype,
+                                                         verify=not args.no_verify)
     except (FileNotFoundError, ConfigError) as e:
         fail(str(e))
     except UnreadableCheckpoint as e:

@@ -15,13 +15,14 @@ a Llama 3 tokenizer turns data.bos on, and the folder's generation_config.json, 
 and config.json keys titanax does not use are kept for launch.export_hf. --set wins over all.
 
 It holds the workdir's lock (one command per workdir, as launch.train): exit 75 with one line
-naming the holder when a live run has it, 2 for a bad folder or config."""
+naming the holder when a live run has it, 2 for a bad folder or config (a tensor holding NaN
+or inf is one, named), 1 when the disk fills up (one line)."""
 
 from __future__ import annotations
 
 import argparse
 
-from launch.common import add_config_flags, add_host_devices_flag, fail, setup_jax
+from launch.common import add_config_flags, add_host_devices_flag, fail, setup_jax, stop
 
 EXIT_LOCKED = 75  # as launch.train: another live command holds the workdir; rerun after it
 
@@ -47,6 +48,7 @@ def main(argv=None) -> None:
         fail(str(e))
     setup_jax(args.host_devices)
 
+    from titanax.checkpoint.orbax_io import DiskFull, is_disk_full
     from titanax.hf.importer import import_hf
     from titanax.train.workdir_lock import WorkdirLocked
 
@@ -56,6 +58,13 @@ def main(argv=None) -> None:
         fail(str(e))
     except WorkdirLocked as e:  # a live run holds the folder: nothing was written
         fail(str(e), EXIT_LOCKED)
+    except DiskFull as e:  # the checkpoint's one line (its partial step removed)
+        stop(str(e))
+    except OSError as e:  # the tokenizer, config.json: whatever else the import writes
+        if not is_disk_full(e):
+            raise
+        stop(f"disk full writing {e.filename or args.workdir} ({e.strerror}); free space, "
+             f"remove {args.workdir} and run the same command again")
 
 
 if __name__ == "__main__":

@@ -27,10 +27,14 @@ LONG = ["--set", "train.seq_len=65536", "--set", "model.max_seq_len=65536",
         "--set", "train.batch_size=32", "--set", "mesh.fsdp=8", "--set", "mesh.context=8",
         "--set", "execution.attention_impl=auto"]
 OFFLOAD = ["--set", "train.offload_optimizer=true"]
+# The preset ships train.grad_accum=auto; each row is of the count it names (1 unless it sets
+# one: a later --set wins), so the rows stay what their labels say.
+PIN = ["--set", "train.grad_accum=1"]
 
 ROWS = [
     ("64x H100, FSDP 64, batch 128", H100x64 + ["--set", "train.batch_size=128"]),
-    ("64x H100, FSDP 64, batch 256 (`configs/llama3_70b.py` as shipped)", H100x64),
+    ("64x H100, FSDP 64, batch 256 (`configs/llama3_70b.py` at grad_accum 1; as shipped, `auto` "
+     "takes 2: 72.2 GB)", H100x64),
     ("128x H100, FSDP 128, batch 256", ["--gpu", "h100", "--nodes", "16"]),
     ("64x H100, NeMo-like TP4 PP4 FSDP4, circular v5, 32 microbatches, batch 128",
      H100x64 + NEMO + ["--set", "mesh.fsdp=4"]),
@@ -82,7 +86,7 @@ def remodel(flags: list[str]) -> int:
     from titanax.plan import Cluster, make_plan
 
     gpu, nodes = flags[flags.index("--gpu") + 1], int(flags[flags.index("--nodes") + 1])
-    sets = [flags[i + 1] for i, f in enumerate(flags) if f == "--set"]
+    sets = [PIN[1], *(flags[i + 1] for i, f in enumerate(flags) if f == "--set")]
     cfg = load_config(REPO / "configs" / "llama3_70b.py", sets)
     return make_plan(cfg, Cluster(gpu, nodes), compile_step=False)["memory_model_bytes"]["total"]
 
@@ -121,7 +125,7 @@ def main(argv=None) -> int:
         folder = out / str(n)
         if not (folder / "plan.json").exists():
             cmd = [sys.executable, "-m", "launch.plan", "--config", "configs/llama3_70b.py",
-                   *flags, "--out", str(folder)]
+                   *PIN, *flags, "--out", str(folder)]
             print(f"[{n}/{len(ROWS)}] {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
             subprocess.run(cmd, cwd=REPO, stdout=subprocess.DEVNULL, check=False)
         if (folder / "plan.json").exists():

@@ -242,7 +242,8 @@ OTHER_EXECUTION_VALUES = {
     "init_std": 0.01, "attention_impl": "cudnn", "context_strategy": "all_gather",
     "tp_overlap": True, "matmul_precision": "highest", "fp8_amax_history": 16,
     "mxfp8_scale_rounding": "floor", "dtype": "bfloat16", "remat": "full",
-    "grad_reduce_dtype": "float32", "expert_capacity_factor": 1.25, "attention_check": False}
+    "grad_reduce_dtype": "float32", "expert_capacity_factor": 1.25, "attention_check": False,
+    "loop_double_buffering": False}
 
 
 def _mistral_small():

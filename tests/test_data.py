@@ -296,11 +296,31 @@ def test_process_slices_concatenate_to_global_batch(shard_dir, tmp_path):
         pipeline.build_data(cfg, tmp_path, process_count=3)
 
 
-def test_val_split_too_small(shard_dir, tmp_path):
+def test_val_split_smaller_than_a_batch(shard_dir, tmp_path):
+    """A split of fewer windows than a batch is evaluated as one batch of those windows, the
+    rest filler that bears no loss (said in one line); a split without one window is refused."""
     data = pipeline.build_data(_cfg(str(shard_dir), vocab=300, batch=64, val_fraction=0.01),
                                tmp_path)
-    with pytest.raises(DataError, match="lower train.batch_size"):
-        data.val_batches()
+    held = len(data.val_windows)
+    assert 0 < held < 64
+    (val,) = data.val_batches()
+    assert val["inputs"].shape == (64, 16)
+    want = pack(data.val_windows.rows(range(held)), data.eos_id)
+    for k in KEYS:
+        np.testing.assert_array_equal(val[k][:held], want[k])
+    assert (val["targets"][held:] == -100).all()
+    assert f"holds {held} row(s) of 17 tokens, fewer than train.batch_size=64: it is " \
+           f"evaluated as one batch of those {held}" in data.describe()
+    parts = [pipeline.build_data(_cfg(str(shard_dir), vocab=300, batch=64, val_fraction=0.01),
+                                 tmp_path, process_index=i, process_count=2).val_batches()[0]
+             for i in range(2)]
+    for k in KEYS:  # each process its rows of the same global batch
+        np.testing.assert_array_equal(np.concatenate([p[k] for p in parts]), val[k])
+    _write_folder(tmp_path / "small", [np.arange(200, dtype=np.uint32) % 50])  # val: 4 tokens
+    small = pipeline.build_data(_cfg(str(tmp_path / "small"), vocab=100, val_fraction=0.02),
+                                tmp_path)
+    with pytest.raises(DataError, match="holds no window of train.seq_len"):
+        small.val_batches()
 
 
 def test_embedded_split_and_cache(tmp_path, monkeypatch):

@@ -182,3 +182,32 @@ def test_format_errors_are_clear(tmp_path, tok_path):
     hf.save(str(no_bos))
     with pytest.raises(ConfigError, match="--bos: the tokenizer .* has no beginning"):
         shards.prepare_shards(no_bos, tmp_path / "d.jsonl", tmp_path / "o3", bos=True)
+
+
+def test_binary_input_is_refused_naming_the_file(tmp_path, tok_path, capsys):
+    """Random bytes given as text (a .bin, a checkpoint in a --glob '*') are refused in one
+    line naming the file and the fix, exit 2, before a token of them is written; a stray
+    Latin-1 byte in real text is still read (as U+FFFD)."""
+    from launch.prepare_data import main
+
+    rng = np.random.default_rng(0)
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "a.txt").write_text(TEXTS[0] * 50)
+    (folder / "b.txt").write_bytes(rng.integers(0, 256, 100_000, dtype=np.uint8).tobytes())
+    code = main(["--tokenizer", str(tok_path), "--input", str(folder), "--out",
+                 str(tmp_path / "o"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
+    assert f"{folder / 'b.txt'}: not UTF-8 text (NUL bytes in its first" in err
+    assert "leave it out of --input" in err and "convert it to UTF-8 text" in err
+    assert not list((tmp_path / "o").glob("*.npy"))[1:]  # at most a.txt's shard
+    # no NUL, but mostly not UTF-8 (Latin-1 bytes, high bytes)
+    high = rng.integers(128, 256, 5000, dtype=np.uint8).tobytes()
+    (folder / "b.txt").write_bytes(high)
+    with pytest.raises(DataError, match=r"b.txt: not UTF-8 text \(\d+ invalid UTF-8 "):
+        shards.prepare_shards(tok_path, folder / "b.txt", tmp_path / "o2", progress=False)
+    # one stray byte in a page of text: read, the byte a U+FFFD
+    (folder / "b.txt").write_bytes(TEXTS[1].encode() * 40 + b"caf\xe9 " + b"x" * 200)
+    shards.prepare_shards(tok_path, folder / "b.txt", tmp_path / "o3", progress=False)
+    assert shards.read_meta(tmp_path / "o3")["complete"]

@@ -50,7 +50,7 @@ def test_fsdp_reduce_scatters_in_the_configured_dtype():
     modes = ("compute", "float32")
     small = {"train.batch_size": 8, "model.n_layers": 2, "model.d_model": 1024,
              "model.n_heads": 8, "model.n_kv_heads": 4, "model.ffn_dim": 2048,
-             "model.vocab_size": 8192, "train.seq_len": 2048}
+             "model.vocab_size": 8192, "train.seq_len": 2048, "train.grad_accum": 1}
     cfgs = [plan_config(load_config(ROOT / "configs" / "llama3_8b.py", {
         **small, "execution.grad_reduce_dtype": mode}), cluster) for mode in modes]
     seen = {}

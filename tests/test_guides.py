@@ -198,10 +198,10 @@ def guide_env(tmp: pathlib.Path, values: dict) -> dict:
     return env
 
 
-def run_bash(script: pathlib.Path, env: dict) -> tuple[int, str]:
-    """bash -euo pipefail SCRIPT from the repo root; on a timeout its whole process group (the
-    guide's background processes too) is killed."""
-    proc = subprocess.Popen(["bash", "-xeuo", "pipefail", str(script)], cwd=ROOT, env=env,
+def run_bash(script: pathlib.Path, env: dict, cwd: pathlib.Path = ROOT) -> tuple[int, str]:
+    """bash -euo pipefail SCRIPT from the repo root (or cwd); on a timeout its whole process
+    group (the guide's background processes too) is killed."""
+    proc = subprocess.Popen(["bash", "-xeuo", "pipefail", str(script)], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
@@ -252,3 +252,73 @@ def test_guides_name_real_modules_and_are_indexed():
             file = ROOT / module.replace(".", "/")
             assert file.with_suffix(".py").is_file() or (file / "__init__.py").is_file(), \
                 f"{path.name}: python -m {module}: no such module"
+
+
+# --- docs/fine-tuning.md, as written ----------------------------------------------------------
+
+FINE_TUNING = ROOT / "docs" / "fine-tuning.md"
+N_CHATS = 300  # a small set: its 2% validation split is a few rows, less than one batch
+
+
+def reverse_chat(i: int) -> list[dict]:
+    """'reverse a b c' -> 'c b a' over digits, a system message on every third."""
+    import numpy as np
+
+    rng = np.random.default_rng(i)
+    words = [str(d) for d in rng.integers(0, 10, rng.integers(2, 6))]
+    system = [{"role": "system", "content": "Answer briefly."}] if i % 3 == 0 else []
+    return system + [{"role": "user", "content": "reverse " + " ".join(words)},
+                     {"role": "assistant", "content": " ".join(reversed(words))}]
+
+
+def fine_tuning_checkout(tmp: pathlib.Path) -> pathlib.Path:
+    """A folder the page's commands run in as in the checkout (.venv and launch/ linked there,
+    so runs/, data/ and hf/ land in tmp), with chats.jsonl of N_CHATS chats; a small random
+    Llama with Llama 3's chat template stored in the offline hub cache (HF_HOME/hub) as
+    meta-llama/Llama-3.1-8B-Instruct, the id the page imports."""
+    from tests.helpers.chat import LLAMA3, SPECIALS, special_tokenizer
+    from tests.helpers.hf_runs import hf_small_config, make_run
+    from tests.helpers.hub_cache import fill_hub_cache
+    from titanax.hf.exporter import export_hf
+
+    # max_position_embeddings 256: train.seq_len 256 (the import's min(8192, it)), and room
+    # for the page's 128 new tokens after a chat prompt
+    make_run(tmp / "source_run", hf_small_config(**{"model.max_seq_len": 256}))
+    hf = tmp / "source_hf"
+    export_hf(tmp / "source_run", hf, dtype="float32", progress=False)
+    special_tokenizer(hf / "tokenizer.json", "reverse 0 1 2 3 4 5 6 7 8 9 system user "
+                      "assistant Answer briefly.\n")
+    (hf / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": SPECIALS[0], "eos_token": "<|eot_id|>", "chat_template": LLAMA3}))
+    fill_hub_cache(tmp / "hf_home" / "hub", "meta-llama/Llama-3.1-8B-Instruct", hf)
+    cwd = tmp / "checkout"
+    cwd.mkdir()
+    for name in (".venv", "launch"):
+        (cwd / name).symlink_to(ROOT / name)
+    (cwd / "chats.jsonl").write_text(
+        "".join(json.dumps({"messages": reverse_chat(i)}) + "\n" for i in range(N_CHATS)))
+    return cwd
+
+
+def test_fine_tuning_page_runs_as_written(tmp_path):
+    """Every ```bash block of docs/fine-tuning.md, unchanged, on 300 chats: the import by hub
+    id, prepare_data, 3 epochs (the 2% validation split is 3 rows, evaluated as one smaller
+    batch), generate greedy and sampled, export."""
+    pytest.importorskip("huggingface_hub")
+    cwd = fine_tuning_checkout(tmp_path)
+    script = tmp_path / "fine-tuning.sh"
+    script.write_text("\n".join(body for lang, body in FENCE.findall(FINE_TUNING.read_text())
+                                if lang == "bash"))
+    rc, log = run_bash(script, guide_env(tmp_path, {}), cwd=cwd)
+    assert rc == 0, log[-6000:]
+    assert "meta-llama/Llama-3.1-8B-Instruct at commit" in log
+    epochs = re.search(r"train\.epochs=3 -> train\.steps=(\d+) \((\d+) examples in (\d+) "
+                       r"training rows of 257 tokens, train\.batch_size=16 rows a step", log)
+    assert epochs, log[-6000:]
+    steps, examples, rows = map(int, epochs.groups())
+    assert examples == N_CHATS - N_CHATS * 2 // 100 and steps == -(-3 * rows // 16) > 3
+    assert "it is evaluated as one batch of those" in log and "val_loss" in log
+    assert (cwd / "runs" / "ft" / "checkpoints" / str(steps)).is_dir()
+    config = json.loads((cwd / "hf" / "ft" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert (cwd / "hf" / "ft" / "tokenizer_config.json").is_file()

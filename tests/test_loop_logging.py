@@ -238,11 +238,11 @@ def test_gpu_xla_flags_reach_xla_flags_for_a_gpu_run_only(monkeypatch):
     seen = []
     monkeypatch.setattr(launch.train, "setup_jax",
                         lambda *a: seen.append(os.environ.get("XLA_FLAGS", "")) or sys.exit(0))
-    for platforms, host_devices in (("cuda", "0"), ("cpu", "0"), ("cuda", "2")):
+    for platforms, host_devices in (("cuda", []), ("cpu", []), ("cuda", ["--host-devices", "2"])):
         monkeypatch.setenv("JAX_PLATFORMS", platforms)
         monkeypatch.setenv("XLA_FLAGS", "")
         with pytest.raises(SystemExit):
-            launch.train.main(["--host-devices", host_devices])
+            launch.train.main(host_devices)
     assert [(f"{lhs}=true" in s) for s in seen] == [True, False, False]
 
     # launch.plan's deviceless GPU compiles get them; its simulated-CPU compiles do not.

@@ -228,3 +228,19 @@ def test_launch_plan_with_auto_plans_the_change_it_takes(monkeypatch, tmp_path, 
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["settings"]["grad_accum"] == 16 and plan["settings"]["offload_params"]
     assert plan["settings"]["remat"] == "full" and plan["host_offload_cost_s"] > 0
+
+
+def test_single_buffered_loop_is_a_per_compile_option(devices8):
+    """execution.loop_double_buffering=false reaches XLA as a compile option of this step
+    alone (xla_flags.compiler_options), which XLA:CPU accepts and ignores; the default adds
+    none, so a default step compiles exactly as before."""
+    from titanax import xla_flags
+
+    cfg = load_config(ROOT / "configs/tiny.py", SMALL)
+    off = apply_overrides(cfg, {"execution.loop_double_buffering": False})
+    assert xla_flags.compiler_options(cfg) == {}
+    assert xla_flags.compiler_options(off) == {
+        "xla_gpu_enable_while_loop_double_buffering": False}
+    assert any(xla_flags.DOUBLE_BUFFERING in f for f in xla_flags.GPU_FLAGS)
+    mesh = build_mesh(off.mesh, jax.devices()[:2])
+    assert memory_fit.step_memory(off, mesh)["total"] > 0

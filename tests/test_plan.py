@@ -27,7 +27,7 @@ needs_plugin = pytest.mark.skipif(not aot.plugin_available(), reason="CUDA plugi
 
 
 def _70b(*overrides):
-    return load_config(aot.REPO / CONFIG_70B, list(overrides))
+    return load_config(aot.REPO / CONFIG_70B, ["train.grad_accum=1", *overrides])
 
 
 @needs_plugin

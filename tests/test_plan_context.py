@@ -29,7 +29,8 @@ NEMO = ("train.batch_size=128", "mesh.tensor=4", "mesh.pipeline=4", "mesh.data=1
 
 
 def _70b(*overrides):
-    return load_config(aot.REPO / CONFIG_70B, ["execution.attention_impl=auto", *overrides])
+    return load_config(aot.REPO / CONFIG_70B, ["train.grad_accum=1", "execution.attention_impl=auto",
+                                               *overrides])
 
 
 def _deg(**kw):

@@ -16,7 +16,7 @@ from titanax.plan.documents import TILE, attention_share, mean_document_tokens
 
 
 def _70b(*overrides):
-    return load_config(aot.REPO / "configs/llama3_70b.py", list(overrides))
+    return load_config(aot.REPO / "configs/llama3_70b.py", ["train.grad_accum=1", *overrides])
 
 
 def _shards(folder, *counts):

@@ -37,7 +37,7 @@ QWEN = {"model.arch": "qwen3", "model.n_kv_heads": 1, "model.head_dim": 16, "lor
 
 
 def _70b(*overrides):
-    return load_config("configs/llama3_70b.py", list(overrides))
+    return load_config("configs/llama3_70b.py", ["train.grad_accum=1", *overrides])
 
 
 def _estimate(cfg, cluster):

@@ -31,7 +31,7 @@ BW = 450e9 * EFFICIENCIES.nvlink  # point-to-point NVLink bytes/s
 LAT = EFFICIENCIES.nvlink_latency_s
 # Llama-3-8B: d 4096, 32 heads, 8 kv heads of 128, ffn 14336, 32 layers; 8 GPUs as tensor 4 x
 # fsdp 2, 8 sequences of 8192: 4 per fsdp shard, 32768 tokens of residual stream
-BASE = ("train.batch_size=8", "mesh.tensor=4", "mesh.fsdp=2", "mesh.data=1",
+BASE = ("train.grad_accum=1", "train.batch_size=8", "mesh.tensor=4", "mesh.fsdp=2", "mesh.data=1",
         "execution.remat=full")
 TOKENS, D, TP, LAYERS = 4 * 8192, 4096, 4, 32
 

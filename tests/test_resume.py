@@ -23,9 +23,15 @@ SETS = [f"--set={k}={v}" for k, v in {
     "checkpoint.keep": 2}.items()]
 
 
+def _log(workdir, log_name):
+    """Beside the workdir, not in it: a workdir holding files of its own but no config.json is
+    refused (launch/train.py, _refuse_foreign_folder)."""
+    return workdir.parent / f"{workdir.name}.{log_name}"
+
+
 def _start(workdir, log_name):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    out = open(workdir / log_name, "w")
+    out = open(_log(workdir, log_name), "w")
     proc = subprocess.Popen([sys.executable, "-m", "launch.train", "--workdir", str(workdir),
                              "--host-devices", "1", *SETS], cwd=ROOT, env=env, stdout=out,
                             stderr=subprocess.STDOUT)
@@ -53,11 +59,11 @@ def _run_until(workdir, step, sig, log_name):
     deadline = time.time() + 300
     try:
         while max(_logged_steps(workdir), default=0) < step:
-            assert proc.poll() is None, (workdir / log_name).read_text()[-3000:]
+            assert proc.poll() is None, _log(workdir, log_name).read_text()[-3000:]
             assert time.time() < deadline, "the run never got there"
             time.sleep(0.02)
         proc.send_signal(sig)
-        return proc.wait(timeout=300), (workdir / log_name).read_text()
+        return proc.wait(timeout=300), _log(workdir, log_name).read_text()
     finally:
         proc.kill()
         out.close()
@@ -73,7 +79,7 @@ def _losses(workdir) -> dict[int, float]:
 def test_killed_and_preempted_run_resumes_exactly(tmp_path):
     ref = seed_data(tmp_path / "ref")
     proc, out = _start(ref, "log.txt")
-    assert proc.wait(timeout=600) == 0, (ref / "log.txt").read_text()[-3000:]
+    assert proc.wait(timeout=600) == 0, _log(ref, "log.txt").read_text()[-3000:]
     out.close()
     want = _losses(ref)
     assert sorted(want) == list(range(1, STEPS + 1))
@@ -96,9 +102,9 @@ def test_killed_and_preempted_run_resumes_exactly(tmp_path):
     assert max(_logged_steps(work)) == stopped < STEPS
 
     proc, out = _start(work, "final.txt")
-    assert proc.wait(timeout=600) == 0, (work / "final.txt").read_text()[-3000:]
+    assert proc.wait(timeout=600) == 0, _log(work, "final.txt").read_text()[-3000:]
     out.close()
-    assert f"at step {stopped}" in (work / "final.txt").read_text()
+    assert f"at step {stopped}" in _log(work, "final.txt").read_text()
     assert _losses(work) == want  # bitwise: every step, once
 
 
@@ -124,7 +130,7 @@ def test_signal_during_start_up_exits_at_once_for_a_requeue(tmp_path, sig, code,
     try:
         deadline = time.time() + 120
         while not (_catches(proc.pid, signal.SIGTERM) if when == "early" else
-                   "titanax:" in (work / "log.txt").read_text()):
+                   "titanax:" in _log(work, "log.txt").read_text()):
             assert proc.poll() is None and time.time() < deadline
             time.sleep(0.01)
         proc.send_signal(sig)
@@ -132,7 +138,7 @@ def test_signal_during_start_up_exits_at_once_for_a_requeue(tmp_path, sig, code,
     finally:
         proc.kill()
         out.close()
-    text = (work / "log.txt").read_text()
+    text = _log(work, "log.txt").read_text()
     errors = [line for line in text.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and f"stopped by {signal.Signals(sig).name} during start-up" in \
         errors[0], text[-3000:]

@@ -209,3 +209,93 @@ def test_pipeline_batches_and_refusals(tmp_path, tok_dir):
         build_data(_cfg(f"{chat_dir}:1,{tmp_path / 'text_out'}:1"), tmp_path / "w")
     with pytest.raises(ConfigError, match="data.truncate"):
         dataclasses.replace(DataConfig(), truncate="left")
+
+
+# --- small sets (issue 54): the validation split, too few rows, epochs -----------------------
+
+
+def _small_cfg(source, batch=4, seq_len=32, epochs=0.0, **data) -> Config:
+    return Config(model=ModelConfig(vocab_size=320, max_seq_len=max(64, seq_len)),
+                  train=TrainConfig(seq_len=seq_len, batch_size=batch, steps=1, epochs=epochs,
+                                    eval_batches=2),
+                  data=DataConfig(source=str(source), **data))
+
+
+@pytest.fixture(scope="module")
+def chats300(tmp_path_factory, tok_dir) -> pathlib.Path:
+    """300 short chats (a few dozen tokens each), as a first fine-tuning set is."""
+    tmp = tmp_path_factory.mktemp("chats300")
+    code, out = _prepare(tmp, tok_dir, [{"messages": _chat(i)} for i in range(300)],
+                         "--format", "chat")
+    assert code == 0
+    return out
+
+
+def test_a_small_validation_split_is_evaluated_in_a_smaller_batch(chats300, tmp_path):
+    # 2% of 300 chats: 6 examples, 1 or 2 packed rows; at batch 16 they are one smaller batch
+    # (filler rows bear no loss), said in one line; before, this was refused
+    data = build_data(_small_cfg(chats300, batch=16), tmp_path)
+    (val,) = data.val_batches()
+    held = len(data.val_windows)
+    assert 0 < held < 16 and val["inputs"].shape == (16, 32)
+    bears = (val["targets"] != IGNORE_INDEX).any(axis=1)
+    assert bears[:held].all() and not bears[held:].any()
+    np.testing.assert_array_equal(val["targets"][:held],
+                                  pack_example_rows(data.val_windows.rows(range(held)))["targets"])
+    notes = [line for line in data.describe().splitlines() if "evaluated as one batch" in line]
+    assert len(notes) == 1 and f"holds {held} row(s)" in notes[0], data.describe()
+    data.val_batches()
+    assert data.describe().count("evaluated as one batch") == 1  # said once
+
+
+def test_the_validation_split_takes_at_most_a_tenth_and_leaves_a_batch(tmp_path, tok_dir):
+    chats = [{"messages": _chat(i)} for i in range(30)]
+    _, folder = _prepare(tmp_path, tok_dir, chats, "--format", "chat")
+    # val_fraction 0.3 asks 9 of 30: a tenth (3) is held out, and the log says so
+    data = build_data(_small_cfg(folder, val_fraction=0.3), tmp_path / "w")
+    assert "train 27 examples" in data.describe() and "val 3 examples" in data.describe()
+    assert "validation holds 3 of 30 examples, not the 9" in data.describe()
+    assert "at most a tenth of the examples" in data.describe()
+    # one example a row, batch 28: 27 rows would not fill a batch, so only 2 are held out
+    data = build_data(_small_cfg(folder, batch=28, packing="pad", val_fraction=0.1),
+                      tmp_path / "w")
+    assert len(data.train_windows) == 28 and "val 2 examples" in data.describe()
+    assert "not the 3 data.val_fraction=0.1 asks for: at most what leaves training one batch " \
+           "of train.batch_size=28 rows" in data.describe()
+    # batch 30: none can be held out
+    data = build_data(_small_cfg(folder, batch=30, packing="pad"), tmp_path / "w")
+    assert data.val_batches() == [] and "no validation" in data.describe()
+    # fewer than 10 examples: a tenth is none
+    _, five = _prepare(tmp_path, tok_dir, chats[:5], "--format", "chat", name="five")
+    data = build_data(_small_cfg(five, batch=1), tmp_path / "w")
+    assert data.val_batches() == [] and "validation holds 0 of 5" in data.describe()
+
+
+def test_too_few_rows_for_a_batch_is_refused_in_one_line(chats300, tmp_path):
+    # 300 short chats packed into rows of 2049 tokens are a handful of rows: at batch 16 every
+    # step would repeat them (3 epochs were 1 step); refused, with the counts and the fixes
+    with pytest.raises(DataError) as e:
+        build_data(_small_cfg(chats300, batch=16, seq_len=2048, val_fraction=0.0), tmp_path)
+    msg = str(e.value)
+    assert "\n" not in msg and "holds 300 example(s) in " in msg, msg
+    assert "fewer than one batch of train.batch_size=16" in msg
+    for fix in ("lower train.batch_size to", "lower train.seq_len (the examples hold",
+                "set data.packing=pad (one example a row: 300 rows)"):
+        assert fix in msg, msg
+
+
+def test_epochs_become_steps_over_rows_and_say_so(chats300, tmp_path):
+    from titanax.data.pipeline import with_epoch_steps
+
+    cfg = _small_cfg(chats300, batch=16, epochs=3, val_fraction=0.0)
+    rows = len(build_data(cfg, tmp_path).train_windows)
+    new, line = with_epoch_steps(cfg, tmp_path)
+    steps = -(-3 * rows // 16)
+    assert new.train.steps == steps > 3
+    assert line == (f"train.epochs=3 -> train.steps={steps} (300 examples in {rows} training "
+                    f"rows of 33 tokens, train.batch_size=16 rows a step: "
+                    f"ceil(3 x {rows} / 16))")
+    # the issue's case: rows of 2049 tokens, a handful, gave train.steps=1; now refused
+    with pytest.raises(DataError, match="fewer than one batch of train.batch_size=16"):
+        with_epoch_steps(_small_cfg(chats300, batch=16, seq_len=2048, epochs=3,
+                                    val_fraction=0.0), tmp_path)

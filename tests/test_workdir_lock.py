@@ -122,3 +122,39 @@ def test_an_import_into_a_workdir_a_trainer_holds_is_refused_untouched(tmp_path)
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
+
+
+def test_export_and_eval_writing_into_a_run_a_trainer_holds_are_refused_untouched(tmp_path,
+                                                                                   capsys):
+    """launch.export_hf with --out inside a run folder, and launch.eval writing its results
+    into the run (WORKDIR/eval, the default), hold that run's lock as training does: beside a
+    live holder each is refused in one line naming it, exit 75, before anything is read or
+    written. An export elsewhere needs no lock."""
+    from launch import eval as eval_cmd
+    from launch import export_hf
+    from tests.helpers.cli import snapshot
+    from tests.helpers.verify_runs import make_run
+
+    work = tmp_path / "run"
+    make_run(work)
+    before = snapshot(work)
+    holder = _holder(work)
+    try:
+        for main, argv in ((export_hf.main, ["--workdir", str(work), "--out", str(work / "hf")]),
+                           (eval_cmd.main, ["--workdir", str(work), "--tasks",
+                                            "titanax_tiny_mc"])):
+            with pytest.raises(SystemExit) as exit_info:
+                main(argv)
+            err = capsys.readouterr().err
+            errors = [line for line in err.splitlines() if line.startswith("error:")]
+            assert exit_info.value.code == 75 and len(errors) == 1, err[-2000:]
+            assert "is in use by" in errors[0] and f"pid {holder.pid}" in errors[0], errors[0]
+        assert "--out DIR" in errors[0]  # eval's way around it
+        after = snapshot(work)
+        assert after.pop(LOCK_NAME) and before.pop(LOCK_NAME) and after == before
+        export_hf.main(["--workdir", str(work), "--out", str(tmp_path / "hf"), "--dtype",
+                        "float32"])
+        assert (tmp_path / "hf" / "config.json").is_file()
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()

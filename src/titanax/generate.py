@@ -11,8 +11,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from titanax.checkpoint import integrity
+from titanax.checkpoint.orbax_io import first_nonfinite
 from titanax.checkpoint.params_only import (
     abstract_params,
+    damaged,
     open_checkpoints,
     read_run_config,
     restore_params,
@@ -23,14 +26,18 @@ from titanax.models.registry import model_spec
 from titanax.parallel.layer_order import to_logical_in_place
 
 
-def load_for_inference(workdir, step: int | None = None, devices=None, dtype: str | None = None):
+def load_for_inference(workdir, step: int | None = None, devices=None, dtype: str | None = None,
+                       *, verify: bool = True):
     """(config, graphdef, params, step) from a run folder's latest (or given) checkpoint: the
     parameters only (checkpoint/params_only.py), sharded over `devices` by the training rules
     (default: the first device; launch.generate passes all local ones); computing in `dtype`
     (default: the run's execution.dtype). Raises
     FileNotFoundError when the run has no such checkpoint, UnreadableCheckpoint when it does not
-    read back; creates nothing."""
-    ckpt, step = open_checkpoints(pathlib.Path(workdir) / "checkpoints", step)
+    read back, DamagedCheckpoint when its files do not match its manifest (verify: checked
+    before anything is restored; a step without a manifest has its parameters checked for
+    NaN and inf instead, as a resume does); creates nothing."""
+    ckpt, step = open_checkpoints(pathlib.Path(workdir) / "checkpoints", step, verify=verify)
+    unverified = verify and integrity.load_manifest(ckpt.step_dir(step)) is None
     try:
         run_cfg = read_run_config(ckpt, step)
         # The arrays' shapes do not depend on the layout that trained the model, only (circular
@@ -43,7 +50,10 @@ def load_for_inference(workdir, step: int | None = None, devices=None, dtype: st
             cfg = dataclasses.replace(cfg, execution=dataclasses.replace(cfg.execution, dtype=dtype))
         mesh = sampling_mesh(cfg, jax.devices()[:1] if devices is None else devices)
         graphdef, abstract = abstract_params(cfg, mesh)
-        params = restore_params(ckpt, step, abstract)
+        params = restore_params(ckpt, step, abstract, verify=verify)
+        if unverified and (bad := first_nonfinite(params)):
+            raise damaged(ckpt, step, f"it has no manifest and its parameter {bad} holds "
+                          "NaN or inf")
     finally:
         ckpt.close()
     params["layers"] = to_logical_in_place(params["layers"], run_cfg)

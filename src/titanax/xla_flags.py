@@ -43,6 +43,10 @@ GPU_FLAGS = (
     *XLA_GPU_FLAGS,
 )
 
+# The flag that double-buffers the layer loop, switched per compile (not per process) by
+# execution.loop_double_buffering: `compiler_options(cfg)`.
+DOUBLE_BUFFERING = "xla_gpu_enable_while_loop_double_buffering"
+
 # XLA's own tensor-parallel overlap (SPMD "windowed einsum" / collective matmul), deliberately
 # NOT in GPU_FLAGS. `python -m launch.bench tp_overlap` (titanax/perf/tp_overlap.py) compiles
 # the Llama-3-8B-wide train step for TP4 x DP2 H100s with and without them:
@@ -116,3 +120,13 @@ def apply_for_run(host_devices: int = 0, env=None) -> bool:
         return False
     env["XLA_FLAGS"] = with_gpu_flags(env.get("XLA_FLAGS", ""), env)
     return True
+
+
+def compiler_options(cfg) -> dict:
+    """The per-compile XLA options of cfg's train step, over the process's XLA_FLAGS
+    (jax's `Lowered.compile(compiler_options=...)`): the layer loop single-buffered when
+    execution.loop_double_buffering is false (GPU_FLAGS double-buffer it). Empty otherwise,
+    so a default run compiles exactly as before; XLA:CPU ignores the GPU option."""
+    if cfg.execution.loop_double_buffering:
+        return {}
+    return {DOUBLE_BUFFERING: False}

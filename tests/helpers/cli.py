@@ -33,10 +33,16 @@ def snapshot(folder: pathlib.Path) -> dict[str, str]:
 
 
 def assert_one_error(r: subprocess.CompletedProcess, code: int, *contains: str) -> str:
-    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
-    assert r.returncode == code, (r.returncode, r.stderr[-3000:])
-    assert len(errors) == 1, r.stderr[-3000:]
-    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    return one_error_line(r.stderr, r.returncode, code, *contains)
+
+
+def one_error_line(stderr: str, returncode, code: int, *contains: str) -> str:
+    """The one `error:` line of a command that exited `code` without a traceback (stderr as a
+    subprocess or capsys caught it), after checking it holds each of `contains`."""
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert returncode == code, (returncode, stderr[-3000:])
+    assert len(errors) == 1, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
     for text in contains:
         assert text in errors[0], errors[0]
     return errors[0]

@@ -384,6 +384,13 @@ class Checkpointer:
         out = self.manager.restore(step, args=ocp.args.Composite(**items))
         own = {k: v for k, v in abstract_state.items() if k != "params"}
         state = partial_restore(self.step_dir(step) / "state", own)
+        # The base's weights are this step's: verified against the base's manifest as the
+        # step's own files are (restore_latest_good), each process its share.
+        where = ref.directory / str(ref.step)
+        damage = _agreed(integrity.find_damage(where, jax.process_index(), jax.process_count())
+                         if where.is_dir() else None)
+        if damage is not None:
+            raise RuntimeError(f"its LoRA base {where} is damaged: {damage}")
         state["params"] = self.read_base(ref, {"params": abstract_state["params"]},
                                          by=self.step_dir(step))["params"]
         if ref.directory == self.directory:
@@ -544,6 +551,11 @@ class Checkpointer:
                 "or deleted. If they are beyond repair, move them away to start from scratch, "
                 "or use --set checkpoint.restore=PATH to start from another run.")
         return None
+
+    def quarantine(self, steps: list[int], log) -> None:
+        """Moves the steps aside to `<step>.corrupt` (train/resume_check.py: a step whose
+        resume diverged at once); nothing is deleted."""
+        self._quarantine(steps, log)
 
     def _quarantine(self, steps: list[int], log) -> None:
         if not steps or self.read_only:

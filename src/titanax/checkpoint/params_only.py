@@ -27,6 +27,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from titanax.checkpoint import integrity
 from titanax.checkpoint.lora_base import MissingBase
 from titanax.checkpoint.orbax_io import (
     Checkpointer,
@@ -47,6 +48,49 @@ class UnreadableCheckpoint(RuntimeError):
     """A step's files are there but do not read back (damaged, truncated, not a titanax run)."""
 
 
+class DamagedCheckpoint(UnreadableCheckpoint):
+    """A step whose files do not match its manifest (checkpoint/integrity.py), or, for a step
+    without one, whose parameters hold NaN or inf: its weights are not used (a flipped byte
+    in a stored chunk decodes silently, e.g. an output weight of 2.6e23)."""
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def verify_step(ckpt: Checkpointer, step: int, *, log=_stderr) -> bool:
+    """Checks the step's files against its manifest before its weights are used, as a resume
+    does (integrity.find_damage, the same check Checkpointer.restore_latest_good runs): every
+    byte of the step (parameters, optimizer moments and all) is read once and CRC-32'd.
+    Raises DamagedCheckpoint naming the step, the file and the fix. Returns False, with one
+    line to `log`, for a step without a manifest (written before manifests existed, or its run
+    stopped between the commit and the checksums): as a resume does with such a step, the
+    caller then checks the values it reads are finite (a read-only command does not
+    checksum it: it writes nothing)."""
+    step_dir = ckpt.step_dir(step)
+    damage = integrity.find_damage(step_dir)
+    if damage is not None:
+        raise damaged(ckpt, step, damage)
+    if integrity.load_manifest(step_dir) is None:
+        log(f"note: checkpoint {step_dir} has no manifest (written before manifests existed, "
+            "or its run stopped before the checksums): its files are not verified, only its "
+            "values checked to be finite")
+        return False
+    return True
+
+
+def damaged(ckpt: Checkpointer, step: int, what: str) -> DamagedCheckpoint:
+    """The one-line refusal of a damaged step: what is wrong, and the fix."""
+    return damaged_step(ckpt.step_dir(step), [s for s in ckpt.all_steps() if s < step], what)
+
+
+def damaged_step(step_dir, older: list[int], what: str) -> DamagedCheckpoint:
+    hint = (f"use an older step with --step {older[-1]}" if older
+            else "no older step to fall back to")
+    return DamagedCheckpoint(f"checkpoint {step_dir} is damaged: {what}; {hint}, "
+                             "or --no-verify to read it anyway")
+
+
 @contextlib.contextmanager
 def _quiet_orbax():
     """orbax warns on every read-only manager ("Given directory is read only"): true and
@@ -60,10 +104,11 @@ def _quiet_orbax():
         logger.setLevel(level)
 
 
-def open_checkpoints(directory, step: int | None = None) -> tuple[Checkpointer, int]:
+def open_checkpoints(directory, step: int | None = None, *, verify: bool = False,
+                     log=_stderr) -> tuple[Checkpointer, int]:
     """(read-only Checkpointer, step) for `directory` (a run's checkpoints/ folder) and its
     latest (or the given) step. FileNotFoundError naming the fix when there is none; nothing is
-    created either way."""
+    created either way. verify: verify_step first (DamagedCheckpoint)."""
     directory = pathlib.Path(directory).absolute()
     run = directory.parent
     if not directory.is_dir():
@@ -85,6 +130,12 @@ def open_checkpoints(directory, step: int | None = None) -> tuple[Checkpointer, 
         ckpt.close()
         raise FileNotFoundError(f"no checkpoint for step {step} under {directory}; steps "
                                 f"present: {steps}")
+    if verify:
+        try:
+            verify_step(ckpt, step, log=log)
+        except BaseException:
+            ckpt.close()
+            raise
     return ckpt, step
 
 
@@ -200,19 +251,26 @@ def _largest_bytes(tree) -> int:
     return max(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
 
 
-def restore_params(ckpt: Checkpointer, step: int, abstract):
+def restore_params(ckpt: Checkpointer, step: int, abstract, *, verify: bool = False):
     """The step's params (with the fp8 histories, as abstract_params gives them), placed as
     `abstract` says. Only 'params' (and 'fp8') are named in the item orbax restores; with
     partial_restore the step counter and optimizer state are skipped, never read. Old-layout
     checkpoints come back in the current layout, and older fp8_delayed ones (histories inside
     'params') just as well. A LoRA step that names its base (checkpoint/lora_base.py) gives
-    its adapters, and the base step's params."""
+    its adapters, and the base step's params. verify: the base step's files are checked
+    against its manifest too (the step's own are verify_step's, open_checkpoints)."""
     params, fp8, lora = nnx.split_state(abstract, nnx.Param, Fp8Meta, LoRA)
     target = {"params": params, **{k: v for k, v in (("fp8", fp8), ("lora", lora))
                                    if jax.tree.leaves(v)}}
     base = ckpt.lora_base(step)
     if base is not None:
         del target["params"]
+        where = base.directory / str(base.step)
+        damage = integrity.find_damage(where) if verify and where.is_dir() else None
+        if damage is not None:  # every step of the run on that base needs it: none helps
+            older = [s for s in ckpt.all_steps() if s < base.step] \
+                if base.directory == ckpt.directory else []
+            raise damaged_step(ckpt.step_dir(step), older, f"its LoRA base {where}: {damage}")
     moved = ckpt.moved_out_of_params(step, target)
     target = into_params(target, moved) if moved else target  # then: one State already
     legacy = ckpt.legacy_params(step) if base is None else {}

@@ -21,18 +21,30 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
-from titanax.checkpoint.params_only import UnreadableCheckpoint, open_checkpoints, unreadable
+from titanax.checkpoint import integrity
+from titanax.checkpoint.params_only import (
+    UnreadableCheckpoint,
+    damaged_step,
+    open_checkpoints,
+    unreadable,
+)
 
 
 class CheckpointReader:
     """Parameters of one step of a run's checkpoints, read on demand."""
 
-    def __init__(self, checkpoint_dir: str | pathlib.Path, step: int | None = None):
+    def __init__(self, checkpoint_dir: str | pathlib.Path, step: int | None = None, *,
+                 verify: bool = True):
         # Read-only: never creates, cleans or quarantines anything in a run that may still be
         # training; FileNotFoundError (naming the steps present) when there is no such step.
-        ckpt, step = open_checkpoints(checkpoint_dir, step)
+        # verify: the step's files are checked against its manifest first (DamagedCheckpoint);
+        # a step without one has every parameter read checked for NaN and inf instead.
+        ckpt, step = open_checkpoints(checkpoint_dir, step, verify=verify)
         self.step = step
         self.state_dir = ckpt.step_dir(step) / "state"
+        self._unverified = None  # (step folder, older steps) when values must be checked
+        if verify and integrity.load_manifest(ckpt.step_dir(step)) is None:
+            self._unverified = (ckpt.step_dir(step), [s for s in ckpt.all_steps() if s < step])
         try:
             self.config_dict = ckpt.read_config(step)
             # A LoRA step naming its base (checkpoint/lora_base.py): parameters come from there.
@@ -54,7 +66,7 @@ class CheckpointReader:
         if base is not None:
             if not (base.directory / str(base.step) / "state").is_dir():
                 raise base.missing(self.state_dir.parent)
-            self._base = CheckpointReader(base.directory, base.step)
+            self._base = CheckpointReader(base.directory, base.step, verify=verify)
         elif "params" not in tree:
             raise ValueError(f"{self.state_dir} holds no 'params' (not a titanax train state)")
         self._arrays = {}  # parameter path -> orbax ArrayMetadata
@@ -117,6 +129,10 @@ class CheckpointReader:
         if perm is not None:  # stored in the old layout: index it there, then transpose
             index, perm = _legacy_index(index, perm)
         out = np.asarray(self._result((store[index] if index != () else store).read(), path))
+        if (self._unverified is not None and _floating(out.dtype)
+                and not np.isfinite(out).all()):
+            raise damaged_step(*self._unverified, f"it has no manifest and its parameter "
+                               f"{'.'.join(path)} holds NaN or inf")
         return out if perm is None else out.transpose(perm)
 
     def layer_chunk(self, path: tuple[str, ...]) -> int:
@@ -125,6 +141,14 @@ class CheckpointReader:
         if self._base is not None and path not in self._adapters:
             return self._base.layer_chunk(path)
         return int(self._store(path).chunk_layout.read_chunk.shape[0])
+
+
+def _floating(dtype) -> bool:
+    """numpy's floats and ml_dtypes' (bfloat16, ...), which numpy does not class as floating."""
+    return np.issubdtype(dtype, np.floating) or np.dtype(dtype).name in _ML_FLOATS
+
+
+_ML_FLOATS = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
 
 
 def _legacy_index(index, perm):

@@ -1,4 +1,5 @@
-"""`launch.train --help-config`: every config field as `section.field = default  # what it is`,
+"""`launch.train --help-config`: every config field as `section.field = default  # what it is`
+(with --config, --set or a run's --workdir: that config's values instead),
 the one line taken from the comment written beside the field in its dataclass (the source is
 the documentation; a field without one shows its default alone). The model section lists the
 fields every architecture has, then each architecture's own."""
@@ -59,22 +60,38 @@ def _first_sentence(text: str) -> str:
     return head if len(head) <= 120 else head[:117] + "..."
 
 
-def _rows(section: str, cls, names=None) -> list[str]:
+def _rows(section: str, cls, names=None, values=None) -> list[str]:
+    """One line per field of cls: its default, or with values (the section's instance) its
+    value there, the default added where they differ."""
     notes = field_comments(cls)
     rows = []
     for f in dataclasses.fields(cls):
         if names is not None and f.name not in names:
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        note = f"  # {notes[f.name]}" if notes.get(f.name) else ""
-        rows.append(f"  {section}.{f.name} = {default!r}{note}")
+        shown, note = default, notes.get(f.name, "")
+        if values is not None:
+            shown = getattr(values, f.name)
+            if shown != default:
+                note = f"(default {default!r}) {note}".rstrip()
+        rows.append(f"  {section}.{f.name} = {shown!r}" + (f"  # {note}" if note else ""))
     return rows
 
 
-def describe_config() -> str:
-    """Every section's fields with their defaults and one line each (see the module doc)."""
-    out = []
+def describe_config(cfg=None, source: str = "") -> str:
+    """Every section's fields with their defaults and one line each (see the module doc); with
+    cfg (a Config), its values instead, for the model section its architecture's fields only.
+    source: where cfg came from, for the first line."""
+    out = [f"# the values of {source or 'this config'} (fields set away from their default "
+           "name it)"] if cfg is not None else []
     for section, cls in SECTIONS.items():
+        if cfg is not None:
+            values = getattr(cfg, section)
+            out.append(f"[{section}]" + (f"  (model.arch={values.arch}: "
+                                         f"{type(values).__name__})" if section == "model"
+                                         else ""))
+            out += _rows(section, type(values), values=values)
+            continue
         out.append(f"[{section}]" + ("  (model.arch picks the class; every architecture has "
                                      "these)" if section == "model" else ""))
         out += _rows(section, cls)

@@ -43,6 +43,12 @@ class ExecutionConfig:
     # mesh.tensor > 1, each sequence-parallel all-gather / reduce-scatter runs as tensor-ring
     # steps beside the column / row matmul's GEMMs (parallel/collective_matmul.py).
     tp_overlap: bool = False
+    # The GPU layer loop double-buffered (XLA's xla_gpu_enable_while_loop_double_buffering,
+    # titanax/xla_flags.py): unrolled by two, so layer i+1's pipelined weight all-gather
+    # fills a second buffer while layer i computes. false: one buffer, two fewer layer-sized
+    # MLP buffers at the peak, the gather less hidden (the memory check's speed-for-memory
+    # trade, titanax/plan/fit.py). No effect on a CPU.
+    loop_double_buffering: bool = True
     matmul_precision: str = "default"  # default (compute dtype), highest, or an FP8 recipe
     # Steps of amax history per tensor for fp8_delayed: Transformer Engine's DelayedScaling
     # default (amax_history_len=1024). Memory: 3 x 1024 float32 per FP8 call site per layer,

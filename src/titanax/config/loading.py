@@ -131,9 +131,11 @@ def _load_json(p: pathlib.Path) -> Config:
 
 
 def load_config(path: str | pathlib.Path | None = None,
-                overrides: typing.Iterable[str] | typing.Mapping[str, typing.Any] = ()) -> Config:
+                overrides: typing.Iterable[str] | typing.Mapping[str, typing.Any] = (), *,
+                notes: list[str] | None = None) -> Config:
     """Reads a .py (defining config()) or .gin file, or a run's config.json, then applies --set
-    overrides."""
+    overrides (an override turns off the field that would decide instead of it, config/
+    overrides.py RIVALS; notes, when given, gets the line saying so)."""
     if path is None:
         cfg = Config()
     else:
@@ -151,7 +153,9 @@ def load_config(path: str | pathlib.Path | None = None,
             raise ConfigError(f"config file {str(p)!r}: expected a .py or .gin file, or a "
                               "run's config.json")
     try:
-        return apply_overrides(cfg, overrides)
+        return apply_overrides(cfg, overrides, notes=notes, base=(
+            "the saved" if path is not None and pathlib.Path(path).suffix == ".json" else
+            "the config's"))
     except TypeError as e:  # dataclasses.replace with a wrong type slips through as TypeError
         raise ConfigError(str(e)) from None
 

@@ -10,6 +10,7 @@ import difflib
 import importlib
 import warnings
 from dataclasses import dataclass
+from typing import ClassVar
 
 from titanax.archs import ARCHS
 from titanax.config.errors import ConfigError, check_choice, check_positive, check_types, fail
@@ -69,6 +70,11 @@ class ModelConfig(metaclass=_TakesOldExecutionFields):
     # separate 'output' parameter; HF export writes tie_word_embeddings and no lm_head.
     tie_embeddings: bool = False
     param_dtype: str = "float32"  # master weights (the compute dtype is execution.dtype)
+    # The rope_scaling values the architecture's Hugging Face form can express: an
+    # architecture with plain RoPE only (Mistral, Mixtral, Qwen3, Qwen3-MoE) sets ("none",)
+    # and defaults rope_scaling to "none"; llama3 scaling there is warned of at config time
+    # (export refuses it), so a run saved with it still resumes.
+    ROPE_SCALINGS: ClassVar[tuple[str, ...]] = ROPE_SCALINGS
 
     @property
     def resolved_head_dim(self) -> int:
@@ -93,6 +99,14 @@ class ModelConfig(metaclass=_TakesOldExecutionFields):
                  f"model.n_kv_heads={self.n_kv_heads} (grouped-query attention)")
         check_choice("model.param_dtype", self.param_dtype, DTYPES)
         check_choice("model.rope_scaling", self.rope_scaling, ROPE_SCALINGS)
+        if self.rope_scaling not in self.ROPE_SCALINGS:
+            # A warning, not a refusal: a run saved before this architecture's default became
+            # "none" was trained with llama3 scaling and must still resume with it.
+            warnings.warn(f"model.rope_scaling={self.rope_scaling!r}: model.arch={self.arch} "
+                          f"has plain RoPE only (its Hugging Face config.json cannot express "
+                          f"{self.rope_scaling} scaling, so launch.export_hf will refuse this "
+                          f"run); for a new run set model.rope_scaling={self.ROPE_SCALINGS[0]}",
+                          stacklevel=2)
         if self.rope_scaling == "llama3":
             check_positive("model", self, "rope_factor", "rope_low_freq_factor",
                            "rope_high_freq_factor", "rope_original_max_seq_len")
@@ -123,8 +137,15 @@ def as_arch_class(model: ModelConfig, arch: str | None = None, **changes) -> Mod
     cls = arch_config_class(arch)
     known = {f.name for f in dataclasses.fields(cls)}
     values = {}
+    switching = type(model) is not cls
     for f in dataclasses.fields(model):
+        explicit = f.name in changes
         value = changes.pop(f.name, getattr(model, f.name))
+        if (switching and not explicit and f.name == "rope_scaling"
+                and value not in cls.ROPE_SCALINGS):
+            # Another architecture's scaling (the llama3 preset's, ModelConfig's default),
+            # which this one's Hugging Face form cannot express: this one's default instead.
+            value = cls.__dataclass_fields__["rope_scaling"].default
         if f.name in known:
             values[f.name] = value
         elif value != f.default:

@@ -97,11 +97,51 @@ def parse_override(text: str) -> tuple[str, str]:
     return key.strip(), value
 
 
-def apply_overrides(cfg: Config, overrides: typing.Mapping[str, typing.Any] | typing.Iterable[str]) -> Config:
-    """Applies {'train.steps': '300'} or ['train.steps=300'] to cfg; validates the result."""
+# Pairs where the second field, when set (not its "off" value), decides instead of the first:
+# train.epochs > 0 sets train.steps from the data, optim.warmup_fraction > 0 replaces
+# optim.warmup_steps. An override of the first over a config that sets the second (a run's
+# saved config.json: train.epochs=5 there beat --set train.steps=50 and trained to step 602)
+# turns the second off, and says so: the field the user typed is the one that counts.
+RIVALS: dict[str, tuple[str, typing.Any]] = {
+    "train.steps": ("train.epochs", 0.0),
+    "optim.warmup_steps": ("optim.warmup_fraction", 0.0),
+}
+
+
+def _shown(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def settle_rivals(cfg: Config, overrides: dict[str, typing.Any],
+                  base: str = "the config's") -> tuple[dict[str, typing.Any], list[str]]:
+    """(overrides with the rival fields RIVALS turns off added, one line per rival turned off,
+    e.g. "--set train.steps=50 replaces the saved train.epochs=5"). base: how the lines name
+    cfg ("the saved", "the config's")."""
+    out, lines = dict(overrides), []
+    for key, (rival, off) in RIVALS.items():
+        if key not in overrides or rival in overrides:
+            continue
+        section, name = rival.split(".")
+        current = getattr(getattr(cfg, section), name)
+        if current != off:
+            out[rival] = off
+            raw = overrides[key]
+            lines.append(f"--set {key}={_shown(raw) if not isinstance(raw, str) else raw.strip()}"
+                         f" replaces {base} {rival}={_shown(current)}")
+    return out, lines
+
+
+def apply_overrides(cfg: Config, overrides: typing.Mapping[str, typing.Any] | typing.Iterable[str],
+                    *, notes: list[str] | None = None, base: str = "the config's") -> Config:
+    """Applies {'train.steps': '300'} or ['train.steps=300'] to cfg; validates the result. An
+    override whose rival field cfg sets (RIVALS) turns that off; notes, when given, gets the
+    line saying so (base names cfg in it)."""
     if not isinstance(overrides, typing.Mapping):
         overrides = dict(parse_override(o) for o in overrides)
     overrides = {EXECUTION_ALIASES.get(k.strip(), k.strip()): v for k, v in overrides.items()}
+    overrides, lines = settle_rivals(cfg, overrides, base)
+    if notes is not None:
+        notes.extend(lines)
     arch = overrides.get("model.arch", cfg.model.arch)
     model_cls = arch_config_class(arch.strip() if isinstance(arch, str) else arch)
     per_section: dict[str, dict] = {}

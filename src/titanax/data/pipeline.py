@@ -25,7 +25,7 @@ import numpy as np
 from titanax.config import Config, ConfigError
 from titanax.data import corpus, shards
 from titanax.data.errors import DataError
-from titanax.data.example_rows import ExampleRows, pack_example_rows
+from titanax.data.example_rows import IGNORE_INDEX, ExampleRows, pack_example_rows
 from titanax.data.example_source import example_rows, is_example_folder
 from titanax.data.mixture import MixtureWindows
 from titanax.data.packing import StreamWindows, TokenStream, pack
@@ -96,23 +96,48 @@ class Data:
 
     def val_batches(self) -> list[dict]:
         """train.eval_batches fixed batches of held-out windows (fewer if the split is small);
-        none when there is no validation split (examples with data.val_fraction=0)."""
+        none when there is no validation split (examples with data.val_fraction=0).
+
+        A split of fewer rows than train.batch_size is evaluated as one smaller batch: its rows
+        and then filler rows that bear no loss (targets IGNORE_INDEX), so the batch keeps the
+        compiled shape and sharding while val_loss is the mean over the held-out tokens alone
+        (the eval step sums the loss and counts the loss-bearing tokens). The log says so."""
         if self.val_windows is None:
             return []
-        g = self.cfg.train.batch_size
-        n = min(self.cfg.train.eval_batches, len(self.val_windows) // g)
-        if n == 0:
+        g, width = self.cfg.train.batch_size, self.cfg.train.seq_len + 1
+        held = len(self.val_windows)
+        if held == 0:
             raise DataError(
-                f"the validation split holds {len(self.val_windows)} windows of "
-                f"train.seq_len+1={self.cfg.train.seq_len + 1} tokens, fewer than one batch of "
-                f"train.batch_size={g}; lower train.batch_size or train.seq_len, or raise "
-                f"data.val_fraction (now {self.cfg.data.val_fraction})")
+                f"the validation split holds no window of train.seq_len+1={width} tokens; "
+                f"lower train.seq_len, or raise data.val_fraction (now "
+                f"{self.cfg.data.val_fraction}) or set it to 0 (no validation)")
+        n = min(self.cfg.train.eval_batches, held // g)
         rows = self._local_rows()
+        if n == 0:
+            note = (f"data: the validation split holds {held} row(s) of {width} tokens, fewer "
+                    f"than train.batch_size={g}: it is evaluated as one batch of those {held} "
+                    "(the batch's other rows are filler without loss)")
+            if note not in self.summary:
+                self.summary += "\n  " + note
+            mine = np.arange(g)[rows]
+            real = mine[mine < held]
+            part = [self._pack(self.val_windows.rows(real))] if len(real) else []
+            return [_fill_batch(part, len(mine) - len(real), width - 1)]
         return [self._pack(self.val_windows.rows(np.arange(k * g, (k + 1) * g)[rows]))
                 for k in range(n)]
 
     def describe(self) -> str:
         return self.summary
+
+
+def _fill_batch(parts: list[dict], n_fill: int, seq_len: int) -> dict:
+    """parts (packed batches) then n_fill rows that bear no loss (a segment of their own)."""
+    fill = {"inputs": np.zeros((n_fill, seq_len), np.int32),
+            "targets": np.full((n_fill, seq_len), IGNORE_INDEX, np.int32),
+            "segment_ids": np.ones((n_fill, seq_len), np.int32),
+            "positions": np.broadcast_to(np.arange(seq_len, dtype=np.int32),
+                                         (n_fill, seq_len)).copy()}
+    return {k: np.concatenate([p[k] for p in parts] + [v]) for k, v in fill.items()}
 
 
 def build_data(cfg: Config, workdir: str | pathlib.Path, process_index: int = 0,
@@ -155,12 +180,26 @@ def build_data(cfg: Config, workdir: str | pathlib.Path, process_index: int = 0,
 
 def with_epoch_steps(cfg: Config, workdir: str | pathlib.Path) -> tuple[Config, str]:
     """cfg with train.steps = ceil(train.epochs x training rows / batch_size), and the line
-    that says so (train.epochs > 0)."""
-    n = len(build_data(cfg, workdir).train_windows)
-    t = cfg.train
+    that says so (train.epochs > 0): the examples (or windows), rows, batch and steps.
+
+    Rows, not examples, are what a step takes: packed, 300 short chats can fill 2 rows of
+    8193 tokens, and 3 epochs at batch 16 were ceil(3 x 2 / 16) = 1 step that showed every
+    row 8 times (the data repeats to fill a batch). A training split of fewer rows than one
+    batch is refused here (an example folder's already is, data/example_source.py)."""
+    train_w = build_data(cfg, workdir).train_windows
+    n, t = len(train_w), cfg.train
+    what = (f"{train_w.n_examples:,} examples in {n:,} training rows"
+            if isinstance(train_w, ExampleRows) else f"{n:,} training rows")
+    if n < t.batch_size:
+        raise DataError(f"train.epochs={t.epochs:g}: data.source={cfg.data.source} gives "
+                        f"{what} of {t.seq_len + 1} tokens, fewer than one batch of "
+                        f"train.batch_size={t.batch_size}, so every step would repeat rows; "
+                        f"lower train.batch_size to {n} or less or train.seq_len, or use "
+                        "more data")
     steps = max(1, math.ceil(t.epochs * n / t.batch_size))
-    line = (f"train.epochs={t.epochs:g} -> train.steps={steps} ({n:,} training rows of "
-            f"{t.seq_len + 1} tokens, {t.batch_size} a step)")
+    line = (f"train.epochs={t.epochs:g} -> train.steps={steps} ({what} of {t.seq_len + 1} "
+            f"tokens, train.batch_size={t.batch_size} rows a step: "
+            f"ceil({t.epochs:g} x {n:,} / {t.batch_size}))")
     return dataclasses.replace(cfg, train=dataclasses.replace(t, steps=steps)), line
 
 
@@ -270,9 +309,10 @@ def _tokenize(docs: list[str], tok: Tokenizer, bos_id: int | None = None,
     return np.concatenate(pieces)
 
 
-def _open_folder(cfg: Config, folder: pathlib.Path):
+def _open_folder(cfg: Config, folder: pathlib.Path, alone: bool = True):
     """(meta, train stream, val stream) of one shard folder. The last val_fraction of its
-    token stream is held out (shards are written in input order: the tail of the inputs)."""
+    token stream is held out (shards are written in input order: the tail of the inputs).
+    alone: the run's only folder (not one of a mixture's)."""
     meta, arrays = shards.open_shards(folder, cfg.model.vocab_size)
     if meta.get("complete") is False and not cfg.data.allow_partial:  # absent: older, whole
         raise DataError(f"data.source: {folder} is unfinished: its prepare_data was "
@@ -281,7 +321,8 @@ def _open_folder(cfg: Config, folder: pathlib.Path):
                         "finish it, or set data.allow_partial=true to train on what it holds "
                         "(its validation split, the tail, moves once it is finished)")
     if is_example_folder(meta):  # whole examples in rows, not windows of a stream
-        train, val, train.summary = example_rows(cfg, folder, meta, arrays)  # (its log line)
+        train, val, train.summary = example_rows(cfg, folder, meta, arrays,  # (its log line)
+                                                 alone=alone)
         return meta, train, val
     stream = TokenStream(arrays, names=[str(folder / e["file"]) for e in meta["shards"]],
                          vocab_size=cfg.model.vocab_size)
@@ -380,7 +421,7 @@ def _shard_folder(cfg: Config, folder: pathlib.Path):
 def _mixture(cfg: Config):
     """data.source=a:0.7,b:0.3: each folder split on its own, then mixed (data/mixture.py)."""
     folders = [(pathlib.Path(f), w) for f, w in cfg.data.folders()]
-    opened = {folder: _open_folder(cfg, folder) for folder, _ in folders}
+    opened = {folder: _open_folder(cfg, folder, alone=False) for folder, _ in folders}
     metas = {folder: meta for folder, (meta, _, _) in opened.items()}
     _check_bos(cfg, metas)
     _check_tokenizer(cfg, metas)

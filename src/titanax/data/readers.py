@@ -140,7 +140,49 @@ def _records(path, text_key: str, skip: int, fields):
                         "(--glob) or prepare it with --format text")
     elif skip < 1:
         raw = path.read_bytes()
+        check_text(path, raw)
         yield 1, raw.decode("utf-8", errors="replace"), len(raw)
+
+
+# A plain-text input that is not text (a binary given by mistake: a checkpoint, an archive, a
+# .bin of random bytes) is refused, naming the file: tokenized, it would become a shard of
+# byte-fallback noise with no sign of it until the loss. What a MaxText/TorchTitan user
+# expects: their text readers (Python's strict UTF-8, `datasets`' text builder) raise on such
+# a file; a refusal keeps that, in one line. A stray invalid byte in real text (a Latin-1
+# quote) stays a U+FFFD, as before: only a head with NUL bytes (what git and grep call binary)
+# or with more than 1% of its characters not UTF-8 (a binary, or a whole Latin-1 file, which
+# would be mostly U+FFFD where its accents were) is refused.
+TEXT_HEAD_BYTES = 65536
+MAX_INVALID_SHARE = 0.01
+
+
+def check_text(path, raw: bytes) -> None:
+    """DataError when the first TEXT_HEAD_BYTES of a plain-text input hold a NUL byte or more
+    than MAX_INVALID_SHARE of characters that are not UTF-8."""
+    head = raw[:TEXT_HEAD_BYTES]
+    if not head:
+        return
+    if len(head) < len(raw):  # a character cut at the end of the head is not an error
+        head = head[:len(head) - _partial_tail(head)]
+    text = head.decode("utf-8", errors="replace")
+    invalid = text.count("\ufffd") - head.decode("utf-8", errors="ignore").count("\ufffd")
+    if b"\0" in head or invalid > MAX_INVALID_SHARE * max(len(text), 1):
+        why = ("NUL bytes" if b"\0" in head else
+               f"{invalid} invalid UTF-8 sequences among {len(text):,} characters")
+        raise DataError(f"{path}: not UTF-8 text ({why} in its first {len(head):,} bytes), "
+                        "so it would be tokenized as noise; leave it out of --input (--glob "
+                        "chooses the files of a folder), or convert it to UTF-8 text")
+
+
+def _partial_tail(head: bytes) -> int:
+    """How many bytes at the end of head start a UTF-8 character that goes on past it."""
+    for k in range(1, min(4, len(head)) + 1):
+        b = head[-k]
+        if b & 0xC0 != 0x80:  # the lead byte of the last character: how long it says it is
+            need = next((n for n, (m, v) in enumerate(
+                ((0xE0, 0xC0), (0xF0, 0xE0), (0xF8, 0xF0)), 2) if b & m == v), 1)
+            return k if need > k else 0
+    return 0
 
 
 def _open_text_lines(raw, name: str):

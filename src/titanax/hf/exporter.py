@@ -11,6 +11,7 @@ tensor, never the model.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -30,13 +31,14 @@ from titanax.hf.lora_export import (
     ADAPTER_WEIGHTS,
     AdaptedTensor,
     adapted_tensors,
+    adapter_base,
     merged_layer,
     peft_factors,
     peft_names,
     write_adapter_config,
 )
 from titanax.hf.safetensors_io import StreamingWriter, dtype_name
-from titanax.hf.source import base_origin, merge_config, source_config, source_file
+from titanax.hf.source import merge_config, source_config, source_file
 from titanax.hf.tokenizer import write_tokenizer
 from titanax.models.registry import model_spec
 from titanax.parallel.layer_order import stored_position
@@ -262,7 +264,8 @@ LORA_EXPORTS = ("merged", "adapter", "base")
 def export_hf(workdir: str | pathlib.Path, out: str | pathlib.Path, *, step: int | None = None,
               dtype: str = "bfloat16", max_shard_bytes: int = 5 * 10**9,
               progress: bool = True, lora: str = "merged",
-              drop_unmapped: bool = False) -> ExportResult:
+              drop_unmapped: bool = False, verify: bool = True,
+              base_model_id: str | None = None) -> ExportResult:
     """Writes the run's checkpoint (latest, or `step`) to `out` as an HF folder of its
     architecture (e.g. LlamaForCausalLM). `out` must not exist or be empty;
     the folder appears complete or not at all.
@@ -273,7 +276,26 @@ def export_hf(workdir: str | pathlib.Path, out: str | pathlib.Path, *, step: int
 
     drop_unmapped: export a model whose self-updated parameters (an MoE's routing bias) the HF
     architecture has no tensor for; without it such a run is refused, since the HF model
-    would route differently from the trained one."""
+    would route differently from the trained one.
+
+    base_model_id: the hub id an 'adapter' export names as its base (lora_export.py
+    adapter_base; default what the import recorded).
+
+    verify: the step's files are checked against its manifest before a tensor is written
+    (checkpoint/reader.py; DamagedCheckpoint). An `out` inside a run folder (a workdir) is
+    written holding that run's lock (train/workdir_lock.py: WorkdirLocked beside a live run,
+    nothing written)."""
+    from titanax.train.workdir_lock import enclosing_run, workdir_lock
+
+    run = enclosing_run(out)
+    with workdir_lock(run) if run is not None else contextlib.nullcontext():
+        return _export(workdir, out, step=step, dtype=dtype, max_shard_bytes=max_shard_bytes,
+                       progress=progress, lora=lora, drop_unmapped=drop_unmapped,
+                       verify=verify, base_model_id=base_model_id)
+
+
+def _export(workdir, out, *, step, dtype, max_shard_bytes, progress, lora, drop_unmapped,
+            verify, base_model_id=None) -> ExportResult:
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"dtype {dtype!r}: choose one of {list(EXPORT_DTYPES)}")
     if lora not in LORA_EXPORTS:
@@ -282,7 +304,7 @@ def export_hf(workdir: str | pathlib.Path, out: str | pathlib.Path, *, step: int
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists and is not an empty folder; choose a new --out")
     workdir = pathlib.Path(workdir)
-    reader = CheckpointReader(workdir / "checkpoints", step)
+    reader = CheckpointReader(workdir / "checkpoints", step, verify=verify)
     cfg = Config.from_dict(reader.config_dict)
     if model_spec(cfg.model).hf is None:
         raise ValueError(f"model.arch={cfg.model.arch!r} has no Hugging Face export")
@@ -307,7 +329,7 @@ def export_hf(workdir: str | pathlib.Path, out: str | pathlib.Path, *, step: int
             bar = tqdm(total=n, desc="export", unit="tensor", dynamic_ncols=True)
         if lora == "adapter":
             total = _write_adapter(reader, cfg, adapted, tmp, out_dtype,
-                                   base_origin(workdir), bar)
+                                   adapter_base(workdir, base_model_id), bar)
             tensors, n_shards, tok_path = 2 * len(adapted), 1, None
         else:
             total = _write_shards(reader, cfg, shards, tmp, out_dtype, max_shard_bytes, bar,

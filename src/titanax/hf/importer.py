@@ -27,7 +27,7 @@ from titanax.config import Config
 from titanax.hf.folder import HFImportError, locate, read_config
 from titanax.hf.safetensors_io import SafetensorsError, TensorInfo, read_header, read_tensor
 from titanax.hf.source import keep_source
-from titanax.hf.tokenizer import tokenizer_files
+from titanax.hf.tokenizer import tokenizer_files, tokenizer_refusal
 from titanax.models.common.hf_interop import HFTensor
 from titanax.models.registry import model_spec, spec_for_hf
 from titanax.parallel.layer_order import stored_position
@@ -136,7 +136,17 @@ def plan_import(hf_dir: str | pathlib.Path, cfg: Config) -> dict[str, _Source]:
 
 
 def _load(src: _Source, t: HFTensor, dtype) -> np.ndarray:
-    return np.ascontiguousarray(t.from_hf(read_tensor(src.file, src.info)).astype(dtype))
+    x = np.ascontiguousarray(t.from_hf(read_tensor(src.file, src.info)).astype(dtype))
+    # No published weight is NaN or inf, and nothing trains out of one: a file damaged in
+    # transit, or a model saved after it diverged. Refused, naming the tensor, before anything
+    # is written (one pass over a tensor already in host memory: cheap beside reading it).
+    if not np.isfinite(x).all():
+        bad = int(x.size - np.count_nonzero(np.isfinite(x)))
+        raise HFImportError(f"{src.file}: tensor {t.name} holds NaN or inf ({bad} of {x.size} "
+                            "values): those weights are damaged (a download or copy cut "
+                            "short, or a model saved after it diverged); nothing was imported: "
+                            "fetch the file again")
+    return x
 
 
 def _put(x: np.ndarray, sharding) -> jax.Array:
@@ -233,13 +243,15 @@ def _train_state(sources, cfg: Config, devices, progress: bool) -> dict:
         from tqdm import tqdm
 
         bar = tqdm(total=len(sources), desc="import", unit="tensor", dynamic_ncols=True)
-    with model_context(mesh):
-        params = _build_params(sources, cfg, mesh, abstract["params"], bar)
-        opt_state = jax.jit(tx.init, out_shardings=shardings["opt_state"])(params)
-        state = {"step": jax.device_put(np.int32(0), shardings["step"]), "params": params,
-                 "opt_state": opt_state, **fresh_fp8_state(abstract)}  # fp8_delayed: zeros
-    if bar is not None:
-        bar.close()
+    try:
+        with model_context(mesh):
+            params = _build_params(sources, cfg, mesh, abstract["params"], bar)
+            opt_state = jax.jit(tx.init, out_shardings=shardings["opt_state"])(params)
+            state = {"step": jax.device_put(np.int32(0), shardings["step"]), "params": params,
+                     "opt_state": opt_state, **fresh_fp8_state(abstract)}  # fp8_delayed: zeros
+    finally:
+        if bar is not None:  # ends its line: an error message then starts on its own
+            bar.close()
     return state
 
 
@@ -283,6 +295,8 @@ def _import_locked(hf_dir: pathlib.Path, cfg: Config, workdir: pathlib.Path, dev
         raise HFImportError(f"{ckpt_dir} already holds checkpoints; import into a new --workdir")
     sources = plan_import(hf_dir, cfg)
     tok_files = tokenizer_files(hf_dir)
+    if (why := tokenizer_refusal(hf_dir)) is not None:
+        log(f"warning: {why}")
     state = _train_state(sources, cfg, devices, progress)
 
     saved_cfg, tok_dir = cfg, None

@@ -102,10 +102,45 @@ def peft_names(hf_name: str) -> tuple[str, str]:
     return (f"{_PEFT_PREFIX}{module}.lora_A.weight", f"{_PEFT_PREFIX}{module}.lora_B.weight")
 
 
+def adapter_base(workdir, base_model_id: str | None = None) -> tuple[str | None, str | None]:
+    """(base_model_name_or_path, revision) of the run's adapter export: `base_model_id`
+    ('org/name' or 'org/name@revision') when given, the recorded commit kept when it names the
+    recorded hub id; else what the import recorded (hf/source.py base_origin): a hub id and its
+    commit, a folder of the hub cache read as the hub id and commit it is a snapshot of
+    (models--ORG--NAME/snapshots/COMMIT), any other folder as its path; (None, None) for a run
+    that was not imported. ValueError for a malformed base_model_id."""
+    from titanax.hf.hub import hub_id
+    from titanax.hf.source import base_origin
+
+    name, revision = base_origin(pathlib.Path(workdir))
+    if base_model_id is not None:
+        parsed = hub_id(base_model_id)
+        if parsed is None:
+            raise ValueError(f"--base-model-id {base_model_id}: give the base model's hub id as "
+                             "org/name (or org/name@revision)")
+        repo, asked = parsed
+        return repo, asked or (revision if repo == name else None)
+    if name is not None:
+        path = pathlib.Path(name)
+        if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
+            parts = path.parent.parent.name.removeprefix("models--").split("--")
+            if len(parts) == 2 and hub_id("/".join(parts)) is not None:
+                return "/".join(parts), path.name
+    return name, revision
+
+
+def is_hub_base(base: tuple[str | None, str | None]) -> bool:
+    """Whether an adapter's base names a hub model (anyone can load it), not a local folder."""
+    from titanax.hf.hub import hub_id
+
+    return base[0] is not None and hub_id(base[0]) is not None and \
+        not pathlib.Path(base[0]).expanduser().is_absolute()
+
+
 def adapter_config(cfg: Config, adapted: dict[str, AdaptedTensor],
                    base: tuple[str | None, str | None]) -> dict:
     """adapter_config.json as PEFT's LoraConfig writes it for these adapters; base: (hub id or
-    folder, hub commit) of the imported base (hf/source.py base_origin)."""
+    folder, hub commit) of the base (adapter_base)."""
     modules = sorted({name.removesuffix(".weight").rsplit(".", 1)[1] for name in adapted})
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base[0],
             "revision": base[1],

@@ -11,7 +11,7 @@ import pathlib
 
 from titanax.hf.hub import HubError
 
-__all__ = ["HubError", "check_push", "push_folder"]
+__all__ = ["HubError", "check_adapter_base", "check_push", "push_folder"]
 
 
 def check_push(repo_id: str) -> str:
@@ -33,6 +33,21 @@ def check_push(repo_id: str) -> str:
                        "with write access (https://huggingface.co/settings/tokens) or run "
                        "hf auth login")
     return token
+
+
+def check_adapter_base(repo_id: str, base: tuple[str | None, str | None]) -> None:
+    """Raises HubError when an adapter going to `repo_id` would name as its base (PEFT's
+    base_model_name_or_path; lora_export.py adapter_base) a folder of this machine, or none:
+    nobody who pulls it from the hub could load its base."""
+    from titanax.hf.lora_export import is_hub_base
+
+    if is_hub_base(base):
+        return
+    what = (f"the local folder {base[0]}" if base[0] is not None
+            else "no base (the run was not imported)")
+    raise HubError(f"--push-to-hub {repo_id}: the adapter's base_model_name_or_path would be "
+                   f"{what}, which no one loading it from the hub has; name the base's hub id "
+                   "with --base-model-id ORG/NAME")
 
 
 def push_folder(folder, repo_id: str, *, token: str, private: bool = False,

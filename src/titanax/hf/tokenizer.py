@@ -27,6 +27,30 @@ def tokenizer_files(hf_dir: pathlib.Path) -> list[pathlib.Path]:
     return [hf_dir / n for n in TOKENIZER_FILES if (hf_dir / n).is_file()]
 
 
+def tokenizer_refusal(hf_dir: pathlib.Path) -> str | None:
+    """Why the folder's tokenizer.json is not imported (tokenizer_files gives none), in one
+    line naming the fix; None when it is, or when the folder has none (a weights-only folder).
+
+    Such a tokenizer (no end-of-document token the data pipeline separates documents with, or
+    not readable) does not stop the import: the weights are what an import converts, as
+    TorchTitan's and MaxText's HF checkpoint converters convert weights alone and take the
+    tokenizer at training time. A user of either expects the weights in, and to be told at
+    once that the tokenizer was left behind, not to find it out at data preparation."""
+    from titanax.config import ConfigError
+    from titanax.data.tokenizer import Tokenizer
+
+    if not (hf_dir / "tokenizer.json").is_file():
+        return None
+    try:
+        Tokenizer.load(hf_dir / "tokenizer.json")
+    except ConfigError as e:
+        reason = str(e).removeprefix("data.tokenizer: ")
+        return (f"the tokenizer is not imported: {reason}. The weights are: prepare the data "
+                "with a tokenizer that has one (python -m launch.prepare_data --tokenizer PATH; "
+                "training takes it from the data folder)")
+    return None
+
+
 def write_tokenizer(tok_path: pathlib.Path, out: pathlib.Path, max_len: int):
     """Copies tok_path and the tokenizer files beside it (an imported HF tokenizer's own
     tokenizer_config.json, special tokens and chat template), or writes a tokenizer_config.json,

@@ -377,13 +377,14 @@ def peak_buffers_from_dump(dump_dir: str | os.PathLike, *, top: int = 15,
     return report
 
 
-def compile_with_buffers(lowered, *, top: int = 15):
+def compile_with_buffers(lowered, *, top: int = 15, options: dict | None = None):
     """lowered.compile() with XLA dumping into a temporary folder; (compiled, peak_buffers).
+    options: further compiler options (xla_flags.compiler_options).
     Dump options do not change the program XLA builds, only what it writes. A dump this
     module cannot read (another XLA's format) gives {'error': ...}, not a failed compile."""
     dump = tempfile.mkdtemp(prefix="titanax-xla-dump-")
     try:
-        compiled = lowered.compile(compiler_options={"xla_dump_to": dump})
+        compiled = lowered.compile(compiler_options={**(options or {}), "xla_dump_to": dump})
         try:
             report = peak_buffers_from_dump(dump, top=top)
         except (OSError, ValueError, KeyError, IndexError) as e:

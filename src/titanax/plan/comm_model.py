@@ -127,15 +127,23 @@ def fsdp_comm(cfg: Config, shape: StepShape, n_params: int, net: Network) -> Axi
     fsdp_group_params = (fsdp_gathered(cfg.model, deg) if is_moe(cfg)
                          else n_params / (tp * pp))
     share = (shards - 1) / shards
+    gathered = share * fsdp_group_params * 2 * act_bytes  # forward and backward all-gathers
     if cfg.lora.enabled:  # the base gathered; the adapters' gradients reduced (docstring)
         embed_side, other_side = adapter_params(cfg.model, cfg.lora) \
             .sides_over_tensor_pipeline(deg)
-        nbytes = share * (fsdp_group_params * 2 * act_bytes
-                          + (embed_side + 2 * other_side) * _grad_bytes(cfg, shape))
+        nbytes = gathered + share * (embed_side + 2 * other_side) * _grad_bytes(cfg, shape)
     else:
-        nbytes = share * fsdp_group_params * (2 * act_bytes + _grad_bytes(cfg, shape))
-    return net.ring("fsdp", accum * nbytes, 3 * accum * (cfg.model.n_layers // pp + 2),
+        nbytes = gathered + share * fsdp_group_params * _grad_bytes(cfg, shape)
+    ring = net.ring("fsdp", accum * nbytes, 3 * accum * (cfg.model.n_layers // pp + 2),
                     overlapped=True, over=("fsdp", "context") if shape.context > 1 else ())
+    if ring is not None and not cfg.execution.loop_double_buffering:
+        # The layer loop single-buffered: the next layer's weight all-gather has no buffer to
+        # fill during this layer's compute, so the all-gathers (forward and backward) are
+        # taken as exposed; the gradients' reduce-scatters stay hidden.
+        exposed = accum * gathered / ring.bus_bandwidth
+        ring = dataclasses.replace(ring, overlapped=False,
+                                   hidden_s=max(ring.seconds - exposed, 0.0))
+    return ring
 
 
 def data_comm(cfg: Config, shape: StepShape, n_params: int, net: Network) -> AxisComm | None:

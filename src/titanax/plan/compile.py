@@ -57,11 +57,12 @@ def compile_train_step(cfg: Config, cluster: Cluster, target: str, buffers: int 
     lowered = lower_train_step(cfg, mesh)
     t2 = time.perf_counter()
     with model_context(mesh):
+        options = xla_flags.compiler_options(cfg)  # loop_double_buffering=false
         if buffers:     # XLA dumps its buffer assignment into a temporary folder
             from titanax.plan.buffers import compile_with_buffers
-            compiled, peak_buffers = compile_with_buffers(lowered, top=buffers)
+            compiled, peak_buffers = compile_with_buffers(lowered, top=buffers, options=options)
         else:
-            compiled = lowered.compile()
+            compiled = lowered.compile(compiler_options=options or None)
         t3 = time.perf_counter()
     hlo = compiled.as_text()
     return {
@@ -199,10 +200,20 @@ def _fit(cfg: Config, cluster: Cluster, target: str, fit: dict, need: dict,
     degrees = layout_for(cfg, cluster).degrees
     answer = search_fit(cfg, lambda c: compile_train_step(c, cluster, target, audit=audit),
                         fit["capacity"], fit["where"], batch_ways(degrees), need=need,
-                        log=lambda msg: print(msg, file=sys.stderr, flush=True))
+                        log=lambda msg: print(msg, file=sys.stderr, flush=True),
+                        predict=lambda c: predicted_step_s(c, cluster),
+                        loop_buffering=target == "gpu")
     return {"line": answer.line(), "fits": answer.fits, "overrides": answer.overrides,
             "bytes": answer.fit_bytes, "tried": answer.tried, "set_flags": answer.set_flags(),
-            "result": answer.fit_result}
+            "why": answer.why, "result": answer.fit_result}
+
+
+def predicted_step_s(cfg: Config, cluster: Cluster) -> float:
+    """The cost model's step time of cfg on the cluster (plan.fit's tie-breaker)."""
+    from titanax.plan.cluster import layout_for
+    from titanax.plan.cost_model import estimate
+
+    return estimate(cfg, cluster, layout_for(cfg, cluster)).step_s
 
 
 if __name__ == "__main__":

@@ -86,6 +86,9 @@ def estimate(cfg: Config, cluster: Cluster, layout: Layout,
              eff: Efficiencies = EFFICIENCIES, doc_tokens: float | None = None) -> Estimate:
     """doc_tokens: mean tokens per packed document (plan/documents.py); None: read from the
     config's shard folders, if it masks documents and they say."""
+    if cfg.train.grad_accum_auto:  # never planned silently at 1 (planner.evaluate_auto)
+        raise ValueError("estimate: train.grad_accum=auto is a choice to make first "
+                         "(titanax.plan.planner.evaluate_auto, or plan.model_fit)")
     hw = cluster.hardware
     if doc_tokens is None:
         doc_tokens = mean_document_tokens(cfg)

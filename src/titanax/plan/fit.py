@@ -15,6 +15,11 @@ weights in host memory. Within one such group the memory falls as grad_accum gro
 microbatches, one gradient sum), so the group's largest count is compiled first: when even
 that does not fit the group is skipped, else a bisection finds its smallest count that fits
 (70B on 8 H100s with the optimizer offloaded: 6 compiles where the whole ladder took 16).
+On a GPU each group is also compiled with the layer loop single-buffered
+(execution.loop_double_buffering=false: the same math, less memory, the next layer's weight
+all-gather less hidden) at the counts below the group's answer; when one fits, the cost model's
+faster of the two is taken and the line says which and why (docs/planner.md, "The layer
+loop's double buffering").
 """
 
 from __future__ import annotations
@@ -37,6 +42,10 @@ def size(n: float) -> str:
 
 # measure(cfg) -> {'memory': memory_fit.compiled_memory(...), ...}; raises if it cannot compile
 Measure = Callable[[Config], dict]
+# predict(cfg) -> the cost model's step seconds (plan/cost_model.py), to choose between changes
+Predict = Callable[[Config], float]
+# The layer loop's buffering (xla_flags.compiler_options): double-buffered by default
+DOUBLE_BUFFERING = "execution.loop_double_buffering"
 
 
 @dataclasses.dataclass
@@ -48,6 +57,8 @@ class FitAnswer:
     fit_bytes: int = 0          # its memory per device
     fit_result: dict | None = None  # measure()'s answer for it
     tried: list[dict] = dataclasses.field(default_factory=list)
+    # Why this change over the layer loop's other buffering (one sentence), when both fit
+    why: str = ""
 
     @property
     def fits(self) -> bool:
@@ -66,7 +77,8 @@ class FitAnswer:
         if self.fits:
             return f"{head}: fits"
         if self.overrides:
-            return f"{head}; {self.set_flags()} fits ({size(self.fit_bytes)})"
+            why = f": {self.why}" if self.why else ""
+            return f"{head}; {self.set_flags()} fits ({size(self.fit_bytes)}){why}"
         state = state_bytes(self.need)
         if state >= self.capacity:
             why = (f"{size(state)} of it is the train state and batch, which no "
@@ -83,14 +95,14 @@ def _value(v) -> str:
     return str(v).lower() if isinstance(v, bool) else str(v)
 
 
-def auto_choice(overrides: dict, memory: str) -> str:
+def auto_choice(overrides: dict, memory: str, why: str = "") -> str:
     """The line train.grad_accum=auto logs for the change it takes, e.g.
     'train.grad_accum=auto -> 16, with execution.remat=full train.offload_params=true (70.6 GB of
     76.0 GB)': the other settings it changed are named, so the log says what runs."""
     others = " ".join(f"{k}={_value(v)}" for k, v in overrides.items()
                       if k != "train.grad_accum")
     return (f"train.grad_accum=auto -> {overrides['train.grad_accum']}"
-            f"{', with ' + others if others else ''} ({memory})")
+            f"{', with ' + others if others else ''} ({memory}){': ' + why if why else ''}")
 
 
 def state_bytes(memory: dict[str, int]) -> int:
@@ -132,12 +144,17 @@ def candidates(cfg: Config, batch_ways: int) -> Iterator[dict]:
 
 
 def search_fit(cfg: Config, measure: Measure, capacity: int, where: str, batch_ways: int,
-               *, need: dict | None = None, log=None) -> FitAnswer:
+               *, need: dict | None = None, log=None, predict: Predict | None = None,
+               loop_buffering: bool = False) -> FitAnswer:
     """cfg's memory (measured, or `need` when known) against capacity; when it does not fit,
     the first group of candidate_groups with a count that fits, at its smallest such count
     (the group's largest count compiled first, then a bisection: module docstring).
-    Candidates the config rejects are skipped; one that fails to compile is recorded and
-    skipped. Nothing is searched when the state alone is too big."""
+    loop_buffering (a GPU compile, where execution.loop_double_buffering means something):
+    each group is also tried with the layer loop single-buffered at the counts below the
+    double-buffered answer (from the configured count up); when one fits, `predict`'s faster
+    of the two is the answer (without predict, the double-buffered), and answer.why says
+    which and why. Candidates the config rejects are skipped; one that fails to compile is
+    recorded and skipped. Nothing is searched when the state alone is too big."""
     say = log or (lambda *_a: None)
     need = need if need is not None else measure(cfg)["memory"]
     answer = FitAnswer(need, capacity, where)
@@ -155,30 +172,75 @@ def search_fit(cfg: Config, measure: Measure, capacity: int, where: str, batch_w
         r = results[key]
         return None if r is None else r["memory"]["total"] <= capacity
 
-    for overrides, ladder in candidate_groups(cfg, batch_ways):
-        group = [{**overrides, "train.grad_accum": k} for k in ladder]
+    def smallest(group: list[dict]) -> dict | None:
+        """The group's candidate with the fewest microbatches that fits (None: none does)."""
+        if not group:
+            return None
         # The most microbatches first: the group's least memory. (Only the plain sum may need
         # less at 1 than at 2, having no running sum there: then 1 is tried on its own.)
         plain_one = (group[0]["train.grad_accum"] == 1 and len(group) > 1
                      and _sums_plainly(cfg, group[1]))
         if plain_one and fits(group[0]):
-            found = group[0]
-        elif not fits(group[-1]):
+            return group[0]
+        if not fits(group[-1]):
+            return None
+        lo, hi = 1 if plain_one else 0, len(group) - 1
+        while lo < hi:  # the smallest index that fits; group[hi] fits
+            mid = (lo + hi) // 2
+            if fits(group[mid]):
+                hi = mid
+            else:
+                lo = mid + 1
+        return group[hi]
+
+    single = loop_buffering and cfg.execution.loop_double_buffering
+    start = cfg.train.known_grad_accum
+    for overrides, ladder in candidate_groups(cfg, batch_ways):
+        found = smallest([{**overrides, "train.grad_accum": k} for k in ladder])
+        alt = None
+        if single:  # the loop single-buffered, at fewer microbatches than found needs
+            below = [k for k in sorted({start, *ladder})
+                     if found is None or k < found["train.grad_accum"]]
+            alt = smallest([{**overrides, DOUBLE_BUFFERING: False, "train.grad_accum": k}
+                            for k in below])
+        chosen = found or alt
+        if found and alt:
+            chosen, answer.why = _faster(cfg, found, alt, predict)
+        elif found and single and (k := found["train.grad_accum"]) > min(below or [k]):
+            closest = {**overrides, DOUBLE_BUFFERING: False, "train.grad_accum": max(below)}
+            r = results.get(tuple(closest.items()))
+            answer.why = (f"the layer loop single-buffered at grad_accum {max(below)} does not "
+                          f"fit either" + (f" ({size(r['memory']['total'])})" if r else ""))
+        if chosen is None:
             continue
-        else:
-            lo, hi = 1 if plain_one else 0, len(group) - 1
-            while lo < hi:  # the smallest index that fits; group[hi] fits
-                mid = (lo + hi) // 2
-                if fits(group[mid]):
-                    hi = mid
-                else:
-                    lo = mid + 1
-            found = group[hi]
-        result = results[tuple(found.items())]
-        answer.overrides, answer.fit_bytes = found, result["memory"]["total"]
+        result = results[tuple(chosen.items())]
+        answer.overrides, answer.fit_bytes = chosen, result["memory"]["total"]
         answer.fit_result = result
         break
     return answer
+
+
+def _faster(cfg: Config, double: dict, single: dict, predict: Predict | None
+            ) -> tuple[dict, str]:
+    """(the faster of the double-buffered change and the single-buffered one with fewer
+    microbatches, one sentence saying which and why) by the cost model's step time."""
+    k2, k1 = double["train.grad_accum"], single["train.grad_accum"]
+    if predict is None:
+        return double, (f"grad_accum {k1} with the layer loop single-buffered fits too "
+                        "(not compared: no cost model here)")
+    try:
+        t2 = predict(apply_overrides(cfg, double))
+        t1 = predict(apply_overrides(cfg, single))
+    except (ConfigError, ValueError, KeyError) as e:  # a layout the cost model cannot price
+        return double, (f"grad_accum {k1} with the layer loop single-buffered fits too (not "
+                        f"compared: {str(e).splitlines()[0][:120]})")
+    if t1 < t2:
+        return single, (f"the layer loop single-buffered at grad_accum {k1} ({t1:.2f} s a "
+                        f"step by the cost model: the weight all-gathers it no longer hides) "
+                        f"beats double-buffered at grad_accum {k2} ({t2:.2f} s)")
+    return double, (f"double-buffered at grad_accum {k2} ({t2:.2f} s a step by the cost "
+                    f"model) beats the layer loop single-buffered at grad_accum {k1} "
+                    f"({t1:.2f} s: its weight all-gathers are no longer hidden)")
 
 
 def _sums_plainly(cfg: Config, overrides: dict) -> bool:
@@ -228,14 +290,34 @@ def fit_to_devices(cfg: Config, mesh, log=print):
         return {"memory": memory_fit.compiled_memory(compiled), "compiled": compiled}
 
     first = measure(start)
+    on_gpu = mesh.devices.flat[0].platform == "gpu"  # where the loop's buffering is an option
     answer = search_fit(start, measure, *capacity, step_shape.batch_ways(mesh.shape),
-                        need=first["memory"], log=log)
+                        need=first["memory"], log=log, predict=_predictor(mesh),
+                        loop_buffering=on_gpu)
     if answer.fits:
         if auto:
             log(f"train.grad_accum=auto -> 1 ({size(answer.need['total'])} of "
                 f"{size(answer.capacity)})")
         return start, first["compiled"]
     if auto and answer.overrides:
-        log(auto_choice(answer.overrides, f"{size(answer.fit_bytes)} of {size(answer.capacity)}"))
+        log(auto_choice(answer.overrides, f"{size(answer.fit_bytes)} of {size(answer.capacity)}",
+                        answer.why))
         return apply_overrides(cfg, answer.overrides), answer.fit_result["compiled"]
     raise memory_fit.DoesNotFit(answer.line())
+
+
+def _predictor(mesh) -> Predict | None:
+    """The cost model's step time on mesh's devices (plan/cost_model.py), or None when the
+    hardware table does not know them (a CPU)."""
+    from titanax.hardware import HARDWARE, lookup_device
+    from titanax.plan.cluster import Cluster, layout_for
+    from titanax.plan.cost_model import estimate
+
+    hw = lookup_device(mesh.devices.flat[0].device_kind)
+    if hw is None:
+        return None
+    kind = next(k for k, v in HARDWARE.items() if v is hw)
+    n = mesh.devices.size
+    per_node = min(n, hw.gpus_per_node)
+    cluster = Cluster(kind, max(n // per_node, 1), per_node)
+    return lambda c: estimate(c, cluster, layout_for(c, cluster)).step_s

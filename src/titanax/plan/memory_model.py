@@ -230,7 +230,11 @@ def _transient_bytes(cfg: Config, deg: dict[str, int], tokens: float,
     # weights gathered in the compute dtype (one prefetched) with an unreduced gradient. The
     # gradient itself goes straight into its slot of the gradient buffer. Refit against
     # every row of docs/planner.md's compiled-memory table (scripts/planner_memory_table.py).
-    layer_transient = (tokens_micro * (6 * m.ffn_dim + 4 * d) * abytes / tp
+    # With the loop single-buffered (execution.loop_double_buffering=false) the compiles hold
+    # half a [tokens, ffn] buffer less (70B, FSDP, grad_accum 1: 172.8 -> 172.3 GB on 8x B200
+    # at batch 16, 78.1 -> 77.1 on 64x H100 at batch 256).
+    ffn_buffers = 6 if cfg.execution.loop_double_buffering else 5.5
+    layer_transient = (tokens_micro * (ffn_buffers * m.ffn_dim + 4 * d) * abytes / tp
                        + 6 * d * m.ffn_dim / tp * abytes)
     if is_moe(cfg):  # the same buffers over the experts' rows (plan/moe.py)
         layer_transient = layer_transient_bytes(cfg, StepShape.of(cfg, deg),

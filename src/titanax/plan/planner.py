@@ -17,6 +17,7 @@ from titanax.plan.compute_model import LORA_FLOP_FORMULA
 from titanax.plan.cost_model import EFFICIENCIES, Estimate, estimate
 from titanax.plan.documents import documents_summary
 from titanax.plan.fit import auto_choice
+from titanax.plan.model_fit import model_fit
 from titanax.plan.moe import dispatch_json
 from titanax.plan.step_shape import StepShape
 from titanax.train.throughput import FLOP_FORMULA
@@ -71,7 +72,10 @@ def evaluate(cfg: Config, cluster: Cluster, *, compile_step: bool, buffers: int 
                         "Change it with --set mesh.*=... or try --search") from None
     est = estimate(cfg, cluster, layout)
     if not compile_step:
-        return _plan_dict(cfg, cluster, layout, est, None)
+        plan = _plan_dict(cfg, cluster, layout, est, None)
+        if not plan["fits"]:  # the fix, by the cost model (nothing compiled to measure it)
+            plan["fit"] = model_fit(cfg, cluster)
+        return plan
     hw = cluster.hardware
     fit = {"capacity": int(est.usable_memory_bytes),
            "where": f"{est.usable_memory_bytes / hw.hbm_bytes:.0%} of the {hw.name}'s "
@@ -92,6 +96,8 @@ def evaluate_auto(cfg: Config, cluster: Cluster, *, compile_step: bool, buffers:
     when one does."""
     cfg = apply_overrides(cfg, {"train.grad_accum": 1})
     plan = evaluate(cfg, cluster, compile_step=compile_step, buffers=buffers, audit=audit)
+    if not compile_step:
+        return _auto_by_model(cfg, cluster, plan)
     fit = (plan.get("compile") or {}).get("fit") or {}
     if fit.get("fits"):
         plan["grad_accum_auto"] = "train.grad_accum=auto -> 1"
@@ -103,8 +109,26 @@ def evaluate_auto(cfg: Config, cluster: Cluster, *, compile_step: bool, buffers:
                 "fit": plan["fit"],
                 "grad_accum_auto": auto_choice(
                     fit["overrides"], f"{fit['bytes'] / 1e9:.1f} GB, where grad_accum 1 "
-                    f"needs {plan['per_device_bytes'] / 1e9:.1f} GB")}
+                    f"needs {plan['per_device_bytes'] / 1e9:.1f} GB", fit.get("why", ""))}
     return plan
+
+
+def _auto_by_model(cfg: Config, cluster: Cluster, plan: dict) -> dict:
+    """train.grad_accum=auto under --no-compile: the cost model's smallest change that fits
+    (plan/model_fit.py), said to be the model's; launch.train measures it by compiling."""
+    why = "by the cost model: --no-compile; launch.train compiles it"
+    if plan["fits"]:
+        return {**plan, "grad_accum_auto": f"train.grad_accum=auto -> 1 ({why})"}
+    fit = model_fit(cfg, cluster, broad=False)  # what launch.train's auto may change
+    if not fit["overrides"]:
+        return {**plan, "grad_accum_auto": f"train.grad_accum=auto: no grad_accum or remat "
+                f"fits {cluster.n_gpus} GPUs ({why}); {plan['fit']['line']}"}
+    chosen = apply_overrides(cfg, fit["overrides"])
+    layout = layout_for(chosen, cluster)
+    memory = (f"{fit['bytes'] / 1e9:.1f} GB, where grad_accum 1 needs "
+              f"{plan['per_device_bytes'] / 1e9:.1f} GB, {why}")
+    return {**_plan_dict(chosen, cluster, layout, estimate(chosen, cluster, layout), None),
+            "fit": fit, "grad_accum_auto": auto_choice(fit["overrides"], memory)}
 
 
 def _plan_dict(cfg: Config, cluster: Cluster, layout: Layout, est: Estimate,
@@ -131,6 +155,7 @@ def _plan_dict(cfg: Config, cluster: Cluster, layout: Layout, est: Estimate,
                      "offload_params": cfg.train.offload_params,
                      "context_strategy": cfg.execution.context_strategy,
                      "tp_overlap": cfg.execution.tp_overlap,
+                     "loop_double_buffering": cfg.execution.loop_double_buffering,
                      "pipeline": dataclasses.asdict(cfg.pipeline)},
         "documents": documents_summary(cfg),
         "compiled_for": _compiled_for(compiled, cluster),

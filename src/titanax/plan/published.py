@@ -49,7 +49,9 @@ def uncertainty() -> dict:
     rows = []
     for p in PUBLISHED:
         cluster = Cluster(p.gpu, p.nodes)
-        cfg = plan_config(load_config(aot.REPO / CONFIG, list(p.overrides)), cluster)
+        # (at the runs' own grad_accum 1, not the preset's auto)
+        cfg = plan_config(load_config(aot.REPO / CONFIG, ["train.grad_accum=1", *p.overrides]),
+                          cluster)
         predicted = estimate(cfg, cluster, layout_for(cfg, cluster)).tokens_per_s_per_gpu
         rows.append({"run": p.run, "published": p.tokens_per_s_per_gpu,
                      "predicted": predicted, "ratio": p.tokens_per_s_per_gpu / predicted})

@@ -138,7 +138,8 @@ def format_plan(plan: dict) -> str:
             f"settings: batch {s['batch_size']} x seq {s['seq_len']}, grad_accum "
             f"{s['grad_accum']}, remat {s['remat']}, attention {s['attention_impl']}, matmul "
             f"{s['matmul_precision']}" + _context_setting(plan)
-            + (", tp_overlap" if s.get("tp_overlap") else ""),
+            + (", tp_overlap" if s.get("tp_overlap") else "")
+            + (", layer loop single-buffered" if s.get("loop_double_buffering") is False else ""),
             *_documents_line(plan),
             f"compiled for: {plan['compiled_for']}"
             + (f" in {plan['compile']['compile_s']:.1f} s (lowering {plan['compile']['lower_s']:.1f}"

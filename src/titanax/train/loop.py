@@ -32,7 +32,7 @@ from titanax.data.pipeline import build_data, check_source_kind, with_epoch_step
 from titanax.models.registry import model_spec
 from titanax.ops.linear import precision_refusal
 from titanax.parallel.layer_order import reorder_restored
-from titanax.parallel.mesh import build_mesh, describe_mesh
+from titanax.parallel.mesh import build_mesh, check_layout, describe_mesh
 from titanax.parallel.rules import batch_input_spec, model_context
 from titanax.preemption import PreemptionWatch, first_step_dispatched
 from titanax.train import metrics as M
@@ -42,6 +42,7 @@ from titanax.train.batches import global_batch, process_rows
 from titanax.train.compilation_cache import compilation_cache
 from titanax.train.optim import horizon_change, lr_schedule, make_optimizer
 from titanax.train.profile_window import ProfileWindow
+from titanax.train.resume_check import ResumeCheck
 from titanax.train.run_log import (
     Progress,
     describe_accumulation,
@@ -105,6 +106,24 @@ def _build_data_in_turn(cfg: Config, workdir: pathlib.Path, rows: slice):
     return data or build_data(cfg, workdir, rows=rows)
 
 
+def _check_mesh(cfg: Config, mesh) -> None:
+    """The layout with the degrees -1 resolved to, and the batch's split: refused before the
+    checkpointer (orbax) opens anything."""
+    check_layout(cfg, mesh)
+    batch_ways = math.prod(mesh.shape[a] for a in ("data", "fsdp"))
+    if cfg.train.batch_size % batch_ways:
+        raise ConfigError(f"train.batch_size={cfg.train.batch_size} must be divisible by "
+                          f"mesh data x fsdp = {batch_ways}")
+
+
+def _trainable_count(state: dict) -> int:
+    """The values the optimizer trains: LoRA's adapters alone, else the weights without an
+    MoE's routing bias (moved by its own rule, common/moe_bias.py)."""
+    tree = state["lora"] if "lora" in state else state["params"]
+    return sum(int(x.size) for path, x in jax.tree_util.tree_leaves_with_path(tree)
+               if "router_bias" not in jax.tree_util.keystr(path))
+
+
 def write_config_json(workdir: pathlib.Path, cfg: Config) -> None:
     """WORKDIR/config.json, the config the run trains with, written whole or not at all (a
     kill mid-write leaves the previous one): `launch.train --workdir W` continues from it."""
@@ -127,13 +146,12 @@ class Trainer:
         self.is_main = jax.process_index() == 0
         # One process speaks for the run; errors still raise everywhere.
         self.log = log if self.is_main else (lambda *_a, **_k: None)
-        if self.is_main:  # a logger's missing package stops the run before any restore
+        # A logger's missing package, or a setup that cannot work (W&B without an API key, an
+        # MLflow server nothing listens at: its check()), stops the run before any restore.
+        if self.is_main:
             M.load_loggers(cfg.train.logger_names)
         self.mesh = build_mesh(cfg.mesh, devices)
-        batch_ways = math.prod(self.mesh.shape[a] for a in ("data", "fsdp"))
-        if cfg.train.batch_size % batch_ways:
-            raise ConfigError(f"train.batch_size={cfg.train.batch_size} must be divisible by "
-                              f"mesh data x fsdp = {batch_ways}")
+        _check_mesh(cfg, self.mesh)
         if why := precision_refusal(cfg.execution.matmul_precision):  # e.g. mxfp8 on Hopper
             raise ConfigError(why)
         # A kernel `auto` would run that no GPU run has checked here is checked now, before
@@ -158,6 +176,12 @@ class Trainer:
         # workdir changes: a refused run leaves config.json, the tokenizer and the metrics as
         # they were (an imported run stays the imported run).
         run_state, data_state, resumed = self.restore_or_init()
+        self._refuse_steps_behind(resumed)
+        # The rows the run logged after its checkpoint, read before they are dropped below:
+        # the first step logged again is compared with them (train/resume_check.py).
+        self.resume_check = ResumeCheck(workdir, self.start_step, saved=self.saved_config,
+                                        now=cfg.to_dict(), own_run=data_state is not None,
+                                        schedule_change=self.schedule_change)
         # The data next (a missing folder, another tokenizer, a vocabulary too small); only
         # the embedded corpus writes here, its tokenizer and token caches, once they are valid.
         self.data = _build_data_in_turn(cfg, workdir, process_rows(
@@ -195,6 +219,16 @@ class Trainer:
         self.throughput = Throughput(self.start_step,
                                      cfg.train.batch_size * cfg.train.seq_len)
 
+    def _refuse_steps_behind(self, resumed: str) -> None:
+        """A train.steps below the checkpoint's step has nothing to train: refused, rather
+        than ending in "done: ... final loss nan"."""
+        if self.start_step > self.cfg.train.steps:
+            self.ckpt.close()
+            raise ConfigError(
+                f"train.steps={self.cfg.train.steps}: the checkpoint is at step "
+                f"{self.start_step}, past it ({resumed}); to train further set train.steps "
+                f"above {self.start_step}")
+
     def _announce(self) -> None:
         """Logs what the run trains on what, and the FLOP count its MFU is measured by."""
         cfg, seq_len = self.cfg, self.cfg.train.seq_len
@@ -203,11 +237,13 @@ class Trainer:
         n_no_embed = spec.count_params(cfg.model, exclude_embedding=True)
         self.flops_per_token = spec.flops(cfg.model, seq_len, n_no_embed)
         self.peak, peak_src = peak_flops_per_device(cfg.train.peak_flops, cfg.execution.dtype)
+        trainable = _trainable_count(self.state)
         self.log(f"titanax: {n_params:,} parameters ({n_no_embed:,} without the input "
-                 f"embedding)\n  {FLOP_FORMULA} = {self.flops_per_token:.4g} at S={seq_len}\n"
+                 f"embedding), {trainable:,} trainable\n"
+                 f"  {FLOP_FORMULA} = {self.flops_per_token:.4g} at S={seq_len}\n"
                  f"  peak {self.peak / 1e9:.1f} GFLOP/s per device from {peak_src}\n"
                  f"  {describe_processes()}\n  {describe_mesh(self.mesh)}\n"
-                 f"  data: {self.data.describe()}\n{format_config(cfg)}")
+                 f"  {self.data.describe()}\n{format_config(cfg)}")
         accumulation = describe_accumulation(cfg, dict(self.mesh.shape).get("pipeline", 1))
         if accumulation:
             self.log(f"  {accumulation}")
@@ -222,6 +258,7 @@ class Trainer:
         the first two are empty unless resuming this workdir's own run."""
         cfg = self.cfg
         self.schedule_change = ""  # the log line for a resume onto another lr curve
+        self.saved_config = None  # the resumed checkpoint's config (dict)
         self.graphdef, abstract, self.shardings = abstract_train_state(cfg, self.mesh, self.tx)
         restored, source = self._find_checkpoint(abstract)
         self.lora_base = None  # where a LoRA run's frozen base is stored (checkpoint/lora_base.py)
@@ -231,6 +268,7 @@ class Trainer:
                                                                            self.tx)
             return {}, None, ""
         self.lora_base = restored.lora_base if cfg.lora.enabled else None
+        self.saved_config = restored.config
         saved = Config.from_dict(restored.config)
         self.state = reorder_restored(restored.state, {k: self.shardings[k] for k in
                                                        restored.state}, saved, cfg)
@@ -352,6 +390,7 @@ class Trainer:
             row["fp8_nonfinite_amax"] = self.bad_steps.nonfinite_amax
         # the architecture's auxiliary losses and routing statistics (an MoE's), this step's
         row.update({k: float(v) for k, v in m_host.items() if k.startswith("aux/")})
+        self.resume_check.check(step, row["loss"], self.ckpt, self.log)  # the first after a resume
         self.losses[step] = row["loss"]
         self.writer.write(step, row)
         progress.show(step, row)
@@ -386,6 +425,10 @@ class Trainer:
                      f"{self.ckpt.directory}; rerun the same command to resume")
             return RunResult(step, self.losses, self.val_losses, 0.0, self.workdir, skipped,
                              True, watch.exit_code)
+        if step == self.start_step and step:  # a finished run run again: no "loss nan"
+            self.log(f"done: nothing to train, the checkpoint is at step {step} = train.steps; "
+                     f"to train further set train.steps above {step}")
+            return RunResult(step, self.losses, self.val_losses, 0.0, self.workdir, skipped)
         if self.is_main:
             M.plot_loss(self.workdir)
         mean_rate = self.throughput.mean()

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from titanax import xla_flags
 from titanax.config import Config, ConfigError
 from titanax.parallel.rules import batch_input_spec, model_context
 from titanax.train.optim import lr_schedule, make_optimizer
@@ -79,8 +80,8 @@ def compile_train_step(cfg: Config, mesh):
     """cfg's train step compiled for mesh (not run): the executable the loop can run as is
     (its inputs are the state and batch with the shardings lower_train_step gave them)."""
     lowered = lower_train_step(cfg, mesh)  # (builds the abstract state outside the mesh)
-    with model_context(mesh):
-        return lowered.compile()
+    with model_context(mesh):  # execution.loop_double_buffering=false: a per-compile option
+        return lowered.compile(compiler_options=xla_flags.compiler_options(cfg) or None)
 
 
 def step_memory(cfg: Config, mesh) -> dict[str, int]:

@@ -64,7 +64,17 @@ def step_line(step: int, steps: int, row: dict) -> str:
     return (f"{stamp} step {step}/{steps} loss {row['loss']:.4f} tok/s "
             f"{row['tokens_per_s']:,.0f} mfu {row['mfu']:.1%} step {row['step_time']:.3f}s "
             f"mem {_gib(row.get('mem_in_use'))}/{_gib(row.get('mem_peak'))} GiB "
-            f"skipped {row['skipped_steps']}")
+            f"skipped {row['skipped_steps']}{_moe_part(row)}")
+
+
+def _moe_part(row: dict) -> str:
+    """An MoE run's routing balance (the aux/ rows, models/common/moe_hooks.py): the
+    load-balancing loss (experts_per_token when balanced) and the busiest expert's load over
+    the mean (1.0: balanced)."""
+    if "aux/max_over_mean_load" not in row:
+        return ""
+    return (f" balance loss {row.get('aux/load_balance_loss', float('nan')):.3f} "
+            f"max/mean load {row['aux/max_over_mean_load']:.2f}")
 
 
 class Progress:
@@ -87,8 +97,10 @@ class Progress:
             self.log(step_line(step, self.steps, row))
             return
         self.bar.update(step - self.bar.n)
+        moe = ({"load": f"{row['aux/max_over_mean_load']:.2f}"}
+               if "aux/max_over_mean_load" in row else {})
         self.bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}",
-                             mfu=f"{row['mfu']:.1%}")
+                             mfu=f"{row['mfu']:.1%}", **moe)
 
     def close(self, step: int) -> None:
         if self.bar is not None:

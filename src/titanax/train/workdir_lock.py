@@ -93,3 +93,14 @@ def workdir_lock(workdir: str | os.PathLike, *, enabled: bool = True):
             (workdir / LOCK_NAME).unlink()
             workdir.rmdir()
         os.close(fd)  # releases the lock
+
+
+def enclosing_run(path: str | os.PathLike) -> pathlib.Path | None:
+    """The run folder (a workdir: it holds the lock file, or checkpoints/ and config.json)
+    that `path` is, or lies inside, else None: a command writing there (launch.export_hf's
+    --out, launch.eval's results) takes that run's lock (workdir_lock) as training does."""
+    for folder in (pathlib.Path(path).absolute(), *pathlib.Path(path).absolute().parents):
+        if (folder / LOCK_NAME).is_file() or (
+                (folder / "checkpoints").is_dir() and (folder / "config.json").is_file()):
+            return folder
+    return None

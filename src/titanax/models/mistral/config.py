@@ -15,6 +15,8 @@ from titanax.config.model import ModelConfig
 @dataclass(frozen=True)
 class MistralConfig(ModelConfig):
     arch: str = "mistral"
+    rope_scaling: str = "none"  # plain RoPE: its Hugging Face form has no llama3 scaling
+    ROPE_SCALINGS = ("none",)
     sliding_window: int = 0  # attention window in tokens (0: none); only one hiding nothing is taken
 
     def __post_init__(self):

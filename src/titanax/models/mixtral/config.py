@@ -11,6 +11,8 @@ from titanax.config.moe import MoEModelConfig
 @dataclass(frozen=True)
 class MixtralConfig(MoEModelConfig):
     arch: str = "mixtral"
+    rope_scaling: str = "none"  # plain RoPE: its Hugging Face form has no llama3 scaling
+    ROPE_SCALINGS = ("none",)
 
 
 CONFIG = MixtralConfig

@@ -11,6 +11,8 @@ from titanax.config.model import ModelConfig
 @dataclass(frozen=True)
 class Qwen3Config(ModelConfig):
     arch: str = "qwen3"
+    rope_scaling: str = "none"  # plain RoPE: its Hugging Face form has no llama3 scaling
+    ROPE_SCALINGS = ("none",)
 
 
 CONFIG = Qwen3Config

@@ -12,6 +12,8 @@ from titanax.config.moe import MoEModelConfig
 @dataclass(frozen=True)
 class Qwen3MoeConfig(MoEModelConfig):
     arch: str = "qwen3_moe"
+    rope_scaling: str = "none"  # plain RoPE: its Hugging Face form has no llama3 scaling
+    ROPE_SCALINGS = ("none",)
 
 
 CONFIG = Qwen3MoeConfig

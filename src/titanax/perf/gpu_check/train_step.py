@@ -38,7 +38,7 @@ BYTES_PER_PARAM = 16
 # activations, a 1024-token chunk of logits and library workspaces fit in this.
 ACTIVATION_RESERVE = 10 * 2**30
 GPU = {"model.n_layers": 1, "train.batch_size": 1, "train.seq_len": 8192, "mesh.data": 1,
-       "mesh.fsdp": 1}
+       "mesh.fsdp": 1, "train.grad_accum": 1}  # (the preset's is auto: launch.train's choice)
 # The dry run: a model a few MB in size on the tiny config, same step, same FP8 recipes.
 DRY = {"model.d_model": 64, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2,
        "model.ffn_dim": 128, "model.vocab_size": 256, "train.batch_size": 2,

@@ -5,15 +5,22 @@ names them (train.steps). The run id is stored in WORKDIR/loggers.json on the fi
 resumed run continues it.
 
 It talks to the store through MlflowClient with the run id in hand, not mlflow.start_run:
-the fluent API keeps one active run per process, which a caller's own run would collide with."""
+the fluent API keeps one active run per process, which a caller's own run would collide with.
+
+MLflow's HTTP client retries a failed request 7 times with exponential backoff (about 4
+minutes before a server nothing listens at is reported); check() bounds that, for the
+variables the user has not set (HTTP_LIMITS), and tries a tracking server's port first, so an
+unreachable server is refused in seconds. Mid-run failures are the Guarded wrapper's
+(titanax/train/loggers/__init__.py): one warning, training goes on."""
 
 from __future__ import annotations
 
 import json
 import os
 import pathlib
-import sys
+import socket
 import time
+import urllib.parse
 
 from titanax.config.errors import ConfigError
 from titanax.train.loggers import Resume, flat_config, missing_extra, scalars
@@ -27,20 +34,46 @@ except ModuleNotFoundError:
     raise missing_extra("mlflow", "mlflow") from None
 
 MAX_PARAM_CHARS = 6000  # MLflow's limit on a parameter's value
+# MLflow's defaults: 7 retries, backoff factor 2, 120 s per request. These: a request that
+# cannot connect is given up after about 3 s (retries after 0 s and 2 s), one that hangs
+# after 3 x 10 s. Set only where the user has not set them.
+HTTP_LIMITS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+               "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+PROBE_TIMEOUT_S = 5.0
+_FIX = ("Set MLFLOW_TRACKING_URI to a tracking server (http://HOST:5000) or a database "
+        "(sqlite:///PATH, with the full mlflow package), or drop mlflow from train.loggers; "
+        "docs/monitoring.md")
 
 
 class MlflowLogger:
+    FIX = _FIX
+
+    @classmethod
+    def check(cls) -> None:
+        """Bounds the client's retries, and refuses a tracking server nothing listens at."""
+        for name, value in HTTP_LIMITS.items():
+            os.environ.setdefault(name, value)
+        uri = mlflow.get_tracking_uri()
+        parts = urllib.parse.urlsplit(uri)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            return
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        try:
+            socket.create_connection((parts.hostname, port), timeout=PROBE_TIMEOUT_S).close()
+        except OSError as e:
+            why = e.strerror or type(e).__name__
+            raise ConfigError(f"train.loggers: mlflow cannot reach the tracking server {uri!r} "
+                              f"({why}): start it, or {_FIX[0].lower()}{_FIX[1:]}") from None
+
     def start(self, workdir: pathlib.Path, config: dict, resume: Resume) -> None:
-        uri, self._failing = mlflow.get_tracking_uri(), False
+        uri = mlflow.get_tracking_uri()
         try:
             self._client = MlflowClient(uri)
             self._open_run(pathlib.Path(workdir), _params(config), resume, uri)
         except MlflowException as e:  # no store there, or one MLflow refuses (a plain folder)
             raise ConfigError(
                 f"train.loggers: mlflow could not use the tracking store {uri!r}: "
-                f"{_first_line(e)}. Set MLFLOW_TRACKING_URI to a tracking server "
-                "(http://HOST:5000) or a database (sqlite:///PATH, with the full mlflow "
-                "package); docs/monitoring.md") from e
+                f"{_first_line(e)}. {_FIX}") from e
 
     def _open_run(self, workdir: pathlib.Path, params: dict[str, str], resume: Resume,
                   uri: str) -> None:
@@ -78,27 +111,11 @@ class MlflowLogger:
         if step < self._first_new_step:
             return
         stamp = int(values.get("time", time.time()) * 1000)  # the row's own time, in ms
-        self._call(f"step {step}", self._client.log_batch, self._run_id, metrics=[
+        self._client.log_batch(self._run_id, metrics=[
             Metric(k, float(v), stamp, int(step)) for k, v in scalars(values).items()])
 
     def close(self) -> None:
-        self._call("the run's end", self._client.set_terminated, self._run_id)
-
-    def _call(self, what: str, fn, *args, **kwargs) -> None:
-        """A tracking server down for a while must not stop a training run (the client has
-        retried by now, and metrics.jsonl holds every row): one line when logging fails, one
-        when it works again."""
-        try:
-            fn(*args, **kwargs)
-        except MlflowException as e:
-            if not self._failing:
-                print(f"titanax: mlflow did not record {what} ({_first_line(e)}); "
-                      "metrics.jsonl has it", file=sys.stderr)
-            self._failing = True
-            return
-        if self._failing:
-            print(f"titanax: mlflow records again from {what}", file=sys.stderr)
-        self._failing = False
+        self._client.set_terminated(self._run_id)
 
 
 def _first_line(e: Exception) -> str:

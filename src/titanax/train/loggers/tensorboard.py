@@ -11,6 +11,8 @@ from titanax.train.loggers import Resume, scalars
 
 
 class TensorBoardLogger:
+    FIX = "WORKDIR/tb must be a writable folder; or drop tensorboard from train.loggers"
+
     def start(self, workdir: pathlib.Path, config: dict, resume: Resume) -> None:
         # purge_step: TensorBoard hides the events an earlier run wrote from this step on, as
         # metrics.jsonl drops its rows, so a resumed run's repeated steps show once.

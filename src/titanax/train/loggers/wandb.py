@@ -10,6 +10,7 @@ import os
 import pathlib
 import secrets
 
+from titanax.config.errors import ConfigError
 from titanax.train.loggers import Resume, missing_extra, scalars
 
 try:
@@ -18,7 +19,37 @@ except ModuleNotFoundError:
     raise missing_extra("wandb", "wandb") from None
 
 
+NO_SERVER_MODES = ("offline", "disabled", "dryrun")
+_FIX = ("run `wandb login` or set WANDB_API_KEY (WANDB_MODE=offline logs without a server), "
+        "or drop wandb from train.loggers; docs/monitoring.md")
+
+
+def _has_credentials() -> bool:
+    """An API key W&B will find: $WANDB_API_KEY, an identity token file, or ~/.netrc's entry
+    for the server (what `wandb login` writes). True when that cannot be told."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    try:
+        from wandb.sdk.lib.wbauth.wbnetrc import read_netrc_auth
+
+        return bool(read_netrc_auth(host=os.environ.get("WANDB_BASE_URL")
+                                    or "https://api.wandb.ai"))
+    except Exception:  # noqa: BLE001 - another wandb version: wandb.init tells
+        return True
+
+
 class WandbLogger:
+    FIX = _FIX
+
+    @classmethod
+    def check(cls) -> None:
+        """Online W&B without an API key: refused before the run restores or writes anything
+        (wandb.init would stop on it later, or wait at a login prompt)."""
+        mode = (os.environ.get("WANDB_MODE") or "online").strip().lower()
+        if mode in NO_SERVER_MODES or _has_credentials():
+            return
+        raise ConfigError(f"train.loggers: wandb has no API key (WANDB_MODE={mode}): {_FIX}")
+
     def start(self, workdir: pathlib.Path, config: dict, resume: Resume) -> None:
         workdir = pathlib.Path(workdir)
         run_id = resume.stored("wandb").get("run_id")
