@@ -11,8 +11,11 @@
 #    line (what jax said, the plugins and CUDA versions found) and a gpu_check.json/.md in
 #    $OUT saying so, exit 3, instead of a loan spent on the CPU.
 # 2. python3 -m launch.gpu_check, its sections in order of value (device, kernels, train with
-#    cuDNN first, attention, fp8, choices) under a 510 s limit that includes killing a
-#    section past its budget, each row saved as it finishes, working files in
+#    cuDNN first, attention, fp8, choices: the A/B rows of choices.py, each default chosen
+#    without a GPU against its alternative, first the sm90 fused backward, shipped on by the
+#    static bound, against the dq and dkv kernels at head_dim 128 and 64) under a 510 s limit
+#    that includes killing a section past its budget, each row saved as it finishes, working
+#    files in
 #    $GPU_LOAN_WORK (default runs/gpu_loan), and after every section gpu_check.json,
 #    gpu_check.md and logs.tar.gz in $OUT (default runs/gpu_loan/out): a loan returns at most
 #    8 files of $OUT, so a run stopped at any point still returns what it measured. Sections

@@ -106,12 +106,12 @@ def test_dense_mask_cudnn_attention_fails(hlo):
 
 
 def test_our_mosaic_kernels_count_their_own_matmuls(hlo):
-    """The sm90 kernels: a forward (2 units of 2*B*H*S*T*D) and a split backward, dq (recompute
-    S and dP, then dQ: 3 units) and dkv (4 units), causal: what they execute."""
+    """The sm90 kernels: a forward (2 units of 2*B*H*S*T*D) and the fused backward (bwd_fused,
+    shipped: S, dP, dV, dK and dQ once each, 5 units), causal: what they execute."""
     audit = A.audit_hlo(hlo["mosaic"], seq_len=S)
     unit = 2.0 * B * H * S * S * D / 2
     rows = sorted((r["direction"], r["flops"] / unit) for r in audit["attention"])
-    assert rows == [("backward", 3), ("backward", 4), ("forward", 2)]
+    assert rows == [("backward", 5), ("forward", 2)]
     assert {r["kind"] for r in audit["attention"]} == {"Mosaic GPU kernel"}
     assert all(r["causal_assumed"] for r in audit["attention"])
     assert audit["gemms_by_kind"] == {} and audit["findings"] == []

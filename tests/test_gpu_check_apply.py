@@ -269,34 +269,88 @@ def test_decide_needs_every_case_and_the_margin():
 
 def test_choices_tuning_one_config_merge_and_a_shipped_win_drops_only_its_knob(repo):
     """The sm90 forward's overlap and persistence and its fused backward tune one TUNED entry:
-    two wins keep both knobs; a later run where the shipped value of one wins drops that knob
-    alone."""
+    two wins keep both knobs (the overlap turned on, the shipped fused backward turned off);
+    a later run where the shipped table's value of one wins drops that knob alone."""
     key = "flash_attention/sm90/hd128"
 
-    def row(choice, variant, knobs, ms, shipped=False):
+    def row(choice, variant, knobs, ms, shipped=False, base=None):
         return {"choice": choice, "variant": variant, "shipped": shipped, "tunes": key,
-                "knobs": knobs, "base": shipped, "ms": ms, "status": "ok"}
+                "knobs": knobs, "base": shipped if base is None else base, "ms": ms,
+                "status": "ok"}
 
     rep = _result()
     rep["sections"]["choices"]["rows"] = [
+        row("sm90_bwd_fused", "on", {"bwd_fused": True}, 3.0, shipped=True),
+        row("sm90_bwd_fused", "off", {"bwd_fused": False}, 2.5),
         row("sm90_fwd_overlap", "off", {"fwd_overlap": False}, 2.0, shipped=True),
-        row("sm90_fwd_overlap", "on", {"fwd_overlap": True}, 1.8),
-        row("sm90_bwd_fused", "off", {"bwd_fused": False}, 3.0, shipped=True),
-        row("sm90_bwd_fused", "on", {"bwd_fused": True}, 2.5)]
+        row("sm90_fwd_overlap", "on", {"fwd_overlap": True}, 1.8)]
     knobs, why = tune(rep)[key]
-    assert knobs == {"fwd_overlap": True, "bwd_fused": True}
-    assert "sm90_bwd_fused: on" in why and "sm90_fwd_overlap: on" in why
+    assert knobs == {"fwd_overlap": True, "bwd_fused": False}
+    assert "sm90_bwd_fused: off" in why and "sm90_fwd_overlap: on" in why
     source = (repo / "pallas_kernels" / "measured.py").read_text()
     source = update_measured(source, {}, 9, "H200 2026-12-03", tune(rep))
-    assert _exec(source)["TUNED"][(key, 9)] == {"bwd_fused": True, "fwd_overlap": True}
-    # Later, with both on (shipped now): the fused backward's shipped-table value wins back.
+    assert _exec(source)["TUNED"][(key, 9)] == {"bwd_fused": False, "fwd_overlap": True}
+    # Later, with the split backward running (TUNED): the shipped table's fused one wins back.
     later = _result()
     later["sections"]["choices"]["rows"] = [
-        row("sm90_bwd_fused", "on", {"bwd_fused": True}, 3.0, shipped=True) | {"base": False},
-        row("sm90_bwd_fused", "off", {"bwd_fused": False}, 2.5) | {"base": True}]
+        row("sm90_bwd_fused", "off", {"bwd_fused": False}, 3.0, shipped=True, base=False),
+        row("sm90_bwd_fused", "on", {"bwd_fused": True}, 2.5, base=True)]
     assert tune(later)[key][0] == {"bwd_fused": None}
     source = update_measured(source, {}, 9, "H200 2026-12-04", tune(later))
     assert _exec(source)["TUNED"][(key, 9)] == {"fwd_overlap": True}
+
+
+def test_a_split_backward_win_turns_the_shipped_fused_one_off(repo, monkeypatch):
+    """bwd_fused ships on for sm90 at head_dim 64 and 128 (the static bound): the choices rows
+    built as choices_section builds them have it as the shipped variant and the table's own;
+    the dq and dkv kernels winning by MARGIN write bwd_fused=False into TUNED for that head_dim
+    bucket, which default_config then gives; the next loan has the split form as shipped, and
+    the fused one winning back removes the entry."""
+    from pallas_kernels import measured as live
+    from pallas_kernels.flash_attention import config
+    from titanax.perf.gpu_check import choices
+
+    by_name = {c.name: c for c in choices.CHOICES}
+
+    def rows(fast: bool) -> list[dict]:  # fast: which bwd_fused value is faster
+        out = []
+        for name in ("sm90_bwd_fused", "sm90_bwd_fused_hd64"):
+            choice = by_name[name]
+            for var, shipped in choices.ordered_variants(choice):
+                out.append({"choice": name, "variant": var.label, "shipped": shipped,
+                            "tunes": config.tuned_key(*choice.tunes), "knobs": dict(var.knobs),
+                            "base": choices.is_base(choice, var), "status": "ok",
+                            "ms": 2.5 if var.knobs["bwd_fused"] is fast else 3.0})
+        return out
+
+    assert {c.tunes for c in by_name.values() if c.name.startswith("sm90_bwd_fused")} == {
+        ("mosaic_sm90", 128), ("mosaic_sm90", 64)}
+    rep = _result()
+    rep["sections"]["choices"]["rows"] = first = rows(fast=False)
+    assert [(r["variant"], r["shipped"], r["base"]) for r in first[:2]] == [
+        ("bwd_fused=True", True, True), ("bwd_fused=False", False, False)]
+    tuning = tune(rep)
+    for hd in (64, 128):
+        assert tuning[f"flash_attention/sm90/hd{hd}"][0] == {"bwd_fused": False}
+    source = update_measured((repo / "pallas_kernels" / "measured.py").read_text(), {}, 9,
+                             "NVIDIA H200 2026-12-05", tuning)
+    monkeypatch.setattr(live, "TUNED", _exec(source)["TUNED"])
+    for hd in (64, 128):
+        assert not config.default_config("mosaic_sm90", hd).bwd_fused
+        assert config.base_config("mosaic_sm90", hd).bwd_fused  # the table keeps it on
+    assert not config.default_config("mosaic_sm100", 128).bwd_fused  # Blackwell: as before
+    # The next loan: the split form runs now (its shipped row), fused is the table's value.
+    later = _result()
+    later["sections"]["choices"]["rows"] = second = rows(fast=True)
+    assert [(r["variant"], r["shipped"], r["base"]) for r in second[:2]] == [
+        ("bwd_fused=False", True, False), ("bwd_fused=True", False, True)]
+    for hd in (64, 128):
+        assert tune(later)[f"flash_attention/sm90/hd{hd}"][0] == {"bwd_fused": None}
+    source = update_measured(source, {}, 9, "NVIDIA H200 2026-12-06", tune(later))
+    monkeypatch.setattr(live, "TUNED", _exec(source)["TUNED"])
+    assert not [k for k in live.TUNED if k[0].startswith("flash_attention/sm90/")], live.TUNED
+    assert config.default_config("mosaic_sm90", 64).bwd_fused
+    assert config.default_config("mosaic_sm90", 128).bwd_fused
 
 
 def test_a_variant_disagreeing_with_the_shipped_one_fails_and_is_never_adopted():
@@ -351,8 +405,8 @@ def test_after_a_tuning_the_choices_of_its_config_still_have_a_shipped_variant(m
     by_name = {c.name: c for c in choices.CHOICES}
     fused = by_name["sm90_bwd_fused"]
     marked = choices.ordered_variants(fused)
-    assert [(v.label, shipped) for v, shipped in marked] == [("bwd_fused=False", True),
-                                                             ("bwd_fused=True", False)]
+    assert [(v.label, shipped) for v, shipped in marked] == [("bwd_fused=True", True),
+                                                             ("bwd_fused=False", False)]
     assert all(choices.variant_config(fused, v).fwd_overlap for v, _ in marked)
     overlap = by_name["sm90_fwd_overlap"]
     (now, shipped), (other, _) = choices.ordered_variants(overlap)

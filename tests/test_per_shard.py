@@ -160,6 +160,7 @@ def test_h100_compile_runs_the_kernel_on_local_shards():
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     res = json.loads(lines[-1][len("RESULT"):])
-    # forward + dq + dkv kernels, each on a (4 rows, 8 q heads) shard; nothing gathered
-    want = {"gathers": 0, "calls": 3, "local": True}
+    # forward + the fused backward (bwd_fused, shipped at hd128), each on a (4 rows, 8 q heads)
+    # shard; nothing gathered
+    want = {"gathers": 0, "calls": 2, "local": True}
     assert res == {"flat": want, "pipeline": want}, res

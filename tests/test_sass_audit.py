@@ -4,6 +4,7 @@ forward with fwd_overlap on and off: the overlap the config declares is in the o
 kernel's SASS and the same claims, checked on the synchronous kernel, are reported missing."""
 
 import os
+import re
 
 import pytest
 
@@ -169,6 +170,64 @@ def test_fwd_overlap_claims_in_sass(sm90_forwards):
     # per tile: 64 x 128 scores; QK^T and PV are 4096 FLOP/clk/SM work of 512 clk at hd64
     assert over["sass"]["bound"]["tensor"] == sync["sass"]["bound"]["tensor"] == 512
     assert over["sass"]["mma"]["counts"]["ex2"] >= 64  # one exp2 per score per thread, + alpha
+
+
+@pytest.fixture(scope="module")
+def sm90_fused_backwards():
+    """The sm90 fused backward (FlashConfig.bwd_fused), causal: its asynchronous form at
+    head_dim 64 and, at 128, the synchronous form it runs there (kernel_sm90_bwd_fused_sync.py,
+    the form before): two deviceless compiles, their SASS audited."""
+    _tools_or_skip()
+    rows = rep.collect("h100", head_dims=(64, 128), sass=True, fused_bwd=True,
+                       only=r"^mosaic_sm90 dqkv (64|128) causal\+bwd_fused$")
+    by_hd = {r["head_dim"]: r for r in rows}
+    assert set(by_hd) == {64, 128}, rows
+    return by_hd
+
+
+def test_fused_backward_overlaps_in_sass(sm90_fused_backwards):
+    """exp2 under dP^T, dS under dV, and dV, dK, dQ waited for once: declared in
+    OVERLAP_CLAIMS for the asynchronous form and there in its SASS; the synchronous form (a
+    wait per MMA), held to the same claims, fails every one of them."""
+    fused, sync = sm90_fused_backwards[64], sm90_fused_backwards[128]
+    for r in (fused, sync):
+        assert "error" not in r["sass"], r["sass"]
+        assert r["ok"], r["why"]  # no spills, no serialized wgmma
+        assert r["sass"]["register_order"] == []  # registers given back before any wait
+    claims = sa.claims_for(fused)
+    assert [c.unit for c in claims] == ["mma", "ex2", "fp32", "mma"], claims
+    assert fused["claim_problems"] == [], fused["claim_problems"]
+    main = fused["sass"]["mma"]
+    assert main["overlapped"]["ex2"] == main["counts"]["ex2"] == 32  # 64 x 64 / 128 threads
+    # the five MMAs with three waits: S^T alone (D1, exp2 after it), dP^T alone (D1, dV
+    # issued before it), then dV, dK and dQ together (D0; run_state's own wait at the end of
+    # the step finds nothing in flight)
+    assert re.search(r"M4 M4 D1 e32 A M4r D1 .*A M4 M4 D0 ", main["schedule"]), main
+    assert main["schedule"].count("D1") == 2, main
+    assert fused["sass"]["bound"]["tensor"] == 640  # 5 x 64 x 64 x 64 x 2 / 4096
+    missing = sa.check_claims(sync["sass"], [c for c in claims if c.head_dims])
+    assert len(missing) == 3 and all(m.startswith("claimed overlap missing") for m in missing), \
+        missing
+    assert sync["sass"]["mma"]["overlapped"]["ex2"] == 0
+
+
+
+def test_sm100_p_tmem_and_correction_claims_in_sass():
+    """fwd_p_tmem's P V reads P from TMEM and fwd_correction's softmax loop waits on no
+    mbarrier after its exp2 (sass_audit claims a_tmem, softmax_waits), in the SASS of a
+    deviceless sm_100a compile; the shipped forward, held to the same claims, fails both."""
+    _tools_or_skip()
+    rows = rep.collect("b200", head_dims=(128,), sass=True,
+                       only=r"^mosaic_sm100 fwd 128 causal(\+fwd_p_tmem(\+fwd_correction)?)?$")
+    by = {r["variant"]: r for r in rows}
+    new, shipped = by["causal+fwd_p_tmem+fwd_correction"], by["causal"]
+    claims = sa.claims_for(new)
+    assert [c.unit for c in claims] == ["a_tmem", "softmax_waits"], claims
+    assert new["claim_problems"] == [] and by["causal+fwd_p_tmem"]["claim_problems"] == []
+    assert new["sass"]["mma"]["a_tmem"] == 8 and "correction" in new["sass"]
+    assert new["ok"] and by["causal+fwd_p_tmem"]["ok"], (new["why"], by["causal+fwd_p_tmem"])
+    missing = sa.check_claims(shipped["sass"], claims)
+    assert len(missing) == 2 and all(m.startswith("claimed overlap missing") for m in missing)
 
 
 def test_table_markers():

@@ -1,6 +1,7 @@
 """Deviceless GPU compiles of flash attention, forward and backward, at Llama-3-70B shapes
 (64 q heads, 8 kv heads, head_dim 128, causal, bf16): H100 (sm_90a: mosaic_sm90 and triton) and
-B200 (sm_100a: mosaic_sm100 and triton); the Mosaic impls' backward must be Mosaic too. A
+B200 (sm_100a: mosaic_sm100 and triton); the Mosaic impls' backward must be Mosaic too, in both
+its forms (FlashConfig.bwd_fused on and off: Hopper ships it on, Blackwell off). A
 Mosaic kernel whose SMEM ring exceeds the chip's 227 KiB must fail to compile. Runs in
 subprocesses with the CUDA plugin of .venv/cuda-plugin and JAX_PLATFORMS=cpu
 (pallas_kernels.aot), so the rest of the suite never loads CUDA: one per GPU kind, because
@@ -39,11 +40,17 @@ for kind, impl in ((target, impl) for impl in IMPLS[target]):
         res[f"{kind}/mosaic_bwd"] = "__gpu$xla.gpu.triton" not in text
     if impl == "mosaic_sm100":  # the MMAs are tcgen05 with TMEM accumulators
         res["b200/tcgen05"] = "tcgen05.mma" in text and "tcgen05.ld" in text
-    if impl.startswith("mosaic"):  # FlashConfig.bwd_fused: dQ by TMA reduce-adds, which the
-        # interpreter does not run (it gives each CTA a slice of its own): only here
-        fused = dataclasses.replace(default_config(impl, D), bwd_fused=True)
-        text = aot.compile_for(kind, fwd_bwd(impl, fused), q, kv, kv).as_text()
-        res[f"{kind}/fused_reduce_add"] = "cp.reduce.async.bulk.tensor" in text
+    if impl.startswith("mosaic"):  # both backward forms, the shipped one above and the
+        # other: FlashConfig.bwd_fused (dQ by TMA reduce-adds, which the interpreter does not
+        # run: it gives each CTA a slice of its own; only here) and the dq and dkv kernels
+        base = default_config(impl, D)
+        res[f"{kind}/fused_default"] = base.bwd_fused
+        texts = {base.bwd_fused: text}
+        other = dataclasses.replace(base, bwd_fused=not base.bwd_fused)
+        texts[other.bwd_fused] = aot.compile_for(kind, fwd_bwd(impl, other), q, kv, kv).as_text()
+        res[f"{kind}/fused_reduce_add"] = "cp.reduce.async.bulk.tensor" in texts[True]
+        res[f"{kind}/split_no_reduce_add"] = "cp.reduce.async.bulk.tensor" not in texts[False]
+        res[f"{kind}/other_mosaic_bwd"] = "__gpu$xla.gpu.triton" not in texts[other.bwd_fused]
 # K and V rings of 4 x 256 keys x 128 x bf16 = 512 KiB: over any GPU's shared memory.
 too_big = FlashConfig(block_q=64, block_kv=256, max_concurrent_steps=4)
 if target == "h100":
@@ -70,4 +77,8 @@ def test_deviceless_compile_70b_shapes():
     assert res["b200/mosaic_sm100"] and res["b200/tcgen05"], res
     assert res["h100/mosaic_bwd"] and res["b200/mosaic_bwd"], res
     assert res["h100/fused_reduce_add"] and res["b200/fused_reduce_add"], res
+    assert res["h100/split_no_reduce_add"] and res["b200/split_no_reduce_add"], res
+    assert res["h100/other_mosaic_bwd"] and res["b200/other_mosaic_bwd"], res
+    # the shipped backward: fused on Hopper (head_dim 128), the dq and dkv kernels on Blackwell
+    assert res["h100/fused_default"] is True and res["b200/fused_default"] is False, res
     assert "exceeds available shared memory" in res["smem_overflow"], res["smem_overflow"]

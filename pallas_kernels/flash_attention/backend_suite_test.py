@@ -245,9 +245,70 @@ def test_sm100_fwd_exp2_fma_matches_reference(case):
                   config=cfg)
 
 
-# The sm90 backward with FlashConfig.bwd_fused (kernel_sm90_bwd_fused.py: FA3's one kernel,
-# dQ added per CTA): GQA, causal and not, packed documents, padded lengths, keys past every
-# query, fp16; head_dim 64 and 128 (both FUSED_MAX_HEAD_DIM lets it run at).
+# The sm100 forward with P in TMEM (FlashConfig.fwd_p_tmem: the P V MMA reads P from two TMEM
+# buffers) and with FA4's correction warpgroup (fwd_correction: the O rescale off the softmax,
+# skipped unless a row's max grew by more than log2(256)): 3+ key tiles per query tile (both P
+# buffers and both factor buffers reused), causal, GQA, padded lengths, packed documents (rows
+# whose first tile is all masked: their first rescale is by 0), batch 2, non-causal fp16, head
+# dims 64 and 128; values and gradients through the saved log-sum-exp. (correction, grads)
+P_TMEM_CASES = {
+    "causal_gqa_tail_hd64": (Case(S=300, H=2, N=1), False, True),
+    "causal_gqa_tail_hd64_correction": (Case(S=300, H=2, N=1), True, True),
+    "causal_documents_batch_hd128_correction": (Case(B=2, S=400, K=128, H=2, N=1,
+                                                     segments=True), True, True),
+    "noncausal_documents_hd128": (Case(S=300, K=128, causal=False, segments=True), False, False),
+    "noncausal_fp16_hd64_correction": (Case(S=300, causal=False, dtype="float16"), True, False),
+}
+
+
+@pytest.mark.parametrize("case", list(P_TMEM_CASES))
+def test_sm100_fwd_p_tmem_matches_reference(case):
+    from pallas_kernels.flash_attention import default_config
+    c, corr, grads = P_TMEM_CASES[case]
+    cfg = dataclasses.replace(default_config("mosaic_sm100", c.K), fwd_p_tmem=True,
+                              fwd_correction=corr)
+    check_backend("mosaic_sm100", case, cases={k: v[0] for k, v in P_TMEM_CASES.items()},
+                  config=cfg, grads=grads)
+
+
+def test_sm100_fwd_correction_rescales_when_the_max_moves():
+    """The correction warpgroup's two branches: keys growing along the sequence (a ramp
+    added to K, queries scaled up) move every row's max by more than 8 (log2 units) at later
+    key tiles, so O is rescaled there, while small moves keep the stale max (P up to 256);
+    values and the log-sum-exp the backward reads match the shipped forward's."""
+    from pallas_kernels.flash_attention import default_config, flash_attention_fwd
+    S, K = 400, 64
+    ks = jax.random.split(jax.random.key(1), 3)
+    q = (4.0 * jax.random.normal(ks[0], (1, S, 2, K))).astype(jnp.bfloat16)
+    k = (jax.random.normal(ks[1], (1, S, 1, K))
+         + jnp.linspace(0.0, 1.0, S)[None, :, None, None]).astype(jnp.bfloat16)
+    v = jax.random.normal(ks[2], (1, S, 1, K)).astype(jnp.bfloat16)
+    base = default_config("mosaic_sm100", K)
+    runs = [jax.jit(lambda q, k, v, cfg=cfg: flash_attention_fwd(
+        q, k, v, causal=True, impl="mosaic_sm100", config=cfg, interpret=True))(q, k, v)
+            for cfg in (base, dataclasses.replace(base, fwd_p_tmem=True, fwd_correction=True))]
+    (o0, lse0), (o1, lse1) = runs
+    ref = attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)), causal=True)
+    assert _rel_err(o1, ref) < TOL[jnp.dtype(jnp.bfloat16)]
+    assert _rel_err(o1, o0) < TOL[jnp.dtype(jnp.bfloat16)]
+    np.testing.assert_allclose(np.asarray(lse1), np.asarray(lse0), rtol=1e-5, atol=1e-3)
+    # the inputs do what the docstring says: some row's max grows by more than 8 in log2
+    # units from one 128-key tile to a later one (the rescale branch), and most rows' maxes
+    # move by less between neighbouring tiles (the skip)
+    s = np.einsum("bqhd,bkd->bhqk", np.asarray(q, np.float32),
+                  np.asarray(k, np.float32)[:, :, 0]) * K ** -0.5 * np.log2(np.e)
+    s = np.where(np.tril(np.ones((S, S), bool)), s, -np.inf)
+    run_max = np.maximum.accumulate(np.stack([s[..., j:j + 128].max(-1)
+                                              for j in range(0, S, 128)], -1), axis=-1)
+    moves = np.diff(run_max[..., 2:, :], axis=-1)  # rows 2.. see every tile from the first
+    assert (moves > 8).any() and (moves <= 8).mean() > 0.5, (moves > 8).mean()
+
+
+# The fused backward (FlashConfig.bwd_fused): sm90's (kernel_sm90_bwd_fused.py: FA3's one
+# kernel, dQ added per CTA; the shipped sm90 backward at head_dim <= 128, so CASES above run
+# it too) and sm100's: GQA, causal and not, packed documents, padded lengths, keys past every
+# query, fp16; head_dim 64 and 128 (both FUSED_MAX_HEAD_DIM lets it run at). sm90 skips the
+# cases equal to one of CASES (test_backend_matches_reference ran them at the shipped config).
 FUSED_CASES = {
     "causal_gqa_tail_hd64": Case(S=140),
     "noncausal_documents_hd64": Case(S=150, causal=False, segments=True),
@@ -258,9 +319,13 @@ FUSED_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(FUSED_CASES))
-@pytest.mark.parametrize("impl,module", [("mosaic_sm90", "kernel_sm90_bwd"),
-                                         ("mosaic_sm100", "kernel_sm100_bwd")])
+_FUSED_RUNS = [(impl, module, case) for impl, module in (("mosaic_sm90", "kernel_sm90_bwd"),
+                                                          ("mosaic_sm100", "kernel_sm100_bwd"))
+               for case, c in FUSED_CASES.items()
+               if impl != "mosaic_sm90" or c not in CASES.values()]
+
+
+@pytest.mark.parametrize("impl,module,case", _FUSED_RUNS)
 def test_bwd_fused_matches_reference(impl, module, case, monkeypatch):
     """Both generations' fused backward: sm90's FA3 kernel (kernel_sm90_bwd_fused.py) and
     sm100's (kernel_sm100_bwd.fused_bwd: the dkv kernel plus an M = 64 tcgen05 dQ_t = dS_t K
@@ -276,6 +341,27 @@ def test_bwd_fused_matches_reference(impl, module, case, monkeypatch):
     cfg = dataclasses.replace(default_config(impl, c.K), bwd_fused=True)
     check_backend(impl, case, cases=FUSED_CASES, config=cfg)
     assert ran, "the fused backward did not run"
+
+
+# The sm90 dq and dkv kernels (kernel_sm90_bwd.mosaic_bwd, FA2's split): the shipped backward
+# before bwd_fused became the default at head_dim <= 128, kept as its A/B alternative
+# (gpu_check's sm90_bwd_fused rows): the cases of CASES whose backward is a Mosaic kernel (not
+# fp32, head_dim <= 128, no decoding mask: those take the reference, backends.GENERAL).
+SPLIT_CASES = {name: c for name, c in CASES.items()
+               if c.K <= 128 and c.dtype != "float32" and not c.q_offset
+               and c.kv_valid_len is None}
+
+
+@pytest.mark.parametrize("case", list(SPLIT_CASES))
+def test_sm90_split_bwd_matches_reference(case, monkeypatch):
+    from pallas_kernels.flash_attention import default_config, kernel_sm90_bwd
+    c = SPLIT_CASES[case]
+    ran = []
+    monkeypatch.setattr(kernel_sm90_bwd, "mosaic_bwd",
+                        lambda *a, f=kernel_sm90_bwd.mosaic_bwd, **k: ran.append(1) or f(*a, **k))
+    cfg = dataclasses.replace(default_config("mosaic_sm90", c.K), bwd_fused=False)
+    check_backend("mosaic_sm90", case, cases=SPLIT_CASES, config=cfg)
+    assert ran, "the dq and dkv kernels did not run"
 
 
 NEW_BACKEND = '''

@@ -13,16 +13,27 @@ the sm90 forward to FlashAttention-3's intra-warpgroup pipelining (kernel_sm90.p
 tile's S = Q K^T and this tile's P V stay in flight on the tensor core during the softmax, the
 softmax scale folded into exp2's FMA); bwd_fused switches the sm90 backward (head_dim <= 128)
 from the dq and dkv kernels to FlashAttention-3's single kernel (kernel_sm90_bwd_fused.py: S
-and dP computed once per tile, dQ added with TMA reduce-adds), and the sm100 one (head_dim <=
+and dP computed once per tile, dQ added with TMA reduce-adds; asynchronous, exp2 and dS under
+the MMAs, at head_dim 64), and the sm100 one (head_dim <=
 128) to its dkv kernel computing dQ_t = dS_t K per tile as well (kernel_sm100_bwd.fused_bwd,
 the same reduce-adds); fwd_q_tiles=2 gives each sm100 forward CTA two 128-row query tiles with
 a softmax warpgroup each, taking turns on the tensor core (FlashAttention-4's q_stage=2,
 kernel_sm100.py); fwd_exp2_fma computes one of each key tile's 32-score slices'
 exponentials with a polynomial on the FMA units instead of MUFU (FA4's exp2 emulation,
-kernel_sm100.exp2_fma: a quarter of them at 128-key tiles, half at 64); fwd_persistent makes
+kernel_sm100.exp2_fma: a quarter of them at 128-key tiles, half at 64); fwd_p_tmem keeps
+the sm100 forward's P in TMEM for the P V MMA (tcgen05 with A in TMEM) and fwd_correction (with
+it) moves the O rescale to a correction warpgroup that skips it unless a row's max grew by more
+than log2(256) (FA4's, kernel_sm100.py); fwd_persistent makes
 the sm90 forward persistent (kernel_sm90.py: persistent_ctas CTAs, by default one per SM,
 each walking output tiles longest first, the next tile's K/V and Q loads under this tile's
-loop and epilogue). All of them are off until a GPU run measures them (docs/attention.md).
+loop and epilogue). bwd_fused is on for the sm90 backward at head_dim 64 and 128: the SASS
+audit's static bound per tile puts the fused kernel at 0.71x the dq and dkv kernels' (640 against
+896 clocks at head_dim 64, 1280 against 1792 at 128; docs/attention.md), which is what issue 53
+asked of it, before a GPU has timed it (the loan's sm90_bwd_fused rows, at both head dims,
+time it against the split form, and a split win turns it off through measured.TUNED; the
+first-contact check, titanax/train/attention_check.py, falls back to cuDNN or XLA if the
+default hangs or disagrees on a run's GPU). The others are off until a GPU run measures them
+(docs/attention.md).
 Invalid values fail here, at construction, instead of deep inside a kernel compile.
 
 default_config() is the shipped table below, with the knobs a GPU run measured faster on that
@@ -60,6 +71,8 @@ class FlashConfig:
     persistent_ctas: int | None = None  # fwd_persistent's CTAs; None: the GPU's SM count
     fwd_q_tiles: int = 1  # sm100 forward: 128-row query tiles per CTA, a softmax WG each
     fwd_exp2_fma: bool = False  # sm100 forward: one 32-score slice per tile: exp2 on FMAs
+    fwd_p_tmem: bool = False  # sm100 forward: P in TMEM for the P V MMA (tcgen05 A operand)
+    fwd_correction: bool = False  # sm100 forward: FA4's correction WG, conditional rescale
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd"):
@@ -83,12 +96,20 @@ class FlashConfig:
                 not isinstance(self.persistent_ctas, int) or self.persistent_ctas < 1):
             raise ValueError(f"FlashConfig.persistent_ctas={self.persistent_ctas!r}: a CTA "
                              "count >= 1, or None for one per SM of the GPU")
-        for name in ("fwd_overlap", "bwd_fused", "fwd_persistent", "fwd_exp2_fma"):
+        for name in ("fwd_overlap", "bwd_fused", "fwd_persistent", "fwd_exp2_fma",
+                     "fwd_p_tmem", "fwd_correction"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"FlashConfig.{name}={getattr(self, name)!r}: use True or False")
         if self.fwd_q_tiles not in (1, 2) or isinstance(self.fwd_q_tiles, bool):
             raise ValueError(f"FlashConfig.fwd_q_tiles={self.fwd_q_tiles!r}: 1 (one softmax "
                              "warpgroup per CTA) or 2 (FlashAttention-4's two query tiles)")
+        if self.fwd_correction and not self.fwd_p_tmem:
+            raise ValueError("FlashConfig.fwd_correction=True needs fwd_p_tmem=True: the "
+                             "correction warpgroup takes the O rescale off a softmax that "
+                             "writes P into TMEM buffers of its own")
+        if self.fwd_p_tmem and self.fwd_q_tiles != 1:
+            raise ValueError("FlashConfig.fwd_p_tmem=True runs one query tile per CTA "
+                             "(fwd_q_tiles=1): two tiles' S, O and P exceed TMEM's 512 columns")
 
     def check_mosaic(self) -> None:
         """wgmma/tcgen05 tiles are 64 rows per warpgroup: Mosaic needs multiples of 64."""
@@ -102,10 +123,12 @@ class FlashConfig:
 # query rows, 128-key tiles double-buffered; at head_dim 256 K/V tiles shrink to 64 keys so two
 # stages of K and V (4 x 64 x 256 x 2 B = 128 KiB) plus Q (64 KiB) stay under the limit.
 _DEFAULTS = {
+    # bwd_fused (FA3's one-kernel backward) at 64 and 128 by the static bound (docstring);
+    # at 256 the backward stays the dq and dkv kernels (kernel_sm90_bwd.FUSED_MAX_HEAD_DIM).
     ("sm90", 64): FlashConfig(block_q=64, block_kv=128, block_q_bwd=64, block_kv_bwd=64,
-                              max_concurrent_steps=3),
+                              max_concurrent_steps=3, bwd_fused=True),
     ("sm90", 128): FlashConfig(block_q=64, block_kv=128, block_q_bwd=64, block_kv_bwd=64,
-                               max_concurrent_steps=2),
+                               max_concurrent_steps=2, bwd_fused=True),
     ("sm90", 256): FlashConfig(block_q=64, block_kv=64, block_q_bwd=64, block_kv_bwd=64,
                                max_concurrent_steps=2),
     # sm100 (B200, 227 KiB smem, 512 TMEM columns): 128 query rows per CTA (block_q is fixed

@@ -154,6 +154,12 @@ def test_config_validation_and_dispatch():
                                      interpret=True).astype(jnp.float32).sum()
     with pytest.raises(ValueError, match="two dQ tiles need 640 TMEM columns.*tmem_buffers_bwd=1"):
         jax.eval_shape(jax.grad(loss), q2)
+    # The shipped backward forms: sm90's fused kernel at head_dim 64 and 128 (the static bound,
+    # docs/attention.md; backend_suite_test also runs its split form), the grid kernels at
+    # 256; sm100's dq and dkv kernels.
+    assert [default_config("mosaic_sm90", d).bwd_fused for d in (64, 128, 256)] == [
+        True, True, False]
+    assert not any(default_config("mosaic_sm100", d).bwd_fused for d in (64, 128, 256))
     q, k, v, _ = _inputs(1, 8, 4, 2, 64, jnp.float32)
     with pytest.raises(ValueError, match="bf16/fp16"):
         flash_attention(q, k, v, impl="mosaic_sm90")

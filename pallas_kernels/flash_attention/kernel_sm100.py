@@ -41,9 +41,22 @@ FlashConfig.fwd_exp2_fma (off until measured): the second 32-score slice of each
 takes its exponentials from exp2_fma, a polynomial on the FMA units, beside MUFU's (FA4's
 exp2 emulation).
 
-Left for later, as FA4 does them: a separate correction warpgroup, conditional rescaling with
-a threshold, P kept in TMEM (tcgen05 A operand) instead of SMEM, and a persistent tile
-scheduler.
+FlashConfig.fwd_p_tmem (off until measured): P kept in TMEM for the P V MMA (tcgen05 with its
+A operand in TMEM, FA4's form) instead of SMEM: the softmax stores P_t (bf16/fp16, packed two
+to a column) into one of two P buffers of its own (2 x block_kv / 2 columns; FA4 aliases
+them over S, which the interpreter cannot check, see below), so writing P_t no longer waits
+for P_{t-1} V: only the O rescale does. FlashConfig.fwd_correction (needs fwd_p_tmem) moves
+that rescale to a fourth, correction warpgroup (FA4's): the softmax keeps its running max
+unless a row's max grew by more than RESCALE_THRESHOLD = log2(256) (P then stays <= 256, and
+the sum l uses the same stale max, so O / l and the log-sum-exp are exact), hands each tile's
+factors (1 where the max stayed) to the correction warpgroup through SMEM, and never waits on
+the tensor core inside its loop; the correction warpgroup waits for P_{t-1} V, rescales O in
+TMEM only when some row's factor is not 1 (a warpgroup-wide min), and releases P_t V to the
+MMA warpgroup. One query tile per CTA (fwd_q_tiles=1): 2 x block_kv + D + block_kv <= 512
+TMEM columns (exactly 512 at head_dim 128).
+
+Left for later, as FA4 does them: P aliased over S's TMEM columns, two query tiles with P in
+TMEM, and a persistent tile scheduler.
 
 Tested on CPU under the Mosaic GPU interpreter (tcgen05, TMEM, TMA, barriers) and compiled for
 a B200 without a GPU (aot_test.py).
@@ -62,6 +75,7 @@ from .tile_ranges import tile_ranges
 
 BLOCK_Q = 128  # TMEM lanes: one query row per lane
 _SOFTMAX, _MMA, _LOAD, _SOFTMAX1 = 0, 1, 2, 3
+_CORRECTION = 3  # fwd_correction's warpgroup (one query tile: no second softmax warpgroup)
 TMEM_COLS = 512
 # setmaxnreg per thread, by query tiles per CTA: 3 warpgroups start at 168 each (65536 / 384),
 # 4 at 128; the load warpgroup gives up the most with two softmax warpgroups to feed
@@ -69,6 +83,11 @@ TMEM_COLS = 512
 REGS_LOAD = {1: 40, 2: 24}
 REGS_MMA = 40
 REGS_SOFTMAX = {1: 232, 2: 224}
+REGS_CORRECTION = 96  # fwd_correction: 32-column slices of O and one factor per row
+REGS_SOFTMAX_CORRECTION = 256  # beside it (40 + 40 + 96 + 256 = 432 <= 512)
+# fwd_correction: a row's running max moves only when its new max exceeds it by more than
+# log2(256) (scores are in log2 units), FA4's rescale threshold: P stays <= 2^8.
+RESCALE_THRESHOLD = 8.0
 
 
 def pad_multiples(cfg):
@@ -128,6 +147,12 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
     qk_scale = scale * LOG2E
     row = plgpu.Layout.TCGEN05.reduce(1)  # one value per query row (per TMEM lane)
     nq = config.fwd_q_tiles  # query tiles per CTA, a softmax warpgroup each
+    p_tmem_on, corr = config.fwd_p_tmem, config.fwd_correction
+    if p_tmem_on and (nq != 1 or 3 * block_kv + D > TMEM_COLS):
+        raise ValueError(
+            f"FlashConfig(fwd_p_tmem=True, fwd_q_tiles={nq}, block_kv={block_kv}) at head_dim "
+            f"{D}: P in TMEM needs one query tile and two score buffers + O + two P buffers "
+            f"= {3 * block_kv + D} <= {TMEM_COLS} TMEM columns")
     if nq * (2 * block_kv + D) > TMEM_COLS:
         raise ValueError(
             f"FlashConfig(fwd_q_tiles={nq}, block_kv={block_kv}) at head_dim {D}: {nq} x (two "
@@ -138,7 +163,8 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
                q_smem, k_smem, v_smem, p_smem, lse_smem, qseg_smem, kseg_smem,
                s_tmem, o_tmem,
                q_loaded, kv_loaded, kv_free, s_ready, s_read, p_ready, pv_done,
-               qseg_loaded, kseg_loaded):
+               qseg_loaded, kseg_loaded, p_tmem=None, alpha_smem=None, alpha_ready=None,
+               o_ready=None, o_done=None):
         wg = lax.axis_index("wg")
         batch, q_head = lax.axis_index("batch"), lax.axis_index("heads")
         q_tile = q_block("q_seq", Sp // (nq * BLOCK_Q), causal)  # longest first
@@ -205,9 +231,22 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
             kv_steps = visits()[2]
             plgpu.barrier_wait(q_loaded)
 
-            def pv(t):  # O_i += P_i,t V_t per query tile; frees K/V slot t, tells each softmax
+            def pv(t, last=False):  # O_i += P_i,t V_t per query tile; frees K/V slot t
                 slot = lax.rem(t, jnp.int32(steps))
-                for i in range(nq):
+                if p_tmem_on:  # A operand from TMEM: P_t in P buffer t % 2
+                    pbuf = lax.rem(t, 2)
+                    plgpu.barrier_wait(p_ready.at[pbuf])
+                    if corr:
+                        @pl.when(t >= 1)
+                        def _():  # the correction warpgroup has rescaled O for tile t
+                            plgpu.barrier_wait(o_ready)
+
+                    plgpu.tcgen05_mma(o_tmem, p_tmem.at[:, pl.ds(pbuf * block_kv, block_kv)],
+                                      v_smem.at[slot], accumulate=t > 0)
+                    # fwd_correction: the last P V completes O for the softmax's epilogue
+                    # (o_done); the others release the correction warpgroup (pv_done).
+                    plgpu.tcgen05_commit_arrive(o_done if corr and last else pv_done.at[0])
+                for i in range(nq if not p_tmem_on else 0):
                     plgpu.barrier_wait(p_ready.at[i])
                     plgpu.tcgen05_mma(o_tmem.at[:, pl.ds(i * D, D)], p_smem.at[i],
                                       v_smem.at[slot], accumulate=t > 0)
@@ -233,7 +272,7 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
 
             @pl.when(kv_steps > 0)
             def _():
-                pv(kv_steps - 1)
+                pv(kv_steps - 1, last=True)
 
             @pl.loop(jnp.maximum(kv_steps - 2, 0), kv_steps)
             def _(j):  # observe the last two reads
@@ -244,7 +283,8 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
             """Softmax warpgroup of query tile i (rows q_base + i * 128 ..; i is traced when
             there are two: one copy of this code for both warpgroups, as FA3/FA4 run their
             consumers, since ptxas spilled 40 B with a copy per warpgroup)."""
-            plgpu.set_max_registers(REGS_SOFTMAX[nq], action="increase")
+            plgpu.set_max_registers(REGS_SOFTMAX_CORRECTION if corr else REGS_SOFTMAX[nq],
+                                    action="increase")
             base = q_base + i * BLOCK_Q
             if has_seg:  # the segment ids have barriers of their own, waited here only
                 plgpu.barrier_wait(qseg_loaded)
@@ -295,6 +335,8 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
                 m_new = m_i
                 for s in parts:
                     m_new = jnp.maximum(m_new, s.max(axis=1))
+                if corr:  # FA4: keep the stale max unless it moved by more than 8 (log2 256)
+                    m_new = jnp.where(m_new - m_i > RESCALE_THRESHOLD, m_new, m_i)
                 alpha = jnp.exp2(m_i - m_new)
                 # fwd_exp2_fma: slice 1 on the FMA units, the rest on MUFU (FA4 starts its
                 # emulation at fragment 1 too); a second slice spilled (32-72 B, ptxas).
@@ -305,6 +347,26 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
                     l_i = l_i + p.sum(axis=1)
                 # bf16 P across the O rescale: half the registers of float32 P.
                 parts = [p.astype(dtype) for p in parts]
+                if p_tmem_on:
+                    pbuf = lax.rem(t, 2)  # P_t over P_{t-2}: S_t's s_ready, committed after
+                    # P_{t-2} V was issued, tracks that MMA's completion too (tcgen05.commit)
+                    for c, p in zip(range(0, block_kv, S_SLICE), parts):
+                        plgpu.async_store_tmem(
+                            p_tmem.at[:, pl.ds(pbuf * block_kv + c, S_SLICE)], p)
+                    if corr:  # the factors to the correction warpgroup; no tensor-core wait
+                        alpha_smem.at[pbuf][...] = alpha
+
+                        @pl.when(t >= 1)
+                        def _():
+                            plgpu.barrier_arrive(alpha_ready.at[pbuf])
+                    else:
+                        @pl.when(t >= 1)
+                        def _():  # PV_{t-1} is done: O is complete up to t-1
+                            plgpu.barrier_wait(pv_done.at[i])
+                            _rescale_o(o_buf, alpha)
+                    plgpu.commit_tmem()
+                    plgpu.barrier_arrive(p_ready.at[pbuf])
+                    return m_new, l_i
 
                 @pl.when(t >= 1)
                 def _():  # PV_{t-1} is done: O is complete up to t-1, and P may be rewritten
@@ -327,7 +389,7 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
 
             @pl.when(kv_steps > 0)
             def _():
-                plgpu.barrier_wait(pv_done.at[i])  # the last PV
+                plgpu.barrier_wait(o_done if corr else pv_done.at[i])  # the last PV
 
             if has_seg or nq > 1:
                 @pl.when(own_hi <= own_lo)
@@ -356,6 +418,28 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
                                     lse_gmem.at[batch, q_head, pl.ds(base, BLOCK_Q)])
             plgpu.wait_smem_to_gmem(0)
 
+        if corr:
+            @pl.when(wg == _CORRECTION)
+            def _correction():
+                """FA4's correction warpgroup: for tile t >= 1, once P_{t-1} V is done, O *=
+                the softmax's factors for t, skipped when all 128 are 1 (no row's max moved
+                by more than RESCALE_THRESHOLD); then P_t V may be issued (o_ready)."""
+                plgpu.set_max_registers(REGS_CORRECTION, action="decrease")
+                kv_steps = visits()[2]
+
+                @pl.loop(1, jnp.maximum(kv_steps, 1))
+                def _(t):
+                    pbuf = lax.rem(t, 2)
+                    plgpu.barrier_wait(alpha_ready.at[pbuf])
+                    plgpu.barrier_wait(pv_done.at[0])  # P_{t-1} V
+                    alpha = plgpu.load(alpha_smem.at[pbuf], layout=row)
+
+                    @pl.when(alpha.min() < 1.0)
+                    def _():
+                        _rescale_o(o_tmem, alpha)
+
+                    plgpu.barrier_arrive(o_ready)
+
         if nq == 1:
             pl.when(wg == _SOFTMAX)(lambda: _softmax(0))
         else:
@@ -374,7 +458,8 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
         q_smem=plgpu.SMEM((nq, BLOCK_Q, D), dtype, transforms=tx),  # Q, then the output
         k_smem=plgpu.SMEM((steps, block_kv, D), dtype, transforms=tx),
         v_smem=plgpu.SMEM((steps, block_kv, D), dtype, transforms=tx),
-        p_smem=plgpu.SMEM((nq, BLOCK_Q, block_kv), dtype, transforms=p_tx),
+        p_smem=None if p_tmem_on else plgpu.SMEM((nq, BLOCK_Q, block_kv), dtype,
+                                                 transforms=p_tx),
         lse_smem=plgpu.SMEM((nq, BLOCK_Q), jnp.float32),
         qseg_smem=plgpu.SMEM((nq * BLOCK_Q,), jnp.int32) if has_seg else None,
         kseg_smem=plgpu.SMEM((steps, block_kv), jnp.int32) if has_seg else None,
@@ -388,10 +473,19 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
         # Arrived by the softmax after TMEM reads/writes, waited by the MMA issuer: tensor-core
         # ordered so the tcgen05 fences go around them.
         s_read=plgpu.Barrier(num_barriers=2 * nq, **tc),
-        p_ready=plgpu.Barrier(num_barriers=nq, **tc),
+        # fwd_p_tmem: one per P buffer (the softmax may store P_t before P_{t-1} V is issued)
+        p_ready=plgpu.Barrier(num_barriers=2 if p_tmem_on else nq, **tc),
         pv_done=plgpu.Barrier(num_barriers=nq, **tc),
         qseg_loaded=plgpu.Barrier() if has_seg else None,
         kseg_loaded=plgpu.Barrier(num_barriers=steps) if has_seg else None,
+        # fwd_p_tmem: two P buffers, packed two values to a TMEM column (the tcgen05 A layout)
+        p_tmem=plgpu.TMEM((BLOCK_Q, 2 * block_kv), dtype, packed=True) if p_tmem_on else None,
+        # fwd_correction: the softmax's factors per tile (two buffers), its signal, the
+        # correction warpgroup's release of P_t V, and the last P V's completion
+        alpha_smem=plgpu.SMEM((2, BLOCK_Q), jnp.float32) if corr else None,
+        alpha_ready=plgpu.Barrier(num_barriers=2) if corr else None,
+        o_ready=plgpu.Barrier(**tc) if corr else None,
+        o_done=plgpu.Barrier(**tc) if corr else None,
     )
     scratch = {k_: v_ for k_, v_ in scratch.items() if v_ is not None}
 
@@ -401,7 +495,7 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
         else:
             (out_gmem, lse_gmem), qseg_gmem, kseg_gmem, ranges_gmem = rest, None, None, None
         refs = {"qseg_smem": None, "kseg_smem": None, "qseg_loaded": None,
-                "kseg_loaded": None, **scratch_refs}
+                "kseg_loaded": None, "p_smem": None, **scratch_refs}
         kernel(q_gmem, k_gmem, v_gmem, qseg_gmem, kseg_gmem, ranges_gmem, out_gmem, lse_gmem,
                **refs)
 
@@ -414,6 +508,6 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
         return plgpu.kernel(
             entry, out_type=out_type, scratch_types=scratch,
             grid=(Hq, Sp // (nq * BLOCK_Q), B), grid_names=("heads", "q_seq", "batch"),
-            num_threads=2 + nq, thread_name="wg",
+            num_threads=2 + nq + corr, thread_name="wg",
             compiler_params=plgpu.CompilerParams(approx_math=True),
         )(*args)

@@ -22,7 +22,8 @@ forward's log-sum-exp (log2 units), with delta = rowsum(dO * O) computed once in
 The split recomputes S and dP once more (3.5 instead of 2.5 forward-matmul units).
 FlashConfig.bwd_fused runs FA3's one kernel instead (kernel_sm90_bwd_fused.py: dQ by TMA
 reduce-adds; in the interpreter, which has no TMA reduction, by per-CTA slices summed in XLA)
-at head dims up to FUSED_MAX_HEAD_DIM.
+at head dims up to FUSED_MAX_HEAD_DIM, where it is the shipped default (config.py): these two
+kernels run there with bwd_fused=False (the loan's A/B alternative); at 256, the grid kernels.
 
 Tiles left of the causal diagonal and inside the valid keys take an unmasked fast path. With
 segment ids both kernels visit only the tiles of tile_ranges.py (dq: key tiles per query tile;

@@ -1,40 +1,46 @@
-"""Flash attention backward for Hopper (sm_90a) in FlashAttention-3's form: one kernel per
-(kv tile, kv head, batch) computes dK and dV in registers and adds dQ into a float32 buffer
-with TMA reduce-adds (FlashConfig.bwd_fused; kernel_sm90_bwd.py's two FA2-style kernels stay
-the default until a GPU measures both).
+"""Flash attention backward for Hopper (sm_90a) in FlashAttention-3's asynchronous form
+(hopper/mainloop_bwd_sm90_tma_gmma_ws.hpp): one kernel per (kv tile, kv head, batch) computes
+dK and dV in registers and adds dQ into a float32 buffer with TMA reduce-adds
+(FlashConfig.bwd_fused: the shipped sm90 backward at head_dim 64 and 128 by the SASS audit's
+static bound, kernel_sm90_bwd.py's two FA2-style kernels its A/B alternative until a GPU
+measures both). Head dims up to ASYNC_MAX_HEAD_DIM (64); above it (128) the synchronous form
+before this one, kernel_sm90_bwd_fused_sync.py, runs instead (docs/attention.md, "sm90 fused
+backward": at 128 this form spills).
 
 A CTA owns 2 x block_kv_bwd keys: each of two consumer warpgroups keeps its 64-key K and V
 tiles in SMEM and its dK, dV accumulators in registers; a producer warpgroup streams the Q, dO,
-lse2 and delta tiles (and segment ids) of all G q heads of the kv head through a TMA ring.
-Per query tile, in each consumer w:
+lse2 and delta tiles (and segment ids) of all G q heads of the kv head through a TMA ring, and
+adds the consumers' dQ tiles into dQ's buffer. Per query tile, in each consumer w, five MMAs
+and three waits:
 
-    S^T = K_w Q^T, dP^T = V_w dO^T       (issued together, waited for once)
-    P^T = exp2(S^T - lse2)               dV_w += P^T dO
-    dS^T = P^T (dP^T - delta)            to SMEM (bf16), then  dK_w += dS^T Q
-    -- both consumers' dS^T are in SMEM (an mbarrier both arrive on) --
-    dQ[:, half w] = dS_0 K_0[:, half w] + dS_1 K_1[:, half w]
-                                         to SMEM (fp32), TMA reduce-add into dQ's buffer
+    S^T = K_w Q^T, dP^T = V_w dO^T       issued together; S^T waited for alone
+    P^T = exp2(S^T scale log2 e - lse2)  while dP^T runs
+    dV_w += P^T dO                       issued; dP^T waited for alone
+    dS^T = P^T (dP^T - delta)            while dV runs; to SMEM (bf16)
+    dK_w += dS^T Q, dQ_w = dS_w K_w      issued; dV, dK and dQ waited for once
+    dQ_w to SMEM (fp32)                  the producer reduce-adds it into dQ's buffer by TMA
 
 so each matmul unit runs once per tile (5 against the split kernels' 7: S and dP are not
-recomputed), and dQ's reduction traffic is one fp32 [block_q, D] tile per (query tile, CTA),
-split between the warpgroups by columns as FA3 splits it (at head_dim 64, one swizzle row,
-the consumers instead take turns: all of dQ on alternate steps). dS^T is double-buffered by step
-parity: a consumer writes step t+1's tile while the other may still read step t's, and cannot
-reach step t+2 before the other arrived at t+1.
+recomputed). Each consumer's dQ takes only its own dS and K, so there is no barrier between the
+consumers (two fp32 [block_q, D] reduce-adds per query tile and CTA, where sharing dS^T
+through SMEM took one but met at an mbarrier every step): they are coupled only through the
+shared ring, which the producer refills once both released a slot, so one runs up to about a
+step ahead of the other. Nor do they wait for the reduction (the producer's; dq_full /
+dq_empty hand the tile over, see dq_producer for why no order of waits deadlocks).
 
-Causal and packed documents: both consumers visit the CTA's union of query tiles (each step
-needs both dS^T tiles); a tile outside a consumer's own range runs masked, so it adds zeros.
-GQA sums the G heads in the accumulators. head_dim 64 and 128, with 0 spills at 240 registers
-(`python -m launch.ptxas_report --sm90-bwd-fused`): the SMEM tiles that stay put for the whole
-loop (K and V, both consumers' K for dQ) are indexed through mosaic_common.unhoisted_zero, so
-their wgmma descriptors are rebuilt per step rather than held in 48 registers across the loop
-(144 B of spills at 128 before, and S^T and dP^T could not be issued together there). At 256
-the dK and dV accumulators do not fit a warpgroup's registers (the grid fallback).
+Causal and packed documents: both consumers visit the CTA's union of query tiles (the ring's
+tiles are shared); a tile outside a consumer's own range runs masked, so it adds zeros. GQA sums
+the G heads in the accumulators. 0 spills at 240 registers (`python -m launch.ptxas_report
+--sm90-bwd-fused`): the SMEM tiles that stay put for the whole loop are indexed through
+mosaic_common.unhoisted_zero, so their wgmma descriptors and addresses are rebuilt per step
+rather than held in registers across the loop; dV and dK accumulate in place (run_state) and
+each other accumulator is made where its chain issues (see `chain`).
 
-Interpreter (CPU): jax 0.11.2's Mosaic GPU interpreter has no TMA reduction. There each CTA
-copies its dQ columns into its own slice of a [CTAs, B, S, Hq, D] buffer (zeros where it adds
-nothing) that XLA then sums, so everything but the reduction op itself runs as compiled; and
-P^T and dS^T reach wgmma through SMEM, as in kernel_sm90_bwd.py.
+Interpreter (CPU): jax 0.11.2's Mosaic GPU interpreter has no TMA reduction, no run_state and
+reads wgmma's A from SMEM only. There each (CTA, consumer) copies its dQ tiles into its own
+slice of a [CTAs x 2, B, S, Hq, D] buffer (zeros where it adds nothing) that XLA then sums,
+P^T reaches dV's wgmma through SMEM, and dV, dK's chains run on zero accumulators, added after:
+the same arithmetic up to float32 rounding order.
 """
 
 from __future__ import annotations
@@ -44,103 +50,85 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ..target import out_struct
-from ..wgmma import wgmma_into as _wgmma_into
+from . import kernel_sm90_bwd_fused_sync as fused_sync
+from .kernel_sm90_bwd_fused_common import (
+    REGS_COMPUTE,
+    REGS_PRODUCER,
+    WGS,
+    a_operand,
+    heads_loop,
+    kernel_entry,
+    launch,
+    load_own_tiles,
+    mask_bounds,
+    query_range,
+    swizzled,
+    wgmma_zeros,
+)
 from .mosaic_common import (
-    END,
-    FIRST,
-    FULL_HI,
-    FULL_LO,
     LOG2E,
     MASK,
-    RANGE_COLS,
-    cta_ranges,
-    interpret_ctx,
-    q_ring_producer,
-    reduce_added_dq,
+    q_tile_loader,
     ring_slot,
-    softmax_delta,
     store_dkv,
     tile_mask,
     unhoisted_zero,
 )
-from .tile_ranges import tile_ranges
 
-WGS = 2  # consumer warpgroups: each owns block_kv_bwd keys and half of dQ's columns
-# setmaxnreg as kernel_sm90_bwd.py: 2 x 240 + 24 spends the 168 per thread the CTA starts with.
-REGS_COMPUTE, REGS_PRODUCER = 240, 24
-MAX_HEAD_DIM = 128
-
-
-def _tx(cols: int):
-    """128-byte swizzle rows of `cols` 16-bit elements (the wgmma operand layout)."""
-    return (plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(128))
+# Head dims this asynchronous form runs at; above, kernel_sm90_bwd_fused_sync.py (the form
+# before, a wait per MMA). At 128 it spills 256 B (272 with segment ids) and ptxas serializes
+# every wgmma: beside dK and dV a consumer has room for two 32-register tiles, and ptxas placed
+# S^T over dK; no ordering tried avoided it (docs/attention.md, "sm90 fused backward").
+ASYNC_MAX_HEAD_DIM = 64
 
 
+def dq_producer(load, consumed, dq_empty, add_dq, *, total, steps, regs, range_ready=None):
+    """The producer warpgroup: q_tile_loader's ring (mosaic_common.ring_producer's order) and,
+    per step t, add_dq(t): wait for each consumer's dQ tile, reduce-add it into dQ's buffer
+    by TMA and free it (dq_empty) once read; the consumers never wait for the reduction.
 
-def _zeros(shape):
-    return plgpu.layout_cast(jnp.full(shape, 0, jnp.float32), plgpu.Layout.WGMMA)
+    The registers go back first (mosaic_common.q_ring_producer: the consumers' setmaxnreg.inc
+    waits for them; range_ready, with documents, is filled by a consumer after its increase).
+    Deadlock-free by the order of the waits: the producer's step t waits for step t's
+    `consumed` and dQ tiles, which a consumer's step t makes needing only the ring's step t
+    tiles (loaded by step t - steps) and dq_empty from step t - 1 (primed for step 0; each
+    consumer waits for the last one after its loop, so no phase goes unobserved); no barrier
+    runs more than one phase ahead of its waiter."""
+    plgpu.set_max_registers(regs, action="decrease")
+    if range_ready is not None:
+        plgpu.barrier_wait(range_ready)
+    n = total()
+    for i in range(steps):
+        @pl.when(i < n)
+        def _():
+            load(jnp.int32(i), i)
 
+    for w in range(WGS):  # both dQ tiles start free
+        plgpu.barrier_arrive(dq_empty.at[w])
 
-def _wgmmas(pairs, shape):
-    """[a @ b for (a, b) in pairs] in fp32, issued back to back and waited for once."""
-    def issue(*accs):
-        for acc, (a, b) in zip(accs, pairs):
-            plgpu.wgmma(acc, a, b)
-        return tuple(acc[...] for acc in accs)
-    return pl.run_scoped(issue, *(plgpu.ACC(shape, jnp.float32) for _ in pairs))
+    @pl.loop(0, n)
+    def _(t):
+        slot = ring_slot(t, steps)
+        plgpu.barrier_wait(consumed.at[slot])
 
-
-def _summed_wgmmas(pairs, shape):
-    """sum(a @ b for (a, b) in pairs) in one fp32 accumulator (one wgmma chain, waited for)."""
-    def issue(acc):
-        for a, b in pairs:
-            plgpu.wgmma(acc, a, b)
-        return acc[...]
-    return pl.run_scoped(issue, plgpu.ACC(shape, jnp.float32))
-
-
-def _a_operand(x16, smem, interpret: bool):
-    """wgmma's A: registers on the GPU, SMEM in the interpreter (which reads A only there)."""
-    if not interpret:
-        return x16
-    smem[...] = x16
-    plgpu.commit_smem()
-    return smem
-
-
+        @pl.when(t + steps < n)
+        def _():
+            load(t + steps, slot)
+        add_dq(t)
+    plgpu.wait_smem_to_gmem(0)  # the last reduce-adds done before the CTA exits
 
 
 def fused_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, *, scale, causal, kv_len, config,
               interpret):
     """Padded q/o/do [B, Sp, Hq, D], k/v [B, Tp, Hkv, D], lse2 [B, Hq, Sp] (log2 units) ->
     (dq, dk, dv) in the input dtype."""
-    B, Sp, Hq, D = q.shape
-    Tp = k.shape[1]
-    if D > MAX_HEAD_DIM:
-        raise ValueError(f"the fused sm90 backward takes head_dim <= {MAX_HEAD_DIM}, got {D}")
-    delta = softmax_delta(o, do)
-    n_cta = Tp // (WGS * config.block_kv_bwd)
-    if q_seg is not None:  # [B, Tp / bkv, bkv + RANGE_COLS]: each key tile's ids, then the
-        # query tiles it sees (tile_ranges.py, transposed) with its CTA's union (cta_ranges)
-        bkv = config.block_kv_bwd
-        ranges = cta_ranges(tile_ranges(q_seg, kv_seg, rows=bkv, cols=config.block_q_bwd,
-                                        causal=causal, kv_len=kv_len, transposed=True), WGS)
-        kv_seg = jnp.concatenate([kv_seg.reshape(B, Tp // bkv, bkv), ranges], axis=-1)
-    kernel = _kernel(q.shape, k.shape, q.dtype, has_seg=q_seg is not None, scale=scale,
-                     causal=causal, kv_len=kv_len, config=config, interpret=interpret)
-    args = (q, k, v, do, lse2, delta) + ((q_seg, kv_seg) if q_seg is not None else ())
-
-    def run(dq_acc):
-        with interpret_ctx(interpret):
-            return plgpu.kernel(
-                kernel, out_type=(out_struct(k, k.shape, q.dtype),
-                                  out_struct(v, v.shape, q.dtype)),
-                grid=(k.shape[2], n_cta, B), grid_names=("heads", "kv_seq", "batch"),
-                num_threads=WGS + 1, thread_name="wg",
-                compiler_params=plgpu.CompilerParams(approx_math=True),
-            )(*args, dq_acc)
-    return reduce_added_dq(q, n_cta, scale, interpret, run)
+    if q.shape[-1] > ASYNC_MAX_HEAD_DIM:  # (its launch refuses those above MAX_HEAD_DIM)
+        return fused_sync.fused_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, scale=scale,
+                                    causal=causal, kv_len=kv_len, config=config,
+                                    interpret=interpret)
+    # The interpreter's stand-in for the reduce-adds: a slice per (CTA, consumer) tile.
+    return launch(_kernel, q, k, v, o, lse2, do, q_seg, kv_seg, scale=scale, causal=causal,
+                  kv_len=kv_len, config=config, interpret=interpret, dq_slices_per_cta=WGS)
 
 
 def _kernel(q_shape, k_shape, dtype, *, has_seg, scale, causal, kv_len, config, interpret):
@@ -149,190 +137,158 @@ def _kernel(q_shape, k_shape, dtype, *, has_seg, scale, causal, kv_len, config, 
     G = Hq // Hkv
     bq, bkv = config.block_q_bwd, config.block_kv_bwd
     n_q = Sp // bq
-    # dQ's columns per consumer: halves where a half is whole 128-byte swizzle rows of K (the
-    # wgmma B operand); at head_dim 64 (one swizzle row) the consumers take turns instead.
-    split_cols = D * jnp.dtype(dtype).itemsize >= 2 * 128
-    dq_cols = D // WGS if split_cols else D
     steps = min(config.max_concurrent_steps, G * n_q)
     qk_scale = scale * LOG2E
-    i32 = lambda x: jnp.array(x, jnp.int32)
-    tx = _tx(64)
+    f32 = lambda shape: plgpu.ACC(shape, jnp.float32)
 
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, dq_acc,
              dk_ref, dv_ref, smem, bars):
         batch, kv_head, wg = (lax.axis_index(a) for a in ("batch", "heads", "wg"))
         cta = lax.axis_index("kv_seq")
         (k_smem2, v_smem2, kseg_smem2, q_smem, do_smem, lse_smem, delta_smem, qseg_smem,
-         ds_smem, p_smem2, dq_smem2) = smem
-        own_bars, ring_bars, consumed, ds_ready, done = bars
+         ds_smem2, p_smem2, dq_smem2) = smem
+        own_bars, ring_bars, consumed, dq_full, dq_empty = bars
         row0 = cta * WGS  # the CTA's first key tile
         cta_kv = row0 * bkv
-        # Query tiles [q_start, q_start + per_head) stream through the ring for each q head;
-        # both consumers run every one of them.
-        if has_seg:  # the CTA's union (cta_ranges), behind each key tile's ids in SMEM
-            q_start = lambda row: kseg_smem2[row, bkv + FIRST]
-            per_head = lambda row: kseg_smem2[row, bkv + END] - kseg_smem2[row, bkv + FIRST]
-        else:
-            # Causal: query tile i sees keys >= base only if its last query (i+1)*bq - 1 >= base.
-            start = jnp.minimum(lax.div(cta_kv, i32(bq)), n_q) if causal else i32(0)
-            q_start = lambda row: start
-            per_head = lambda row: n_q - start
+        q_start, per_head, start = query_range(kseg_smem2, cta_kv, has_seg=has_seg,
+                                               causal=causal, bq=bq, bkv=bkv, n_q=n_q)
 
         @pl.when(wg < WGS)
         def _consumer():
             plgpu.set_max_registers(REGS_COMPUTE, action="increase")
             k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
-            dq_smem = dq_smem2.at[wg]
-            kv_base = cta_kv + wg * bkv
-            rows = (batch, pl.ds(kv_base, bkv), kv_head)
-            own = [(k_ref.at[rows], k_smem), (v_ref.at[rows], v_smem)]
-            if has_seg:
-                own.append((kseg_ref.at[batch, row0 + wg], kseg_smem2.at[wg]))
-            for i, (src, dst) in enumerate(own):
-                plgpu.copy_gmem_to_smem(src, dst, own_bars.at[i * WGS + wg])
-            # Both consumers read both K tiles (dQ): wait for both K copies, not just ours.
-            for i in range(len(own)):
-                for w in range(WGS) if i == 0 else (wg,):
-                    plgpu.barrier_wait(own_bars.at[i * WGS + w])
+            # Only our own tiles: dQ takes our dS and our K.
+            kv_base, rows = load_own_tiles(
+                k_ref, v_ref, kseg_ref, k_smem2, v_smem2, kseg_smem2, own_bars, batch=batch,
+                kv_head=kv_head, wg=wg, row0=row0, cta_kv=cta_kv, bkv=bkv, has_seg=has_seg,
+                wait_other_k=False)
             col = plgpu.Layout.WGMMA.reduce(0)  # vectors along the query (column) axis
-            k_seg = (plgpu.load(kseg_smem2.at[wg, pl.ds(0, bkv)],
-                                layout=plgpu.Layout.WGMMA.reduce(1)) if has_seg else None)
-            if has_seg:  # no mask on [full_lo, full_hi) of this consumer's own range
-                full = lambda c: kseg_smem2[wg, bkv + c]
-            else:
-                if causal:
-                    # From here on query tiles lie wholly on or below the diagonal: no mask.
-                    diag_end = jnp.minimum(pl.cdiv(kv_base + bkv - 1, i32(bq)), n_q)
-                else:
-                    diag_end = i32(0)
-                mask_all = kv_base + bkv > kv_len  # padded keys: masked so they stay finite
-                full_lo = jnp.where(mask_all, n_q, jnp.maximum(diag_end, start))
+            k_seg, full, full_lo = mask_bounds(
+                kseg_smem2, wg=wg, kv_base=kv_base, start=start, has_seg=has_seg,
+                causal=causal, bq=bq, bkv=bkv, n_q=n_q, kv_len=kv_len)
             q_bar, do_bar, lse_bar, delta_bar = ring_bars[:4]
             qseg_bar = ring_bars[4] if has_seg else None
-            cols = pl.ds(wg * dq_cols if split_cols else 0, dq_cols)
 
             def step(i, carry, base, g, masked=False):
+                del g  # the producer names dQ's head (dq_dst)
                 dk, dv = carry
                 t = base + i
-                slot, par = ring_slot(t, steps), ring_slot(t, 2)
+                slot = ring_slot(t, steps)
                 z = unhoisted_zero(t)  # K and V's descriptors rebuilt here (registers)
                 k_tile, v_tile = k_smem2.at[wg + z], v_smem2.at[wg + z]
+                # dS^T's and dQ's tiles too: addresses rebuilt per step, not held across it
+                ds_smem, dq_smem = ds_smem2.at[wg + z], dq_smem2.at[wg + z]
+                q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
                 for bar in (q_bar, do_bar, lse_bar, delta_bar):
                     plgpu.barrier_wait(bar.at[slot])
-                # dP^T is issued before S^T is waited for: one wait for both
-                st, dpt = _wgmmas(((k_tile, q_smem.at[slot].transpose((1, 0))),
-                                   (v_tile, do_smem.at[slot].transpose((1, 0)))), (bkv, bq))
-                st = st * qk_scale
-                if has_seg:
-                    plgpu.barrier_wait(qseg_bar.at[slot])
 
                 def mask_scores(st):
                     q_seg = plgpu.load(qseg_smem.at[slot], layout=col) if has_seg else None
                     mask = tile_mask(i * bq, kv_base, (bkv, bq), causal=causal, kv_len=kv_len,
                                      q_seg=q_seg, k_seg=k_seg, q_dim=1)
                     return jnp.where(mask, st, MASK)
-                if isinstance(masked, bool):
-                    st = mask_scores(st) if masked else st
-                else:  # decided per tile: one copy of the step in the loop (registers)
-                    st = lax.cond(masked, mask_scores, lambda st: st, st)
-                lse = plgpu.load(lse_smem.at[slot], layout=col)
-                pt = jnp.exp2(st - lax.broadcast_in_dim(lse, st.shape, [1]))
-                a_p = _a_operand(pt.astype(dtype), p_smem2.at[wg] if interpret else None,
-                                 interpret)
-                dv = _wgmma_into(dv, lambda acc: plgpu.wgmma(acc, a_p, do_smem.at[slot]),
-                                 interpret)
-                dlt = plgpu.load(delta_smem.at[slot], layout=col)
-                ds16 = (pt * (dpt - lax.broadcast_in_dim(dlt, st.shape, [1]))).astype(dtype)
-                ds_smem.at[par, wg][...] = ds16
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(ds_ready.at[par])
-                a_ds = ds_smem.at[par, wg] if interpret else ds16
-                dk = _wgmma_into(dk, lambda acc: plgpu.wgmma(acc, a_ds, q_smem.at[slot]),
-                                 interpret)
-                plgpu.barrier_arrive(consumed.at[slot])  # Q and dO read: the slot is free
-                plgpu.barrier_wait(ds_ready.at[par])
 
-                def add_dq():
-                    # Both consumers' dS (their dS^T tiles, transposed) times K, over dQ's
-                    # columns `cols`, added into dQ's buffer.
-                    dq = _summed_wgmmas([(ds_smem.at[par, w].transpose((1, 0)),
-                                          k_smem2.at[w + z, :, cols]) for w in range(WGS)],
-                                        (bq, dq_cols))
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last add read it
-                    dq_smem[...] = dq
+                def chain(dv_ref, dk_ref):
+                    """The step's five MMAs onto dV and dK, in place (run_state: no second
+                    copy of either), and this consumer's dQ tile into SMEM. S^T and dP^T's
+                    accumulators are made here and dQ's after them, each zeroed where its
+                    scope opens (one scope for all five kept them live through the step)."""
+                    def scores(st_ref, dpt_ref):
+                        # groups 1 and 2: S^T and dP^T, issued back to back
+                        plgpu.wgmma(st_ref, k_tile, q_tile.transpose((1, 0)))
+                        plgpu.wgmma(dpt_ref, v_tile, do_tile.transpose((1, 0)))
+                        if has_seg:
+                            plgpu.barrier_wait(qseg_bar.at[slot])
+                        st = plgpu.wgmma_accumulator_load(st_ref, wait_n=1)  # dP^T runs on
+                        if isinstance(masked, bool):
+                            st = mask_scores(st) if masked else st
+                        else:  # decided per tile: one copy of the step in the loop
+                            st = lax.cond(masked, mask_scores, lambda st: st, st)
+                        lse = plgpu.load(lse_smem.at[slot], layout=col)
+                        # P^T = exp2(S^T scale log2(e) - lse2): the scale in exp2's FMA
+                        pt = jnp.exp2(st * qk_scale - lax.broadcast_in_dim(lse, st.shape, [1]))
+                        a_p = a_operand(pt.astype(dtype), p_smem2.at[wg] if interpret else None,
+                                        interpret)
+                        # group 3: dV += P^T dO, in flight while dS is computed
+                        plgpu.wgmma(dv_ref, a_p, do_tile)
+                        dpt = plgpu.wgmma_accumulator_load(dpt_ref, wait_n=1)  # dV runs on
+                        dlt = plgpu.load(delta_smem.at[slot], layout=col)
+                        ds_smem[...] = (pt * (dpt - lax.broadcast_in_dim(dlt, st.shape, [1]))
+                                        ).astype(dtype)
+                        plgpu.commit_smem()
+                    pl.run_scoped(scores, f32((bkv, bq)), f32((bkv, bq)))
+                    # The producer's reduce-add of our last dQ tile read it (a step ago, so
+                    # this rarely waits); waited for before the chain rather than after its
+                    # wait, where ptxas spilled dQ around the mbarrier's retry loop.
+                    plgpu.barrier_wait(dq_empty.at[wg])
+
+                    def grads(dq_ref):
+                        # groups 4 and 5: dK += dS^T Q and this consumer's share of dQ,
+                        # dS K_w, both from dS^T in SMEM; one wait for dV, dK and dQ
+                        plgpu.wgmma(dk_ref, ds_smem, q_tile)
+                        plgpu.wgmma(dq_ref, ds_smem.transpose((1, 0)), k_tile)
+                        dq = plgpu.wgmma_accumulator_load(dq_ref)  # waits for all three
+                        plgpu.barrier_arrive(consumed.at[slot])  # Q and dO read: slot free
+                        dq_smem[...] = dq  # for the producer, which adds it into dQ by TMA
+                    pl.run_scoped(grads, f32((bq, D)))
                     plgpu.commit_smem()
-                    head = kv_head * G + g
-                    if interpret:  # this CTA's own slice; XLA sums the CTAs
-                        dst = dq_acc.at[cta, batch, pl.ds(i * bq, bq), head, cols]
-                        plgpu.copy_smem_to_gmem(dq_smem, dst)
-                    else:
-                        dst = dq_acc.at[batch, pl.ds(i * bq, bq), head, cols]
-                        plgpu.copy_smem_to_gmem(dq_smem, dst, reduction_op="add")
-                if split_cols:
-                    add_dq()
-                else:  # the consumers take turns: all of dQ on even steps in one, odd in the other
-                    pl.when(par == wg)(add_dq)
+                    plgpu.barrier_arrive(dq_full.at[wg])
+
+                if interpret:  # no run_state there: zero accumulators, added after
+                    def scoped(dv_ref, dk_ref):
+                        chain(dv_ref, dk_ref)
+                        return dv_ref[...], dk_ref[...]
+                    ddv, ddk = pl.run_scoped(scoped, f32((bkv, D)), f32((bkv, D)))
+                    return dk + ddk, dv + ddv
+                dv, dk = pl.run_state(lambda refs: chain(*refs))(
+                    (plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
                 return dk, dv
 
-            def head(g, carry):
-                # Query tile i of head g is the CTA's ring step base + i.
-                base = g * per_head(wg) - q_start(wg)
-                lo, hi = q_start(wg), q_start(wg) + per_head(wg)
-                if has_seg:
-                    def seg_step(i, carry):
-                        whole = (full(FULL_LO) <= i) & (i < full(FULL_HI))
-                        return step(i, carry, base, g, masked=jnp.logical_not(whole))
-                    return lax.fori_loop(lo, hi, seg_step, carry)
-                carry = lax.fori_loop(lo, full_lo, lambda i, c: step(i, c, base, g, True),
-                                      carry)
-                return lax.fori_loop(full_lo, hi, lambda i, c: step(i, c, base, g), carry)
-
-            dk, dv = lax.fori_loop(0, G, head, (_zeros((bkv, D)), _zeros((bkv, D))))
-            # The other consumer's last dQ may still read our K tile: meet before reusing it.
-            plgpu.barrier_arrive(done)
-            plgpu.barrier_wait(done)
+            dk, dv = heads_loop(step, (wgmma_zeros((bkv, D)), wgmma_zeros((bkv, D))), G=G,
+                                wg=wg, q_start=q_start, per_head=per_head, full=full,
+                                full_lo=full_lo)
+            # The producer's last dq_empty (it read our last dQ tile): every phase observed.
+            # No meeting with the other consumer: its chains never read our K or V tiles.
+            plgpu.barrier_wait(dq_empty.at[wg])
             store_dkv(dk, dv, k_smem, v_smem, dk_ref, dv_ref, rows, scale=scale, dtype=dtype)
 
         @pl.when(wg == WGS)
         def _producer_wg():
             refs = (q_ref, do_ref, lse_ref, delta_ref) + ((qseg_ref,) if has_seg else ())
+            smems = (q_smem, do_smem, lse_smem, delta_smem, qseg_smem)
             # With documents, the first consumer's copy holds the CTA's range too.
-            q_ring_producer(refs, (q_smem, do_smem, lse_smem, delta_smem, qseg_smem),
-                            ring_bars, consumed, batch=batch, kv_head=kv_head, G=G, bq=bq,
-                            q_start=lambda: q_start(0), per_head=lambda: per_head(0),
-                            steps=steps, regs=REGS_PRODUCER,
-                            range_ready=own_bars.at[2 * WGS] if has_seg else None)
+            qs, ph = (lambda: q_start(0)), (lambda: per_head(0))
+            load = q_tile_loader(refs, smems, ring_bars, batch=batch, kv_head=kv_head, G=G,
+                                 bq=bq, q_start=qs, per_head=ph)
 
-    def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
-        if has_seg:
-            qseg_ref, kseg_ref, dq_acc, dk_ref, dv_ref = rest
-        else:
-            (dq_acc, dk_ref, dv_ref), qseg_ref, kseg_ref = rest, None, None
-        smem = (
-            plgpu.SMEM((WGS, bkv, D), dtype, transforms=tx),
-            plgpu.SMEM((WGS, bkv, D), dtype, transforms=tx),
-            plgpu.SMEM((WGS, bkv + RANGE_COLS), jnp.int32) if has_seg else None,
-            plgpu.SMEM((steps, bq, D), dtype, transforms=tx),
-            plgpu.SMEM((steps, bq, D), dtype, transforms=tx),
-            plgpu.SMEM((steps, bq), jnp.float32),
-            plgpu.SMEM((steps, bq), jnp.float32),
-            plgpu.SMEM((steps, bq), jnp.int32) if has_seg else None,
-            plgpu.SMEM((2, WGS, bkv, bq), dtype, transforms=tx),  # dS^T by step parity
-            plgpu.SMEM((WGS, bkv, bq), dtype, transforms=tx) if interpret else None,
-            # dQ's tile as TMA stores it: 128-byte swizzle rows of 32 floats (bank-conflict
-            # free stores from the WGMMA layout)
-            plgpu.SMEM((WGS, bq, dq_cols), jnp.float32,
-                       transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),
-        )
-        n_own, n_ring = (3, 5) if has_seg else (2, 4)
-        bars = (plgpu.Barrier(num_barriers=n_own * WGS),
-                tuple(plgpu.Barrier(num_barriers=steps) for _ in range(n_ring)),
-                plgpu.Barrier(num_arrivals=WGS, num_barriers=steps),
-                plgpu.Barrier(num_arrivals=WGS, num_barriers=2),
-                plgpu.Barrier(num_arrivals=WGS))
-        pl.run_scoped(
-            lambda s, b: body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref,
-                              kseg_ref, dq_acc, dk_ref, dv_ref, s, b),
-            smem, bars, collective_axes="wg")
+            def dq_dst(t, w):  # step t's dQ tile (q_tile_loader's head and query tile)
+                head, i = kv_head * G + lax.div(t, ph()), qs() + lax.rem(t, ph())
+                if interpret:  # this (CTA, consumer)'s own slice; XLA sums them
+                    return dq_acc.at[cta * WGS + w, batch, pl.ds(i * bq, bq), head]
+                return dq_acc.at[batch, pl.ds(i * bq, bq), head]
 
-    return entry
+            def add_dq(t):
+                # Each consumer's dQ tile as it arrives, freed once TMA has read it (before
+                # the next consumer's is waited for: one consumer's release never waits for
+                # the other's tile)
+                for w in range(WGS):
+                    plgpu.barrier_wait(dq_full.at[w])
+                    plgpu.copy_smem_to_gmem(dq_smem2.at[w], dq_dst(t, w),
+                                            **({} if interpret else dict(reduction_op="add")))
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    plgpu.barrier_arrive(dq_empty.at[w])
+
+            dq_producer(load, consumed, dq_empty, add_dq, total=lambda: G * ph(),
+                        steps=steps, regs=REGS_PRODUCER,
+                        range_ready=own_bars.at[2 * WGS] if has_seg else None)
+
+    return kernel_entry(
+        body, dtype, has_seg=has_seg, bq=bq, bkv=bkv, D=D, steps=steps, interpret=interpret,
+        ds_smem=plgpu.SMEM((WGS, bkv, bq), dtype, transforms=swizzled(64)),  # each's dS^T
+        # each consumer's dQ tile as TMA reads it: 128-byte swizzle rows of 32 floats
+        # (bank-conflict free stores from the WGMMA layout)
+        dq_smem=plgpu.SMEM((WGS, bq, D), jnp.float32,
+                           transforms=(plgpu.TilingTransform((8, 32)),
+                                       plgpu.SwizzleTransform(128))),
+        dq_bars=(plgpu.Barrier(num_barriers=WGS),  # dq_full: consumer w's dQ tile written
+                 plgpu.Barrier(num_barriers=WGS)))  # dq_empty: the producer read it

@@ -25,3 +25,25 @@ def test_q_ring_producer_releases_registers_before_waiting_for_the_range(monkeyp
                                   per_head=lambda: 1, steps=2, regs=24,
                                   range_ready="range_ready")
     assert events == [("setmaxnreg", "decrease", 24), ("wait", "range_ready"), ("ring", None)]
+
+
+def test_fused_dq_producer_releases_registers_before_any_wait(monkeypatch):
+    """The fused backward's producer (kernel_sm90_bwd_fused.dq_producer, which also hands each
+    consumer's dQ tile to TMA) keeps the order: registers back, then the range, then the
+    ring and the dQ tiles."""
+    from pallas_kernels.flash_attention import kernel_sm90_bwd_fused as fused
+
+    events = []
+    fake = types.SimpleNamespace(
+        set_max_registers=lambda regs, action: events.append(("setmaxnreg", action, regs)),
+        barrier_wait=lambda bar: events.append(("wait", bar)),
+        barrier_arrive=lambda bar: events.append(("arrive", bar)),
+        wait_smem_to_gmem=lambda *a, **k: events.append(("wait_tma",)))
+    bars = types.SimpleNamespace(at={0: "empty0", 1: "empty1"})
+    monkeypatch.setattr(fused, "plgpu", fake)
+    monkeypatch.setattr(fused.pl, "when", lambda cond: lambda f: None)  # no loads, no loop
+    monkeypatch.setattr(fused.pl, "loop", lambda lo, hi: lambda f: None)
+    fused.dq_producer(None, "consumed", bars, None, total=lambda: events.append(("total",)) or 3,
+                      steps=2, regs=24, range_ready="range_ready")
+    assert events[:3] == [("setmaxnreg", "decrease", 24), ("wait", "range_ready"), ("total",)]
+    assert ("arrive", "empty0") in events and ("arrive", "empty1") in events

@@ -236,16 +236,21 @@ def test_triton_skipped_tiles_are_never_read(causal, monkeypatch):
 
 
 @pytest.mark.mosaic_interpret
-@pytest.mark.parametrize("causal, D", [(True, 128), (False, 64), (True, 256)])
-def test_mosaic_sm90_skipped_tiles_are_never_read(causal, D):
+@pytest.mark.parametrize("causal, D, split", [(True, 128, False), (False, 64, False),
+                                              (True, 256, False), (True, 128, True)])
+def test_mosaic_sm90_skipped_tiles_are_never_read(causal, D, split):
     # Shipped configs: the forward's warpgroups take 64 rows each, two to a CTA, and stream
-    # 128-key tiles (64 at head_dim 256); dq and dkv 64 x 64 tiles, two warpgroups a CTA.
+    # 128-key tiles (64 at head_dim 256); the backward at head_dim <= 128 is the fused kernel
+    # (FlashConfig.bwd_fused: two 64-key consumers a CTA, 64-query tiles streamed), and with
+    # split the dq and dkv kernels (64 x 64 tiles, two warpgroups a CTA), its A/B alternative.
     # At head_dim 256 the backward is the grid kernels' (checked above): forward only.
+    cfg = dataclasses.replace(default_config("mosaic_sm90", D), bwd_fused=False) if split \
+        else None
     if causal:
         q_seg, kv_seg = _causal_case(250, 128)
     else:
         q_seg, kv_seg = _remote_case(250, 200)
-    _check_block("mosaic_sm90", None, q_seg=q_seg, kv_seg=kv_seg, causal=causal, G=2, D=D,
+    _check_block("mosaic_sm90", cfg, q_seg=q_seg, kv_seg=kv_seg, causal=causal, G=2, D=D,
                  dtype=jnp.bfloat16, min_poisoned=50, backward=D <= MAX_BWD_HEAD_DIM)
 
 

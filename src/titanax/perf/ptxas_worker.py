@@ -75,6 +75,8 @@ def _stdout_to(path: str):
 def attention_cases(arch: str, head_dims, impls=None):
     """(meta, fn, abstract args): one jit per kernel pass, so each holds one Mosaic kernel (the
     dq/dkv split relies on jit dropping the unused kernel; XLA compiles them in any order)."""
+    import dataclasses
+
     import jax
     import jax.numpy as jnp
 
@@ -108,20 +110,32 @@ def attention_cases(arch: str, head_dims, impls=None):
                     yield _fwd_variant(meta, cfg, (q, kv, kv, *segs), fwd_q_tiles=2,
                                        block_kv=64)
                     yield _fwd_variant(meta, cfg, (q, kv, kv, *segs), fwd_exp2_fma=True)
+                    # P in TMEM for P V, then with FA4's correction warpgroup as well
+                    yield _fwd_variant(meta, cfg, (q, kv, kv, *segs), fwd_p_tmem=True)
+                    if seg is None:  # with segment ids it spills 4 B (docs/attention.md)
+                        yield _fwd_variant(meta, cfg, (q, kv, kv, *segs), fwd_p_tmem=True,
+                                           fwd_correction=True)
+                # The dq and dkv kernels (FA2's split), also where the shipped backward is
+                # the fused one (sm90 at head_dim <= 128: its A/B alternative, kept compiled).
+                split = dataclasses.replace(cfg, bwd_fused=False)
+                skw = dict(kw, config=split)
                 for name, pick in (("dq", lambda g: g[0]), ("dkv", lambda g: g[1:])):
-                    def bwd(q, k, v, o, lse, do, *s, kw=kw, pick=pick):
+                    def bwd(q, k, v, o, lse, do, *s, kw=skw, pick=pick):
                         return pick(flash_attention_bwd(q, k, v, s[0] if s else None, o, lse,
                                                         do, **kw))
-                    yield dict(meta, **{"pass": name}), bwd, (q, kv, kv, q, lse, q, *segs)
+                    yield (dict(meta, config=repr(split), **{"pass": name}), bwd,
+                           (q, kv, kv, q, lse, q, *segs))
                 if (impl == "mosaic_sm90" and d <= FUSED_MAX_HEAD_DIM
                         or impl == "mosaic_sm100" and d <= SM100_MAX_HEAD_DIM):
-                    yield _fused_bwd(meta, cfg, (q, kv, kv, q, lse, q, *segs))  # opt-in
+                    # sm90's shipped backward at these head dims; sm100's opt-in
+                    yield _fused_bwd(meta, cfg, (q, kv, kv, q, lse, q, *segs))
 
 
 def _fwd_variant(meta: dict, cfg, args, **knobs):
     """An opt-in forward form (docs/attention.md) as (meta, fn, args): sm90's fwd_overlap
     and/or fwd_persistent (both: FA3's whole forward), sm100's fwd_q_tiles=2 (FA4's two query
-    tiles) or fwd_exp2_fma (FA4's exp2 emulation); tagged with its knobs but block_kv."""
+    tiles), fwd_exp2_fma (FA4's exp2 emulation) or fwd_p_tmem (+fwd_correction: FA4's P in
+    TMEM and correction warpgroup); tagged with its knobs but block_kv."""
     import dataclasses
 
     from pallas_kernels.flash_attention.api import flash_attention_fwd

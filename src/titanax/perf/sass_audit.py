@@ -40,7 +40,13 @@ retires it; the audit walks the loop body twice (a group committed in iteration 
 for in j+1) and counts, by class, what is issued inside each window, and over the second walk
 how many of each class are issued while any group is in flight ("overlapped"). Blackwell's
 tcgen05 MMAs complete through mbarriers (UTCBAR) that other warps wait on: their overlap is
-between warps, so sm100 kernels get counts, schedule and bound but no windows.
+between warps, so sm100 kernels get counts, schedule and bound but no windows. What the SASS
+does say about them, and their claims check (Claim units "a_tmem" and "softmax_waits"): which
+UTC*MMAs read their A operand from TMEM (`UTCHMMA tmem[..], gdesc[..], ..`: the P V of
+FlashConfig.fwd_p_tmem), and whether the softmax loop waits on an mbarrier after its first
+MUFU.EX2 (the shipped forward's wait for P_{t-1} V before it rescales O; fwd_correction moves
+that to a correction warpgroup, whose loop, no matmul and no EX2 but TMEM loads and stores,
+is the "correction" role).
 
 The static bound per tile (bound()): the largest of the units' busy times for one iteration of
 the main loop by one warpgroup, its 4 warps issuing on the SM's 4 sub-partitions (SMSPs) side by
@@ -299,11 +305,24 @@ def mma_shape(fn: Function, ins: Instr) -> tuple[int, int, int, int] | None:
         return (int(m.group(1)), int(m.group(2)), int(m.group(3)), bits) if m else None
     if ins.base in _UTC_K and (v := _idesc_value(fn, ins)) is not None:
         k, bits = _UTC_K[ins.base]
-        scaled = ins.args.count("tmem[") >= 3  # block-scaled kinds: scale factors in TMEM
+        # block-scaled kinds: scale factors in TMEM (an A operand in TMEM is one more tmem[])
+        scaled = ins.args.count("tmem[") - a_in_tmem(ins) >= 3
         m = ((v >> 27) & 0x3) << 7 if scaled else ((v >> 24) & 0x1F) << 4
         n = ((v >> 17) & 0x3F) << 3
         return (m, n, k, bits) if m and n else None
     return None
+
+
+def a_in_tmem(ins: Instr) -> bool:
+    """A Blackwell MMA whose A operand is read from TMEM (tcgen05.mma [d], [a_tmem], b_desc):
+    its first operand is tmem[..] where an SMEM operand is gdesc[..]."""
+    return ins.base in MMA_BLACKWELL and ins.args.lstrip().startswith("tmem[")
+
+
+def _waits_after_ex2(body: list[Instr]) -> int:
+    """mbarrier waits (SYNCS.PHASECHK) the loop issues after its first MUFU.EX2."""
+    first = next((k for k, i in enumerate(body) if classify(i) == "ex2"), len(body))
+    return sum(i.op.startswith("SYNCS.PHASECHK") for i in body[first:])
 
 
 def _arch_family(arch: str) -> str:
@@ -472,8 +491,10 @@ def _n(loop: Loop, cls: str) -> int:
 
 def roles(fn: Function) -> dict[str, Loop | None]:
     """The main loop ("mma": most matmuls, ties to the shortest body), the softmax loop of a
-    warp-specialized kernel ("softmax": most MUFU.EX2, where the MMA loop has none) and the TMA
-    producer loop ("tma": most TMA copies, no matmul)."""
+    warp-specialized kernel ("softmax": most MUFU.EX2, where the MMA loop has none), the TMA
+    producer loop ("tma": most TMA copies, no matmul) and, beside a softmax loop, a correction
+    loop ("correction": TMEM loads and stores and FP32 math, no matmul, EX2 or TMA: the sm100
+    forward's fwd_correction warpgroup rescaling O)."""
     loops = find_loops(fn)
 
     def pick(cands, cls):
@@ -486,7 +507,15 @@ def roles(fn: Function) -> dict[str, Loop | None]:
                        "ex2")
     tma = pick(_innermost(loops, lambda lp: _n(lp, "mma") == 0 and any(
         i.base in ("UTMALDG", "UBLKCP") for i in lp.body)), "tma")
-    return dict(mma=mma, softmax=softmax, tma=tma)
+    correction = None
+    if softmax is not None:
+        correction = pick(_innermost(loops, lambda lp: lp is not softmax and all(
+            _n(lp, c) == 0 for c in ("mma", "ex2", "tma")) and _n(lp, "fp32") > 0 and {
+                "LDTM", "STTM"} <= {i.base for i in lp.body}), "tmem")
+    out = dict(mma=mma, softmax=softmax, tma=tma)
+    if correction is not None:
+        out["correction"] = correction
+    return out
 
 
 def _mma_kinds(fn: Function, body: list[Instr]) -> str:
@@ -548,6 +577,10 @@ def audit_function(fn: Function, arch: str, softmax_warpgroups: int = 1) -> dict
             out[role] = dict(at=f"{loop.body[0].addr:04x}-{loop.body[-1].addr:04x}",
                              counts=counts(loop.body), schedule=schedule(loop.body),
                              mma_kinds=_mma_kinds(fn, loop.body) if role == "mma" else "")
+            if role == "mma" and any(i.base in MMA_BLACKWELL for i in loop.body):
+                out[role]["a_tmem"] = sum(a_in_tmem(i) for i in loop.body)
+            if role == "softmax":
+                out[role]["waits_after_ex2"] = _waits_after_ex2(loop.body)
     if any(_wgmma(i) for i in mma.body):
         out["mma"].update(loop_windows(mma.body))
     work = found["softmax"] or mma
@@ -568,14 +601,19 @@ def audit_sass(text: str, arch: str, kernels=None, softmax_warpgroups: int = 1) 
 class Claim:
     """An overlap a kernel config declares, checkable in its SASS: at least `min_fraction` of
     the main loop's instructions of class `unit` ("ex2": MUFU.EX2, "mma": matmuls) issue while a
-    wgmma group other than their own is in flight (loop_windows' "overlapped").
+    wgmma group other than their own is in flight (loop_windows' "overlapped"). Two units
+    are Blackwell's structure instead (no wgmma windows there): "a_tmem", at least
+    `min_fraction` of the main loop's MMAs read A from TMEM; "softmax_waits", the softmax loop
+    waits on no mbarrier after its first exp2 (min_fraction unused).
     known_gap: why the SASS does not show it (yet): the check then expects it missing, so that
-    a fix shows up ("known gap closed") as well as a regression."""
+    a fix shows up ("known gap closed") as well as a regression. head_dims: the head dims it
+    is claimed at (empty: all)."""
 
     unit: str
     min_fraction: float
     what: str
     known_gap: str = ""
+    head_dims: tuple = ()
 
 
 _FWD_OVERLAP_EX2_GAP = (
@@ -598,6 +636,28 @@ OVERLAP_CLAIMS = (
         Claim("mma", 0.15, "S and dP issued together, one wait (the second chain issues while "
                            "the first is in flight)"),
     )),
+    # The fused backward's asynchronous form (kernel_sm90_bwd_fused.py, head_dim <= its
+    # ASYNC_MAX_HEAD_DIM; above, the synchronous form claims only the S/dP pair above).
+    (("mosaic_sm90",), ("dqkv",), ("bwd_fused=True",), (
+        Claim("ex2", 0.9, "P^T = exp2(S^T - lse) while dP^T = V dO^T is in flight (FA3)",
+              head_dims=(64,)),
+        Claim("fp32", 0.9, "the exp2 FMAs under dP^T and dS^T = P^T (dP^T - delta) under "
+                           "dV += P^T dO", head_dims=(64,)),
+        Claim("mma", 0.6, "dV, dK and dQ issued as one chain, waited for once (and S^T with "
+                          "dP^T)", head_dims=(64,)),
+    )),
+    # The sm100 forward's FA4 forms (kernel_sm100.py): P V reads P from TMEM (the P V MMAs: 8
+    # of 16 at head_dim 128, 8 of 12 at 64); with the correction warpgroup the softmax loop no
+    # longer waits for P_{t-1} V after its exponentials (the O rescale's wait).
+    (("mosaic_sm100",), ("fwd",), ("fwd_p_tmem=True",), (
+        Claim("a_tmem", 0.3, "P_t V_t issued with P read from TMEM (tcgen05 A operand), no "
+                             "P tile in SMEM"),
+    )),
+    (("mosaic_sm100",), ("fwd",), ("fwd_correction=True",), (
+        Claim("softmax_waits", 0.0, "no tensor-core wait in the softmax loop after its exp2: "
+                                    "the O rescale (after P_{t-1} V) is the correction "
+                                    "warpgroup's"),
+    )),
     (("sm90",), ("matmul",), ("promote_every=0",), (
         Claim("mma", 0.5, "each K step's wgmma in flight while the next one issues "
                           "(promote_every=0, delay_release=1)"),
@@ -613,11 +673,17 @@ def claims_for(row: dict) -> tuple[Claim, ...]:
     text = f"{row.get('variant', '')} {row.get('config', '')}"
     return tuple(c for impls, passes, needs, claims in OVERLAP_CLAIMS
                  if row.get("impl") in impls and row.get("pass") in passes
-                 and all(n in text for n in needs) for c in claims)
+                 and all(n in text for n in needs) for c in claims
+                 if not c.head_dims or row.get("head_dim") in c.head_dims)
 
 
 def claim_holds(audit: dict, claim: Claim) -> bool:
+    if claim.unit == "softmax_waits":
+        return (audit.get("softmax") or {}).get("waits_after_ex2", 1) == 0
     loop = audit.get("mma") or {}
+    if claim.unit == "a_tmem":
+        total = loop.get("counts", {}).get("mma", 0)
+        return total > 0 and loop.get("a_tmem", 0) >= claim.min_fraction * total
     total = loop.get("counts", {}).get(claim.unit, 0)
     over = loop.get("overlapped", {}).get(claim.unit, 0)
     return total > 0 and over >= claim.min_fraction * total
@@ -639,6 +705,12 @@ def check_claims(audit: dict, claims) -> list[str]:
 
 def _fraction(audit: dict, c: Claim) -> str:
     loop = audit.get("mma") or {}
+    if c.unit == "softmax_waits":
+        waits = (audit.get("softmax") or {}).get("waits_after_ex2", "no softmax loop: ?")
+        return f"{waits} mbarrier waits after the softmax loop's first exp2, claimed 0"
+    if c.unit == "a_tmem":
+        return (f"{loop.get('a_tmem', 0)} of {loop.get('counts', {}).get('mma', 0)} MMAs "
+                f"with A in TMEM, claimed >= {c.min_fraction:.0%}")
     return (f"{loop.get('overlapped', {}).get(c.unit, 0)} of "
             f"{loop.get('counts', {}).get(c.unit, 0)} {c.unit} in a window, "
             f"claimed >= {c.min_fraction:.0%}")

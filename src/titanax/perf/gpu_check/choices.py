@@ -7,7 +7,8 @@ Speed-only attention knobs carry `tunes` (a measured.TUNED name) and their Flash
 (pallas_kernels/measured.py TUNED, read by flash_attention.default_config). The rest are
 reported only: FP8 promotion trades accuracy, and the documents row compares with cuDNN.
 They run in CHOICES' order, the most valuable first, since the section's budget cuts the
-tail: the attention kernels' FA3/FA4 forms, the FP8 structure, the documents row, the rest.
+tail: the fused backwards, the tcgen05 forms, the FP8 structure, the documents row, then the
+sm90 forward's FA3 forms (measured on the 2026-12-04 H200), the rest.
 
 - fp8_promotion (Hopper): the sm90 FP8 GEMM promoting its accumulator to float32 every K tile
   (Sm90Config.promote_every=1, shipped: accuracy) against never (0);
@@ -20,9 +21,13 @@ tail: the attention kernels' FA3/FA4 forms, the FP8 structure, the documents row
   spill on sm_100) against 4;
 - triton_stages_bwd_hd256: its backward at head_dim 256 unpipelined (num_stages_bwd=1,
   shipped: 2 stages spill) against 2 stages;
-- sm90_fwd_overlap, sm90_fwd_persistent, sm90_bwd_fused (Hopper, head_dim 128): FlashConfig's
-  FA3 forms of the attention kernels, each off (shipped) against on; their wins merge into
-  one TUNED entry;
+- sm90_bwd_fused, sm90_bwd_fused_hd64 (Hopper, head_dim 128 and 64): the backward as FA3's
+  one kernel (FlashConfig.bwd_fused, shipped on at both by the SASS audit's static bound:
+  synchronous at 128, asynchronous at 64, docs/attention.md) against the dq and dkv kernels
+  (off); a win of the split form turns it off through TUNED for that head_dim bucket;
+- sm90_fwd_overlap, sm90_fwd_persistent (Hopper, head_dim 128): FlashConfig's FA3 forms of
+  the forward, each off (shipped) against on; their wins and sm90_bwd_fused's merge into one
+  TUNED entry;
 - sm100_bwd_fused (Blackwell, head_dim 128): the tcgen05 backward as one kernel (FlashConfig.
   bwd_fused: dkv's kernel also computing dQ_t = dS_t K per tile, added by TMA reduce-add)
   against the dq and dkv kernels (shipped);
@@ -108,31 +113,28 @@ def is_base(choice: Choice, var: Variant) -> bool:
     return all(getattr(base, k) == v for k, v in var.knobs.items())
 
 
-def _toggle(name: str, question: str, generation: int, impl: str, knob: str) -> Choice:
-    """A boolean FlashConfig knob of `impl` at head_dim 128, off against on."""
+def _toggle(name: str, question: str, generation: int, impl: str, knob: str,
+            head_dim: int = 128) -> Choice:
+    """A boolean FlashConfig knob of `impl` at head_dim, off against on: whichever of the two
+    default_config gives now is the shipped row (ordered_variants), and the other, winning,
+    sets its value in TUNED (or, being the shipped table's, removes the knob from it)."""
     return Choice(name, question, generation, (
-        _knob(impl, 128, f"{knob}=False", **{knob: False}),
-        _knob(impl, 128, f"{knob}=True", **{knob: True})), tunes=(impl, 128))
+        _knob(impl, head_dim, f"{knob}=False", **{knob: False}),
+        _knob(impl, head_dim, f"{knob}=True", **{knob: True})), tunes=(impl, head_dim))
 
 
 CHOICES = (
     # Run in this order, the most valuable first: the section's budget (sections.py) cuts
     # the tail of a loan's list. The attention kernels' forms of each GPU generation (the
     # other's are n/a at no cost), then the FP8 structure and the documents row, then the rest.
-    _toggle("sm90_fwd_overlap", "Hopper attention forward at head_dim 128: FA3's intra-"
-            "warpgroup overlap (next QK^T issued before this tile's softmax) or not", 9,
-            "mosaic_sm90", "fwd_overlap"),
+    # The fused backward first: shipped on by the static bound alone, these rows are what a
+    # GPU says of it (at 64 its asynchronous form, at 128 the synchronous one).
     _toggle("sm90_bwd_fused", "Hopper attention backward at head_dim 128: FA3's one kernel (dQ "
-            "by TMA reduce-add) or the dq and dkv kernels", 9, "mosaic_sm90", "bwd_fused"),
-    Choice("sm90_fwd_persistent", "Hopper attention forward at head_dim 128: one CTA per "
-           "output tile, or persistent (one per SM walking the tiles, longest first, the next "
-           "tile's K/V loaded under this tile's epilogue), alone and with fwd_overlap (FA3's "
-           "form)", 9, (
-               _knob("mosaic_sm90", 128, "fwd_persistent=False", fwd_persistent=False),
-               _knob("mosaic_sm90", 128, "fwd_persistent=True", fwd_persistent=True),
-               _knob("mosaic_sm90", 128, "fwd_persistent=True, fwd_overlap=True",
-                     fwd_persistent=True, fwd_overlap=True)),
-           tunes=("mosaic_sm90", 128)),
+            "by TMA reduce-add; synchronous at 128) or the dq and dkv kernels", 9,
+            "mosaic_sm90", "bwd_fused"),
+    _toggle("sm90_bwd_fused_hd64", "Hopper attention backward at head_dim 64: FA3's one kernel, "
+            "asynchronous (exp2 and dS under the MMAs, dQ by TMA reduce-add), or the dq and "
+            "dkv kernels", 9, "mosaic_sm90", "bwd_fused", head_dim=64),
     _toggle("sm100_bwd_fused", "tcgen05 attention backward at head_dim 128: one kernel (dQ_t = "
             "dS_t K per tile, TMA reduce-add; X/Y in one TMEM buffer) or the dq and dkv "
             "kernels", 10, "mosaic_sm100", "bwd_fused"),
@@ -168,6 +170,20 @@ CHOICES = (
                                              "documents": True}),
                Variant("cudnn, dense mask", False, {"kind": "attention", "impl": "cudnn",
                                                     "documents": True}))),
+    # The sm90 forward's FA3 forms after the documents row: the 2026-12-04 H200 measured them
+    # (0.997x, 1.005x, 0.975x), and the budget is what the fused rows above cost.
+    _toggle("sm90_fwd_overlap", "Hopper attention forward at head_dim 128: FA3's intra-"
+            "warpgroup overlap (next QK^T issued before this tile's softmax) or not", 9,
+            "mosaic_sm90", "fwd_overlap"),
+    Choice("sm90_fwd_persistent", "Hopper attention forward at head_dim 128: one CTA per "
+           "output tile, or persistent (one per SM walking the tiles, longest first, the next "
+           "tile's K/V loaded under this tile's epilogue), alone and with fwd_overlap (FA3's "
+           "form)", 9, (
+               _knob("mosaic_sm90", 128, "fwd_persistent=False", fwd_persistent=False),
+               _knob("mosaic_sm90", 128, "fwd_persistent=True", fwd_persistent=True),
+               _knob("mosaic_sm90", 128, "fwd_persistent=True, fwd_overlap=True",
+                     fwd_persistent=True, fwd_overlap=True)),
+           tunes=("mosaic_sm90", 128)),
     Choice("fp8_promotion", "sm90 FP8 GEMM: float32 promotion every K tile, or never", 9, (
         Variant("promote_every=1", True, {"kind": "fp8", "config": Sm90Config()}),
         Variant("promote_every=0", False, {"kind": "fp8",

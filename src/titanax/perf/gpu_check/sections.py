@@ -51,8 +51,10 @@ SECTIONS = (
             # JAX takes 75% of HBM by default; the step's train state needs more.
             env=(("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92"),)),
     Section("choices", _P + "choices:choices_section", 90, 90,
-            "Each kernel choice made without a GPU against its alternative (choices.py): FP8 "
-            "promotion and tile, Triton warps at head_dim 64 and backward stages at 256, "
+            "Each kernel choice made without a GPU against its alternative (choices.py): the "
+            "sm90 fused backward (shipped) against the dq and dkv kernels at head_dim 128 and "
+            "64, the FA3/FA4 forms of the attention kernels, FP8 structure, promotion and "
+            "tile, Triton warps at head_dim 64 and backward stages at 256, "
             "packed documents on our kernel or cuDNN with a dense mask. vs_shipped = shipped "
             "time / variant time."),
 )
