@@ -4,14 +4,7 @@ ffn 1536, vocab 32000, untied, batch 8 x seq 512, float32, AdamW."""
 
 import dataclasses
 
-from titanax.config import (
-    Config,
-    DataConfig,
-    ExecutionConfig,
-    MeshConfig,
-    OptimConfig,
-    TrainConfig,
-)
+from titanax.config import Config, DataConfig, ExecutionConfig, MeshConfig, OptimConfig, TrainConfig
 from titanax.models import preset
 
 

@@ -96,7 +96,7 @@ def _time_save(state: dict, folder: pathlib.Path, cfg, out: dict) -> None:
     import jax
 
     from titanax.checkpoint import integrity
-    from titanax.checkpoint.orbax_io import Checkpointer
+    from titanax.checkpoint.manager import Checkpointer
 
     ckpt = Checkpointer(folder, cfg)
     _barrier("bench: start")
@@ -125,7 +125,7 @@ def _time_reads(args, folder: pathlib.Path, cfg, shape, sharding, out: dict) -> 
     import numpy as np
 
     from titanax.checkpoint import integrity
-    from titanax.checkpoint.orbax_io import Checkpointer
+    from titanax.checkpoint.manager import Checkpointer
 
     index, count = jax.process_index(), jax.process_count()
     step_dir = folder / "1"

@@ -70,7 +70,7 @@ def main(argv=None) -> None:
     token = _hub_token(args.push_to_hub) if args.push_to_hub else None
     _check_adapter_base(p, args)
 
-    from titanax.checkpoint.orbax_io import is_disk_full
+    from titanax.checkpoint.disk_full import is_disk_full
     from titanax.checkpoint.params_only import UnreadableCheckpoint
     from titanax.hf.exporter import export_hf, parse_size
     from titanax.train.workdir_lock import WorkdirLocked

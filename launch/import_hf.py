@@ -48,7 +48,7 @@ def main(argv=None) -> None:
         fail(str(e))
     setup_jax(args.host_devices)
 
-    from titanax.checkpoint.orbax_io import DiskFull, is_disk_full
+    from titanax.checkpoint.disk_full import DiskFull, is_disk_full
     from titanax.hf.importer import import_hf
     from titanax.train.workdir_lock import WorkdirLocked
 

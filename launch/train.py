@@ -138,8 +138,9 @@ def main(argv=None) -> None:
     xla_flags.apply_for_run(args.host_devices)  # GPU only; XLA reads them when it starts
     setup_jax(args.host_devices, args)
 
+    from titanax.checkpoint.disk_full import DiskFull, is_disk_full
+    from titanax.checkpoint.fallback import NoGoodCheckpoint
     from titanax.checkpoint.lora_base import MissingBase
-    from titanax.checkpoint.orbax_io import DiskFull, NoGoodCheckpoint, is_disk_full
     from titanax.plan.fit import fit_to_devices
     from titanax.train.loop import TrainingDiverged, WorkdirLocked, train
 

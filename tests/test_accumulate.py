@@ -42,7 +42,8 @@ def _grads(cfg, n_devices, trace_only=False):
     fn = lambda p, f, b: train_step._grads(cfg, loss_fn, p, f, b)[:3]  # noqa: E731
     with model_context(mesh):
         return (jax.eval_shape if trace_only else jax.jit(fn))(
-            *((fn,) if trace_only else ()), state["params"], state.get("fp8", {}), batch)
+            *((fn,) if trace_only else ()), state.weights,
+            {} if state.statistics is None else state.statistics, batch)
 
 
 @pytest.mark.parametrize("extra, n_devices", [

@@ -1,7 +1,8 @@
 """The code's shape, checked from the source (no imports, a second or two): no import cycles
 between modules or between titanax's subpackages, layering (kernels know nothing of titanax,
-the library nothing of its launchers), no function outside the kernels over 80 lines, and the
-files the packaging declares exist. docs/architecture.md says why each rule is there."""
+the library nothing of its launchers), no function outside the kernels over 80 lines, shape
+suffixes in the legend's letters, and the files the packaging declares exist.
+docs/architecture.md says why each rule is there."""
 
 from __future__ import annotations
 
@@ -175,6 +176,32 @@ def test_no_function_outside_the_kernels_is_longer_than_80_lines():
     files = [p for root in [*PACKAGES.values(), ROOT / "tests", ROOT / "configs"]
              for p in root.rglob("*.py") if p not in kernels]
     assert [f for p in sorted(files) for f in _long_functions(p)] == []
+
+
+def _legend_letters() -> set[str]:
+    """The capitals docs/architecture.md's shape legend defines (its table's letter columns)."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text.split("## Shape letters", 1)[1].split("\n## ", 1)[0]
+    return set(re.findall(r"^\| ([A-Z]) \|", section, re.M)
+               + re.findall(r"\| \| ([A-Z]) \|", section))
+
+
+def test_shape_suffixes_use_the_legend_letters():
+    """Every shape suffix in titanax (`x_BSD`, `h_CBsD`, `keys_BS2`: the last `_` part, with a
+    capital) uses the legend's letters, their lowercase (a part of that axis) and digits only."""
+    legend = _legend_letters()
+    assert {"B", "S", "D", "K"} <= legend, legend
+    allowed = legend | {c.lower() for c in legend} | set("0123456789")
+    offenders = set()
+    for path in sorted(PACKAGES["titanax"].rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = (node.id if isinstance(node, ast.Name) else node.arg
+                    if isinstance(node, ast.arg) else node.attr
+                    if isinstance(node, ast.Attribute) else None)
+            m = re.fullmatch(r"[a-z][a-z0-9_]*_([a-z0-9]*[A-Z][A-Za-z0-9]*)", name or "")
+            if m and not set(m[1]) <= allowed:
+                offenders.add(f"{path.relative_to(ROOT)}: {name}")
+    assert not offenders, sorted(offenders)
 
 
 def test_declared_package_data_exists():

@@ -13,7 +13,8 @@ import pytest
 
 from tests.helpers.small import run_small, small_config, tree_equal
 from titanax.checkpoint import integrity
-from titanax.checkpoint.orbax_io import Checkpointer, check_same_model
+from titanax.checkpoint.compare import check_same_model
+from titanax.checkpoint.manager import Checkpointer
 from titanax.config import CheckpointConfig, ConfigError, apply_overrides
 from titanax.parallel.layer_order import reorder_restored
 from titanax.parallel.mesh import build_mesh
@@ -22,7 +23,7 @@ from titanax.preemption import PreemptionWatch
 from titanax.train import loop
 from titanax.train.metrics import read_metrics
 from titanax.train.optim import lr_schedule, make_optimizer
-from titanax.train.state import abstract_train_state, create_train_state
+from titanax.train.state import TrainState, abstract_train_state, create_train_state
 from titanax.train.step import make_train_step
 
 pytestmark = pytest.mark.usefixtures("devices8")  # meshes over 8 simulated devices
@@ -46,9 +47,9 @@ def test_restore_onto_another_mesh_reshards(tmp_path):
     tx = make_optimizer(save_cfg)
     mesh8 = build_mesh(save_cfg.mesh, jax.devices())
     _, state, _ = create_train_state(save_cfg, mesh8, tx)
-    assert state["params"]["embed"].get_value().sharding.spec != (None, None)  # really sharded
+    assert state.weights["embed"].get_value().sharding.spec != (None, None)  # really sharded
     ckpt = Checkpointer(tmp_path, save_cfg.checkpoint)  # async, as in training
-    ckpt.save(7, state, data_state=None, config=save_cfg.to_dict())
+    ckpt.save(7, state.to_saved(), data_state=None, config=save_cfg.to_dict())
     ckpt.close()
     assert integrity.has_manifest(tmp_path / "7")
 
@@ -57,11 +58,12 @@ def test_restore_onto_another_mesh_reshards(tmp_path):
     _, abstract, shardings = abstract_train_state(new_cfg, mesh222, make_optimizer(new_cfg))
     with model_context(mesh222):
         got = Checkpointer(tmp_path, new_cfg.checkpoint).restore_latest_good(
-            abstract, cfg=new_cfg)
-    assert got.step == 7 and int(got.state["step"]) == 0
-    assert tree_equal(got.state["params"], state["params"])
-    assert tree_equal(got.state["opt_state"], state["opt_state"])
-    for leaf, want in zip(jax.tree.leaves(got.state), jax.tree.leaves(shardings), strict=True):
+            abstract.to_saved(), cfg=new_cfg)
+    restored = TrainState.from_saved(got.state)
+    assert got.step == 7 and int(restored.step) == 0
+    assert tree_equal(restored.weights, state.weights)
+    assert tree_equal(restored.opt_state, state.opt_state)
+    for leaf, want in zip(jax.tree.leaves(restored), jax.tree.leaves(shardings), strict=True):
         assert leaf.sharding.mesh.shape == mesh222.shape and leaf.sharding.spec == want.spec
 
 
@@ -76,7 +78,7 @@ def test_circular_pipeline_layer_order_follows_the_new_layout():
                                       make_optimizer(circ))
     _, want, shardings = create_train_state(flat, build_mesh(flat.mesh, jax.devices()),
                                             make_optimizer(flat))
-    assert not tree_equal(stored["params"]["layers"], want["params"]["layers"])  # permuted
+    assert not tree_equal(stored.weights["layers"], want.weights["layers"])  # permuted
     got = reorder_restored(stored, shardings, circ, flat)
     assert tree_equal(got, want)  # same seed, same logical weights: now in the same order
 
@@ -318,9 +320,9 @@ def test_non_finite_step_keeps_params_and_optimizer_state():
         before = jax.device_get(state)
         state, m = step(state, _batch(cfg, poisoned=True))
     assert not np.isfinite(float(m["loss"])) and int(m["skipped"]) == 1
-    assert int(state["step"]) == 2  # the batch was consumed
-    assert tree_equal(state["params"], before["params"])
-    assert tree_equal(state["opt_state"], before["opt_state"])
+    assert int(state.step) == 2  # the batch was consumed
+    assert tree_equal(state.weights, before.weights)
+    assert tree_equal(state.opt_state, before.opt_state)
 
 
 def _poison_data(monkeypatch, bad_steps):

@@ -110,7 +110,7 @@ def _worker(mode: str, folder: str, port: int, index: int) -> None:
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from titanax.checkpoint.orbax_io import Checkpointer
+    from titanax.checkpoint.manager import Checkpointer
     from titanax.config import CheckpointConfig
 
     sharding = NamedSharding(Mesh(np.array(jax.devices()), ("fsdp",)), P("fsdp"))

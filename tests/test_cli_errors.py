@@ -39,7 +39,7 @@ def test_read_only_commands_on_a_folder_without_a_run_create_nothing(tmp_path):
 def _damaged_run(workdir: pathlib.Path, steps=(1, 2)) -> list[str]:
     """A run folder as launch.train leaves it (config.json, checkpoints of CLI_SMALL) with every
     checkpoint's largest file cut in half; returns the --set flags of its config."""
-    from titanax.checkpoint.orbax_io import Checkpointer
+    from titanax.checkpoint.manager import Checkpointer
     from titanax.config import apply_overrides, load_config
     from titanax.parallel.mesh import single_device_mesh
     from titanax.train.optim import make_optimizer
@@ -49,7 +49,7 @@ def _damaged_run(workdir: pathlib.Path, steps=(1, 2)) -> list[str]:
     _, state, _ = create_train_state(cfg, single_device_mesh(), make_optimizer(cfg))
     ckpt = Checkpointer(workdir / "checkpoints", cfg.checkpoint)
     for step in steps:
-        ckpt.save(step, state, data_state=None, config=cfg.to_dict())
+        ckpt.save(step, state.to_saved(), data_state=None, config=cfg.to_dict())
         ckpt.wait()
     ckpt.close()
     (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))

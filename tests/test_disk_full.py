@@ -1,4 +1,4 @@
-"""A full disk during training (checkpoint/orbax_io.py DiskFull): one `error:` line naming the
+"""A full disk during training (checkpoint/disk_full.py DiskFull): one `error:` line naming the
 folder and the bytes a checkpoint needs, exit 1, no partial step folder left, and the run
 resumes from its newest complete checkpoint once there is room. On a small tmpfs (root), out of
 bytes (refused before the save starts) and out of inodes (orbax fails mid-save); elsewhere
@@ -14,7 +14,7 @@ import jax
 import pytest
 
 from tests.helpers.cli import CLI_SMALL, ROOT, assert_one_error, cli
-from titanax.checkpoint import orbax_io
+from titanax.checkpoint import disk_full, manager
 from titanax.config import apply_overrides, load_config
 
 SETS = {**CLI_SMALL, "train.steps": 4, "checkpoint.every_steps": 1, "train.compilation_cache": ""}
@@ -78,10 +78,10 @@ def test_disk_full_injected(tmp_path, monkeypatch):
 
     cfg = apply_overrides(load_config(ROOT / "configs" / "tiny.py"), SETS)
     real = shutil.disk_usage
-    monkeypatch.setattr(orbax_io.shutil, "disk_usage",
+    monkeypatch.setattr(manager.shutil, "disk_usage",
                         lambda p: real(p)._replace(free=1000))
-    with pytest.raises(orbax_io.DiskFull, match=r"step 1 does not fit in .*needs 1.7 MB, "
-                                                r"1.0 kB are free there\); no checkpoint was"):
+    with pytest.raises(disk_full.DiskFull, match=r"step 1 does not fit in .*needs 1.7 MB, "
+                                                 r"1.0 kB are free there\); no checkpoint was"):
         loop.train(cfg, tmp_path / "run", log=lambda *_: None, devices=jax.devices()[:1])
     assert not list((tmp_path / "run" / "checkpoints").iterdir())
 

@@ -33,7 +33,7 @@ DOCS = ["def main():\n    return sorted(range(10))\n" * 3, "import os\nprint(os.
 
 def make_run(workdir: pathlib.Path) -> None:
     """An untrained float32 checkpoint (step 0) and a small BPE tokenizer in `workdir`."""
-    from titanax.checkpoint.orbax_io import Checkpointer
+    from titanax.checkpoint.manager import Checkpointer
     from titanax.config import apply_overrides, load_config
     from titanax.data.tokenizer import train_bpe
     from titanax.parallel.mesh import single_device_mesh
@@ -43,7 +43,7 @@ def make_run(workdir: pathlib.Path) -> None:
     cfg = apply_overrides(load_config(ROOT / "configs" / "tiny.py"), SMALL)
     _, state, _ = create_train_state(cfg, single_device_mesh(), make_optimizer(cfg))
     ckpt = Checkpointer(workdir / "checkpoints", cfg.checkpoint)
-    ckpt.save(0, state, data_state=None, config=cfg.to_dict())
+    ckpt.save(0, state.to_saved(), data_state=None, config=cfg.to_dict())
     ckpt.close()
     train_bpe(DOCS, 320, workdir / "tokenizer.json")
 

@@ -11,14 +11,14 @@ import pytest
 from flax import nnx
 
 from titanax import ops
-from titanax.checkpoint.orbax_io import Checkpointer
+from titanax.checkpoint.manager import Checkpointer
 from titanax.config import ConfigError, apply_overrides, load_config
 from titanax.models import model_spec
 from titanax.models.llama3.model import Llama
 from titanax.parallel.mesh import build_mesh
 from titanax.parallel.rules import model_context
 from titanax.train.optim import lr_schedule, make_optimizer
-from titanax.train.state import abstract_train_state, create_train_state
+from titanax.train.state import Role, TrainState, abstract_train_state, create_train_state
 from titanax.train.step import make_train_step
 
 pytestmark = pytest.mark.usefixtures("devices8")  # meshes over 8 simulated devices
@@ -113,21 +113,32 @@ def test_output_layer_exclusion_is_exact():
                    dtype=jnp.float32)
 
 
+def _saved_and_restored(ckpt, step, state, cfg, mesh, tx):
+    """state saved by ckpt at `step`, restored into cfg's abstract state; ckpt closed."""
+    ckpt.save(step, state.to_saved(), data_state=None, config=cfg.to_dict())
+    ckpt.wait()
+    _, abstract, _ = abstract_train_state(cfg, mesh, tx)
+    with model_context(mesh):
+        restored = TrainState.from_saved(ckpt.restore(step, abstract.to_saved())[0])
+    ckpt.close()
+    return restored
+
+
 def test_delayed_histories_live_in_state_update_by_step_and_checkpoint(tmp_path):
     cfg = _cfg("fp8_delayed")
     assert count_params(cfg.model) == count_params(_cfg("default").model)  # histories aren't params
     mesh = build_mesh(cfg.mesh, devices=jax.devices()[:1])
     tx = make_optimizer(cfg)
     graphdef, state, _ = create_train_state(cfg, mesh, tx)
-    hist = state["fp8"]["layers"]["fp8_wq"][...]
+    hist = state.statistics["layers"]["fp8_wq"][...]
     assert hist.shape == (2, 3, 4) and not np.any(np.asarray(hist))
-    assert "fp8_wq" not in state["params"]["layers"]  # not a parameter
+    assert "fp8_wq" not in state.weights["layers"]  # not a parameter
     step = jax.jit(make_train_step(cfg, graphdef, tx, lr_schedule(cfg)))
     with model_context(mesh):
         for i in range(3):
             state, m = step(state, _batch(cfg, i))
     assert np.isfinite(float(m["loss"])) and float(m["grad_norm"]) < 100  # histories not in the norm
-    layers, histories = state["params"]["layers"], state["fp8"]["layers"]
+    layers, histories = state.weights["layers"], state.statistics["layers"]
     h = np.asarray(histories["fp8_wq"][...])
     assert np.all(h[:, :, :3] > 0) and np.all(h[:, :, 3] == 0)  # 3 steps recorded, newest first
     # The weight history holds the weight's own amax at the step it was used (not an optimizer
@@ -136,13 +147,8 @@ def test_delayed_histories_live_in_state_update_by_step_and_checkpoint(tmp_path)
     np.testing.assert_allclose(h[:, 1, 0], wq_amax, rtol=0.05)
 
     ckpt = Checkpointer(tmp_path / "ckpt", _cfg("fp8_delayed", **{"checkpoint.async_save": False}).checkpoint)
-    ckpt.save(3, state, data_state=None, config=cfg.to_dict())
-    ckpt.wait()
-    _, abstract, _ = abstract_train_state(cfg, mesh, tx)
-    with model_context(mesh):
-        restored, _, _ = ckpt.restore(3, abstract)
-    ckpt.close()
-    np.testing.assert_array_equal(np.asarray(restored["fp8"]["layers"]["fp8_w_down"][...]),
+    restored = _saved_and_restored(ckpt, 3, state, cfg, mesh, tx)
+    np.testing.assert_array_equal(np.asarray(restored.statistics["layers"]["fp8_w_down"][...]),
                                   np.asarray(histories["fp8_w_down"][...]))
 
 
@@ -164,7 +170,7 @@ def _one_step_histories(cfg, batch, devices=1):
     graphdef, state, _ = create_train_state(cfg, mesh, tx)
     with model_context(mesh):
         state, m = jax.jit(make_train_step(cfg, graphdef, tx, lr_schedule(cfg)))(state, batch)
-    return np.asarray(state["fp8"]["layers"]["fp8_wq"][...]), m
+    return np.asarray(state.statistics["layers"]["fp8_wq"][...]), m
 
 
 def test_grad_accum_records_the_max_amax_over_microbatches():
@@ -185,8 +191,8 @@ def test_grad_accum_records_the_max_amax_over_microbatches():
     new_histories = jax.jit(jax.grad(
         lambda p, b, f: make_loss_fn(cfg, graphdef)(p, b, f, tokens), argnums=2))
     with model_context(mesh):
-        per_mb = [np.asarray(new_histories(state["params"], {k: v[i::2] for k, v in batch.items()},
-                                           state["fp8"])["layers"]["fp8_wq"][...])[..., 0]
+        per_mb = [np.asarray(new_histories(state.weights, {k: v[i::2] for k, v in batch.items()},
+                                           state.statistics)["layers"]["fp8_wq"][...])[..., 0]
                   for i in range(2)]
     assert np.all(per_mb[0][:, 0] != per_mb[1][:, 0])  # x amaxes differ between microbatches
     np.testing.assert_array_equal(hist[..., 0], np.maximum(*per_mb))
@@ -215,17 +221,17 @@ def test_nonfinite_amax_is_counted_and_the_step_skipped():
     mesh = build_mesh(cfg.mesh, devices=jax.devices()[:1])
     tx = make_optimizer(cfg)
     graphdef, state, _ = create_train_state(cfg, mesh, tx)
-    wq = state["params"]["layers"]["wq"]
+    wq = state.weights["layers"]["wq"]
     wq.set_value(wq[...].at[1, 0, 0, 0].set(jnp.inf))  # layer 1 only
     step = jax.jit(make_train_step(cfg, graphdef, tx, lr_schedule(cfg)))
     with model_context(mesh):
         new, m = step(state, _batch(cfg))
     assert np.isfinite(float(m["loss"])) and np.isfinite(float(m["grad_norm"]))
     assert int(m["fp8_nonfinite_amax"]) == 1 and int(m["skipped"]) == 1
-    assert int(new["step"]) == 1
-    assert not np.any(np.asarray(new["fp8"]["layers"]["fp8_wq"][...]))  # still all zero
-    np.testing.assert_array_equal(np.asarray(new["params"]["layers"]["wv"][...]),
-                                  np.asarray(state["params"]["layers"]["wv"][...]))
+    assert int(new.step) == 1
+    assert not np.any(np.asarray(new.statistics["layers"]["fp8_wq"][...]))  # still all zero
+    np.testing.assert_array_equal(np.asarray(new.weights["layers"]["wv"][...]),
+                                  np.asarray(state.weights["layers"]["wv"][...]))
 
 
 # --- the histories as their own state (issue 19) -------------------------------------------
@@ -255,26 +261,27 @@ def _assert_same_state(a, b):
 
 
 def test_histories_are_their_own_state_with_no_optimizer_entry():
-    """state['fp8'] holds the histories (ops.Fp8Meta, not nnx.Param), sharded by their logical
+    """The state's statistics hold the histories (ops.Fp8Meta, not nnx.Param), sharded by their logical
     axes; params and the optimizer state have no entry for them (no moments, no decay)."""
     cfg = _cfg("fp8_delayed", **{"mesh.pipeline": 2, "pipeline.microbatches": 2})
     mesh = build_mesh(cfg.mesh, devices=jax.devices()[:2])
     tx = make_optimizer(cfg)
     _, state, shardings = create_train_state(cfg, mesh, tx)
-    assert set(state) == {"step", "params", "fp8", "opt_state"}
+    assert set(state.variables) == {Role.TRAINED, Role.STATISTIC}
+    assert set(state.to_saved()) == {"step", "params", "fp8", "opt_state"}  # on disk
     is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
-    metas = jax.tree.leaves(state["fp8"], is_leaf=is_var)
+    metas = jax.tree.leaves(state.statistics, is_leaf=is_var)
     assert len(metas) == 7 and all(type(v) is ops.Fp8Meta for v in metas)
-    assert all(isinstance(v, nnx.Param) for v in jax.tree.leaves(state["params"], is_leaf=is_var))
+    assert all(isinstance(v, nnx.Param) for v in jax.tree.leaves(state.weights, is_leaf=is_var))
     names = ["/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
-             for path, _ in jax.tree_util.tree_flatten_with_path(state["opt_state"])[0]]
+             for path, _ in jax.tree_util.tree_flatten_with_path(state.opt_state)[0]]
     assert any("layers/wq" in n for n in names) and not any("fp8" in n for n in names)
-    adam = state["opt_state"][-1][0]
-    assert jax.tree.structure(adam.mu) == jax.tree.structure(state["params"])
-    hist = state["fp8"]["layers"]["fp8_wq"].get_value()
+    adam = state.opt_state[-1][0]
+    assert jax.tree.structure(adam.mu) == jax.tree.structure(state.weights)
+    hist = state.statistics["layers"]["fp8_wq"].get_value()
     assert hist.sharding.spec[0] == "pipeline"  # staged with the layers they scale
-    assert shardings["fp8"]["layers"]["fp8_wq"].get_value().spec == hist.sharding.spec
-    assert "fp8" not in create_train_state(_cfg("fp8_tensorwise"), mesh, tx)[1]
+    assert shardings.statistics["layers"]["fp8_wq"].get_value().spec == hist.sharding.spec
+    assert create_train_state(_cfg("fp8_tensorwise"), mesh, tx)[1].statistics is None
 
 
 # Losses and gradient norms of the first 4 fp8_delayed steps (optim.warmup_steps=1, _batch(cfg,
@@ -323,13 +330,8 @@ def test_fp8_delayed_run_resumes_exactly(tmp_path):
     _, _, state, step = _trainer(cfg)
     first, state = _run(mesh, step, state, cfg, range(2))
     ckpt = Checkpointer(tmp_path / "ckpt", cfg.checkpoint)
-    ckpt.save(2, state, data_state=None, config=cfg.to_dict())
-    ckpt.wait()
-    _, abstract, _ = abstract_train_state(cfg, mesh, tx)
-    with model_context(mesh):
-        restored, _, _ = ckpt.restore(2, abstract)
-    ckpt.close()
-    assert type(restored["fp8"]["layers"]["fp8_wq"]) is ops.Fp8Meta
+    restored = _saved_and_restored(ckpt, 2, state, cfg, mesh, tx)
+    assert type(restored.statistics["layers"]["fp8_wq"]) is ops.Fp8Meta
     rest, got_state = _run(mesh, step, restored, cfg, range(2, 4))
     assert first + rest == want
     _assert_same_state(got_state, want_state)
@@ -338,13 +340,13 @@ def test_fp8_delayed_run_resumes_exactly(tmp_path):
 def _old_layout(state, tx):
     """The train state as the code before issue 19 saved it: the histories inside params, and
     Adam moments for them (filled with 7s, to show they are never restored)."""
-    params = nnx.merge_state(state["params"], state["fp8"])
-    sevens = jax.tree.map(lambda h: jnp.full_like(h, 7.0), state["fp8"])
-    adam = state["opt_state"][-1][0]
+    params = nnx.merge_state(state.weights, state.statistics)
+    sevens = jax.tree.map(lambda h: jnp.full_like(h, 7.0), state.statistics)
+    adam = state.opt_state[-1][0]
     adam = adam._replace(mu=nnx.merge_state(adam.mu, sevens), nu=nnx.merge_state(adam.nu, sevens))
-    opt_state = (*state["opt_state"][:-1], (adam, *state["opt_state"][-1][1:]))
+    opt_state = (*state.opt_state[:-1], (adam, *state.opt_state[-1][1:]))
     assert jax.tree.structure(opt_state) == jax.tree.structure(tx.init(params))
-    return {"step": state["step"], "params": params, "opt_state": opt_state}
+    return {"step": state.step, "params": params, "opt_state": opt_state}
 
 
 def test_checkpoint_with_histories_in_params_restores(tmp_path):
@@ -362,17 +364,17 @@ def test_checkpoint_with_histories_in_params_restores(tmp_path):
     stored = ckpt._state_tree(2)
     assert "fp8" not in stored and "fp8_wq" in stored["params"]["layers"]
     _, abstract, _ = abstract_train_state(cfg, mesh, tx)
-    assert ckpt.moved_out_of_params(2, abstract) == ("fp8",)
+    assert ckpt.moved_out_of_params(2, abstract.to_saved()) == ("fp8",)
     with model_context(mesh):
-        restored, _, _ = ckpt.restore(2, abstract)
+        restored = TrainState.from_saved(ckpt.restore(2, abstract.to_saved())[0])
         graphdef, abstract_p = abstract_params(cfg, mesh)
         sampling = restore_params(ckpt, 2, abstract_p)
     ckpt.close()
-    assert type(restored["fp8"]["layers"]["fp8_wq"]) is ops.Fp8Meta
+    assert type(restored.statistics["layers"]["fp8_wq"]) is ops.Fp8Meta
     # Compared as host arrays (the step below donates `state`).
     want = jax.device_get(state)
     _assert_same_state(restored, want)
-    _assert_same_state(sampling, jax.device_get(nnx.merge_state(state["params"], state["fp8"])))
+    _assert_same_state(sampling, jax.device_get(nnx.merge_state(state.weights, state.statistics)))
     want_losses, _ = _run(mesh, step, state, cfg, range(2, 4))
     got_losses, _ = _run(mesh, step, restored, cfg, range(2, 4))
     assert got_losses == want_losses
@@ -385,12 +387,12 @@ def test_checkpoint_without_histories_is_refused_clearly(tmp_path):
     mesh = build_mesh(cfg.mesh, devices=jax.devices()[:1])
     _, state, _ = create_train_state(cfg, mesh, make_optimizer(cfg))
     ckpt = Checkpointer(tmp_path / "ckpt", cfg.checkpoint)
-    ckpt.save(1, state, data_state=None, config=cfg.to_dict())
+    ckpt.save(1, state.to_saved(), data_state=None, config=cfg.to_dict())
     ckpt.wait()
     delayed = _cfg("fp8_delayed")
     _, abstract, _ = abstract_train_state(delayed, mesh, make_optimizer(delayed))
     with pytest.raises(ValueError, match=r"holds no 'fp8' state.*fp8_delayed"):
-        ckpt.restore(1, abstract)
+        ckpt.restore(1, abstract.to_saved())
     ckpt.close()
 
 

@@ -37,7 +37,7 @@ def make_run(workdir, overrides: dict) -> int:
     configs/tiny.py with `overrides`, on one device; returns the parameter bytes."""
     import jax
 
-    from titanax.checkpoint.orbax_io import Checkpointer
+    from titanax.checkpoint.manager import Checkpointer
     from titanax.config import apply_overrides, load_config
     from titanax.data.tokenizer import train_bpe
     from titanax.parallel.mesh import single_device_mesh
@@ -48,11 +48,11 @@ def make_run(workdir, overrides: dict) -> int:
     cfg = apply_overrides(load_config(ROOT / "configs" / "tiny.py"), overrides)
     _, state, _ = create_train_state(cfg, single_device_mesh(), make_optimizer(cfg))
     ckpt = Checkpointer(workdir / "checkpoints", cfg.checkpoint)
-    ckpt.save(0, state, data_state=None, config=cfg.to_dict())
+    ckpt.save(0, state.to_saved(), data_state=None, config=cfg.to_dict())
     ckpt.close()
     train_bpe(["def main():\n    return 0\n" * 20, "import os\nprint(os.getcwd())\n" * 20], 300,
               workdir / "tokenizer.json")
-    return sum(x.nbytes for x in jax.tree.leaves(state["params"]))
+    return sum(x.nbytes for x in jax.tree.leaves(state.weights))
 
 
 # Run in a fresh interpreter: RSS before the restore (jax and titanax imported, the CPU client
@@ -104,7 +104,7 @@ def test_restore_is_given_no_optimizer_template(tmp_path, monkeypatch):
     import jax
     import orbax.checkpoint as ocp
 
-    from titanax.checkpoint.orbax_io import Checkpointer
+    from titanax.checkpoint.manager import Checkpointer
     from titanax.generate import load_for_inference
 
     make_run(tmp_path, {"model.d_model": 64, "model.n_layers": 2, "model.n_heads": 4,

@@ -57,12 +57,12 @@ def test_nan_or_inf_in_imported_weights_is_refused_naming_the_tensor(hf_folder, 
 def test_a_full_disk_during_import_or_export_is_one_line(hf_folder, tmp_path, capsys,
                                                          monkeypatch):
     from launch import export_hf, import_hf
-    from titanax.checkpoint import orbax_io
+    from titanax.checkpoint import manager
     from titanax.hf import safetensors_io
 
     real = shutil.disk_usage
     with monkeypatch.context() as m:
-        m.setattr(orbax_io.shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
+        m.setattr(manager.shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
         with pytest.raises(SystemExit) as exit_info:
             import_hf.main(["--hf", str(hf_folder), "--workdir", str(tmp_path / "work")])
     _one_error(capsys, exit_info, 1, "disk full: the checkpoint of step 0 does not fit in",

@@ -8,7 +8,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from tests.helpers.small import ROOT, SMALL
-from titanax.checkpoint.orbax_io import Checkpointer
+from titanax.checkpoint.manager import Checkpointer
 from titanax.config import apply_overrides, load_config
 from titanax.generate import load_for_inference
 from titanax.hf.exporter import export_hf
@@ -28,7 +28,7 @@ def _save_run(tmp_path, name, overrides, devices):
                           {**SMALL, **LAYOUT, **overrides})
     _, state, _ = create_train_state(cfg, build_mesh(cfg.mesh, devices), make_optimizer(cfg))
     ckpt = Checkpointer(tmp_path / name / "checkpoints", cfg.checkpoint)
-    ckpt.save(0, state, data_state=None, config=cfg.to_dict())
+    ckpt.save(0, state.to_saved(), data_state=None, config=cfg.to_dict())
     ckpt.close()
     return tmp_path / name
 
@@ -57,7 +57,7 @@ def test_circular_checkpoint_restores_into_an_offloaded_run(tmp_path):
     pinned host memory (train.offload_optimizer): they are reordered on the device and go back."""
     from titanax.config import Config
     from titanax.parallel.layer_order import reorder_restored as _match_layer_order
-    from titanax.train.state import abstract_train_state
+    from titanax.train.state import TrainState, abstract_train_state
 
     circular = _save_run(tmp_path, "circular", CIRCULAR, jax.devices())
     plain = _save_run(tmp_path, "plain", {"mesh.data": 1}, jax.devices()[:1])
@@ -69,10 +69,11 @@ def test_circular_checkpoint_restores_into_an_offloaded_run(tmp_path):
     got = {}
     for name, run in (("circular", circular), ("plain", plain)):
         ckpt = Checkpointer(run / "checkpoints", cfg.checkpoint)
-        state, _, saved = ckpt.restore(0, abstract)
+        state, _, saved = ckpt.restore(0, abstract.to_saved())
         ckpt.close()
-        got[name] = _match_layer_order(state, shardings, Config.from_dict(saved), cfg)
-    kinds = {leaf.sharding.memory_kind for leaf in jax.tree.leaves(got["circular"]["opt_state"])
+        got[name] = _match_layer_order(TrainState.from_saved(state), shardings,
+                                       Config.from_dict(saved), cfg)
+    kinds = {leaf.sharding.memory_kind for leaf in jax.tree.leaves(got["circular"].opt_state)
              if leaf.ndim}
     assert kinds == {"pinned_host"}
     for a, b in zip(jax.tree.leaves(got["circular"]), jax.tree.leaves(got["plain"])):

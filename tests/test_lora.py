@@ -34,7 +34,7 @@ from titanax.ops import IGNORE_INDEX
 from titanax.parallel.mesh import build_mesh
 from titanax.parallel.rules import model_context
 from titanax.train.optim import lr_schedule, make_optimizer
-from titanax.train.state import create_train_state, jit_eval_step, jit_train_step
+from titanax.train.state import Role, create_train_state, jit_eval_step, jit_train_step
 from titanax.train.step import make_loss_fn
 
 pytestmark = pytest.mark.usefixtures("devices8")  # the sharded layout's 4 of 8 devices
@@ -82,11 +82,11 @@ def test_step_zero_is_the_base_model_exactly():
     batch = make_batch(cfg)
     mesh, g0, s0, _, eval0 = _setup(cfg0, jax.devices()[:1])
     _, g1, s1, _, eval1 = _setup(cfg, jax.devices()[:1])
-    assert tree_equal(s0["params"], s1["params"])
+    assert tree_equal(s0.weights, s1.weights)
     with model_context(mesh):
         assert tree_equal(eval0(s0, batch), eval1(s1, batch))
-        logits0, _ = nnx.merge(g0, s0["params"])(batch["inputs"])
-        logits1, _ = nnx.merge(g1, s1["params"], s1["lora"])(batch["inputs"])
+        logits0, _ = nnx.merge(g0, s0.weights)(batch["inputs"])
+        logits1, _ = nnx.merge(g1, s1.weights, s1.adapters)(batch["inputs"])
     np.testing.assert_array_equal(np.asarray(logits1), np.asarray(logits0))
 
 
@@ -114,9 +114,9 @@ def test_eight_steps_match_a_merged_dense_reference():
     cfg0 = apply_overrides(cfg, {"lora.rank": 0})
     mesh, g0, s0, _, _ = _setup(cfg0, jax.devices()[:1])
     loss_fn = make_loss_fn(cfg0, g0)
-    base = nnx.to_pure_dict(s0["params"])
+    base = nnx.to_pure_dict(s0.weights)
     _, _, s1, _, _ = _setup(cfg, jax.devices()[:1])  # the adapters' initial values
-    pure = nnx.to_pure_dict(s1["lora"])["layers"]
+    pure = nnx.to_pure_dict(s1.adapters)["layers"]
     ab = {n: {"a": pure[f"{n}_lora_a"], "b": pure[f"{n}_lora_b"]} for n in _MERGE}
     o = cfg.optim
     tx = optax.chain(optax.clip_by_global_norm(o.clip_norm),
@@ -126,7 +126,7 @@ def test_eight_steps_match_a_merged_dense_reference():
 
     def ref_loss(ab, batch):
         merged = _merged(base, ab, ALPHA / RANK)
-        params = nnx.State(jax.tree.map(lambda x: x, s0["params"]))
+        params = nnx.State(jax.tree.map(lambda x: x, s0.weights))
         nnx.replace_by_pure_dict(params, merged)
         return loss_fn(params, batch)
 
@@ -139,7 +139,7 @@ def test_eight_steps_match_a_merged_dense_reference():
             want.append(float(loss))
     np.testing.assert_allclose(losses, want, rtol=2e-5)
     assert losses[-1] < losses[0]  # it learns
-    got = nnx.to_pure_dict(state["lora"])["layers"]
+    got = nnx.to_pure_dict(state.adapters)["layers"]
     for n in _MERGE:
         np.testing.assert_allclose(got[f"{n}_lora_b"], ab[n]["b"], rtol=1e-3, atol=1e-6)
 
@@ -149,22 +149,23 @@ def test_only_adapters_train_and_hold_optimizer_state():
     (no moment of a base weight exists anywhere in the state)."""
     cfg = tiny_config(**LORA)
     mesh, _, state, step, _ = _setup(cfg, jax.devices()[:1])
-    base = jax.device_get(state["params"])
-    lora0 = jax.device_get(state["lora"])
+    base = jax.device_get(state.weights)
+    lora0 = jax.device_get(state.adapters)
     with model_context(mesh):
         for batch in _batches(cfg, 2):
             state, _ = step(state, batch)
-    assert tree_equal(state["params"], base)
-    assert not tree_equal(state["lora"], lora0)
-    assert set(state) == {"step", "params", "lora", "opt_state"}
-    adam = state["opt_state"][-1][0]  # chain(clip, adamw): adamw's ScaleByAdamState
+    assert tree_equal(state.weights, base)
+    assert not tree_equal(state.adapters, lora0)
+    assert set(state.variables) == {Role.FROZEN, Role.ADAPTER}
+    assert set(state.to_saved()) == {"step", "params", "lora", "opt_state"}  # on disk
+    adam = state.opt_state[-1][0]  # chain(clip, adamw): adamw's ScaleByAdamState
     names = lambda t: {"/".join(map(str, p)) for p, _ in nnx.to_flat_state(t)}  # noqa: E731
-    assert names(adam.mu) == names(adam.nu) == names(state["lora"])
+    assert names(adam.mu) == names(adam.nu) == names(state.adapters)
     assert all("lora_" in n for n in names(adam.mu))
-    n_base = sum(x.size for x in jax.tree.leaves(state["params"]))
-    n_opt = sum(x.size for x in jax.tree.leaves(state["opt_state"]))
+    n_base = sum(x.size for x in jax.tree.leaves(state.weights))
+    n_opt = sum(x.size for x in jax.tree.leaves(state.opt_state))
     # two moments per adapter element, plus scalar step counts
-    assert n_opt <= 2 * sum(x.size for x in jax.tree.leaves(state["lora"])) + 4 < n_base
+    assert n_opt <= 2 * sum(x.size for x in jax.tree.leaves(state.adapters)) + 4 < n_base
 
 
 @functools.cache
@@ -202,8 +203,8 @@ def test_fsdp_by_tensor_equals_one_device():
     sharded = apply_overrides(cfg, {"mesh.fsdp": 2, "mesh.tensor": 2, "mesh.data": 1})
     four, state = _train(sharded, jax.devices()[:4], batches)
     np.testing.assert_allclose(four, one, rtol=1e-5)
-    a = state["lora"]["layers"]["wq_lora_a"].get_value()  # A [L, embed, r]: embed on fsdp
-    b = state["lora"]["layers"]["wq_lora_b"].get_value()  # B [L, r, heads, hd]: heads on tensor
+    a = state.adapters["layers"]["wq_lora_a"].get_value()  # A [L, embed, r]: embed on fsdp
+    b = state.adapters["layers"]["wq_lora_b"].get_value()  # B [L, r, heads, hd]: heads on tensor
     assert "fsdp" in str(a.sharding.spec) and "tensor" in str(b.sharding.spec)
 
 
@@ -336,15 +337,15 @@ def test_dropout_step_matches_a_plain_reference_and_eval_drops_nothing():
     cfg = tiny_config(**DROPOUT)
     mesh, state, step, eval_fn = _one_device(cfg.lora.dropout)
     state = jax.tree.map(jnp.copy, state)
-    pure = nnx.to_pure_dict(state["lora"])
+    pure = nnx.to_pure_dict(state.adapters)
     rng = np.random.default_rng(2)
     for name, v in pure["layers"].items():
         if name.endswith("_lora_b"):  # placed as the step's own, so it compiles no new variant
             pure["layers"][name] = jax.device_put(rng.normal(0, 1.0, v.shape).astype(np.float32),
                                                   v.sharding)
-    nnx.replace_by_pure_dict(state["lora"], pure)
-    state["step"] = state["step"] + 3
-    base, batch = nnx.to_pure_dict(state["params"]), _batches(cfg, 1)[0]
+    nnx.replace_by_pure_dict(state.adapters, pure)
+    state = state.replace(step=state.step + 3)
+    base, batch = nnx.to_pure_dict(state.weights), _batches(cfg, 1)[0]
     ab = {n: {"a": pure["layers"][f"{n}_lora_a"], "b": pure["layers"][f"{n}_lora_b"]}
           for n in _ADAPTER}
     ref = functools.partial(_reference_loss, cfg, base)
@@ -357,7 +358,7 @@ def test_dropout_step_matches_a_plain_reference_and_eval_drops_nothing():
     np.testing.assert_allclose(float(metrics["loss"]), float(want), rtol=1e-5)
     # the masks change the loss by far more than the tolerance above
     assert abs(float(want) - float(want_eval)) > 1e-4 * float(want)
-    adam = jax.tree.leaves(state["opt_state"], is_leaf=lambda x: hasattr(x, "mu"))[0]
+    adam = jax.tree.leaves(state.opt_state, is_leaf=lambda x: hasattr(x, "mu"))[0]
     mu = nnx.to_pure_dict(adam.mu)["layers"]
     clip = max(1.0, float(metrics["grad_norm"]) / cfg.optim.clip_norm)  # optax's clipping
     for n in _ADAPTER:

@@ -117,10 +117,10 @@ def _loss_and_grads(cfg: Config, devices, accum: bool = False):
         if accum:
             loss_fn = make_loss_fn(cfg, graphdef, with_metrics=True)
             fn = jax.jit(lambda p, b: _grads(cfg, loss_fn, p, None, b)[:2])
-        loss, grads = fn(state["params"], batch)
-        hlo = fn.lower(state["params"], batch).compile().as_text()
+        loss, grads = fn(state.weights, batch)
+        hlo = fn.lower(state.weights, batch).compile().as_text()
     pure = lambda t: nnx.to_pure_dict(jax.tree.map(np.asarray, t))  # noqa: E731
-    return float(loss), pure(grads), hlo, pure(state["params"])
+    return float(loss), pure(grads), hlo, pure(state.weights)
 
 
 def test_train_step_loss_is_chunked_and_equals_one_chunk():

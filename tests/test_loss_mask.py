@@ -72,9 +72,9 @@ def _step_loss_and_grads(cfg, devices, batch):
     batch_sharding = NamedSharding(mesh, activation_spec(("batch", "seq")))
     with model_context(mesh):
         fn = jax.jit(lambda p, b: train_step._grads(cfg, loss_fn, p, nnx.State({}), b)[:2],
-                     in_shardings=(shardings["params"], batch_sharding))
-        loss, grads = fn(state["params"], batch)
-        model = nnx.merge(graphdef, state["params"])
+                     in_shardings=(shardings.weights, batch_sharding))
+        loss, grads = fn(state.weights, batch)
+        model = nnx.merge(graphdef, state.weights)
         logits, _ = jax.jit(lambda t, p, s: model(t, p, s))(
             batch["inputs"], batch["positions"], batch["segment_ids"])
     grads = jax.device_get(grads)

@@ -139,10 +139,15 @@ def _tiny() -> ModelConfig:
 F32 = ExecutionConfig(dtype="float32")
 
 
-def test_loss_at_init_is_near_ln_vocab():
+def _tiny_llama(execution: ExecutionConfig = F32):
+    """(the tiny 2-layer config, its Llama built on one device with seed 0)."""
     cfg = _tiny()
     with model_context(single_device_mesh()):
-        model = Llama(cfg, F32, rngs=nnx.Rngs(0))
+        return cfg, Llama(cfg, execution, rngs=nnx.Rngs(0))
+
+
+def test_loss_at_init_is_near_ln_vocab():
+    cfg, model = _tiny_llama()
     toks = jax.random.randint(jax.random.key(1), (4, 64), 0, cfg.vocab_size)
     logits, _ = model(toks)
     logp = jax.nn.log_softmax(logits, axis=-1)
@@ -151,9 +156,7 @@ def test_loss_at_init_is_near_ln_vocab():
 
 
 def test_kv_cache_decoding_matches_full_forward():
-    cfg = _tiny()
-    with model_context(single_device_mesh()):
-        model = Llama(cfg, F32, rngs=nnx.Rngs(0))
+    cfg, model = _tiny_llama()
     toks = jax.random.randint(jax.random.key(2), (2, 12), 0, cfg.vocab_size)
     full, _ = model(toks)
     cache = init_cache(cfg, 2, 16, "float32")
@@ -169,9 +172,7 @@ def test_kv_cache_decoding_matches_full_forward():
 
 def test_segment_ids_isolate_packed_documents():
     """A document's logits do not depend on the document packed before it."""
-    cfg = _tiny()
-    with model_context(single_device_mesh()):
-        model = Llama(cfg, F32, rngs=nnx.Rngs(0))
+    cfg, model = _tiny_llama()
     doc = jnp.arange(1, 7)[None]
     packed_a = jnp.concatenate([jnp.full((1, 5), 9), doc], 1)
     packed_b = jnp.concatenate([jnp.full((1, 5), 33), doc], 1)
@@ -190,9 +191,7 @@ def test_remat_does_not_change_gradients(remat):
     toks = jax.random.randint(jax.random.key(3), (2, 16), 0, cfg.vocab_size)
 
     def grads(execution):
-        with model_context(single_device_mesh()):
-            model = Llama(cfg, execution, rngs=nnx.Rngs(0))
-        g, p = nnx.split(model, nnx.Param)
+        g, p = nnx.split(_tiny_llama(execution)[1], nnx.Param)
         return jax.grad(lambda p: nnx.merge(g, p)(toks)[0].mean())(p)
 
     base, other = grads(F32), grads(ExecutionConfig(dtype="float32", remat=remat))
@@ -201,8 +200,7 @@ def test_remat_does_not_change_gradients(remat):
 
 
 def test_parameters_carry_logical_axis_names():
-    with model_context(single_device_mesh()):
-        model = Llama(_tiny(), F32, rngs=nnx.Rngs(0))
+    _, model = _tiny_llama()
     assert model.layers.wq.get_metadata()["out_sharding"] == ("layers", "embed", "heads", "head_dim")
     assert model.embed.get_metadata()["out_sharding"] == ("vocab", "embed")
     assert model.layers.wq.shape[0] == 2  # stacked over layers, run with scan

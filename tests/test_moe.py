@@ -55,14 +55,14 @@ def test_routing_is_softmax_top_k_with_optional_renormalisation():
     logits = jnp.array([[2.0, 1.0, 0.0, -1.0], [0.0, 0.0, 3.0, 1.0]])
     p = np.exp(np.asarray(logits)) / np.exp(np.asarray(logits)).sum(-1, keepdims=True)
     r = route(logits, 2, norm_topk=False)
-    np.testing.assert_array_equal(r.expert_TK, [[0, 1], [2, 3]])
-    np.testing.assert_allclose(r.gate_TK, [[p[0, 0], p[0, 1]], [p[1, 2], p[1, 3]]], rtol=1e-6)
+    np.testing.assert_array_equal(r.expert_RA, [[0, 1], [2, 3]])
+    np.testing.assert_allclose(r.gate_RA, [[p[0, 0], p[0, 1]], [p[1, 2], p[1, 3]]], rtol=1e-6)
     r = route(logits, 2, norm_topk=True)
-    np.testing.assert_allclose(r.gate_TK.sum(-1), [1.0, 1.0], rtol=1e-6)
+    np.testing.assert_allclose(r.gate_RA.sum(-1), [1.0, 1.0], rtol=1e-6)
     # DeepSeek-V3's bias changes which experts are chosen, not their (unbiased) weights
     biased = route(logits, 2, norm_topk=False, bias_E=jnp.array([0.0, 0.0, 0.0, 1.0]))
-    np.testing.assert_array_equal(biased.expert_TK, [[3, 0], [3, 2]])
-    np.testing.assert_allclose(biased.gate_TK[0], [p[0, 3], p[0, 0]], rtol=1e-6)
+    np.testing.assert_array_equal(biased.expert_RA, [[3, 0], [3, 2]])
+    np.testing.assert_allclose(biased.gate_RA[0], [p[0, 3], p[0, 0]], rtol=1e-6)
 
 
 def _hf_load_balancing_loss(layer_logits, num_experts, top_k):

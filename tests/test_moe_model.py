@@ -128,7 +128,7 @@ def test_fsdp_splits_the_experts_when_they_divide(fsdp, expert_dim, embed_dim):
     axes = lambda entry: None if entry is None else tuple(  # noqa: E731
         a for a in ((entry,) if isinstance(entry, str) else entry) if mesh.shape[a] > 1) or None
     for name, d in (("w_gate", 2), ("w_down", 3)):
-        spec = state["params"]["layers"][name].sharding.spec
+        spec = state.weights["layers"][name].sharding.spec
         assert (axes(spec[1]), axes(spec[d])) == (expert_dim, embed_dim), (name, spec)
 
 
@@ -184,7 +184,7 @@ def test_expert_capacity_drops_the_pairs_past_it_and_counts_them():
     for factor in (None, 2.0, 0.5):
         with jax.set_mesh(mesh):
             y, dropped = jax.jit(lambda x, g, *w: experts_sharded(
-                x[:, None], Routing(expert, g, r.probs_TE), *w, capacity_factor=factor,
+                x[:, None], Routing(expert, g, r.probs_RE), *w, capacity_factor=factor,
                 **kw))(x, gate, *w)
         y = y[:, 0]
         # Each source rank's tokens are T / ep consecutive rows; its pairs in expert order
@@ -198,7 +198,7 @@ def test_expert_capacity_drops_the_pairs_past_it_and_counts_them():
             for e, t, k in pairs:
                 used[e // (E // ep)] = used.get(e // (E // ep), 0) + 1
                 keep[t, k] = used[e // (E // ep)] <= C
-        want = experts_ragged(x, Routing(expert, gate * keep, r.probs_TE), *w, **kw)
+        want = experts_ragged(x, Routing(expert, gate * keep, r.probs_RE), *w, **kw)
         np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-6)
         assert float(dropped) == (~keep).sum()
         assert (float(dropped) > 0) == (factor == 0.5)
@@ -215,7 +215,7 @@ def _skewed_run(coef: float, bias_rate: float = 0.0):
     mesh = build_mesh(cfg.mesh, jax.devices()[:1])
     tx = make_optimizer(cfg)
     graphdef, state, shardings = create_train_state(cfg, mesh, tx)
-    params = state["params"]
+    params = state.weights
     params["embed"].set_value(params["embed"].get_value() + EMBED_SHIFT)
     router = params["layers"]["router"]
     router.set_value(router.get_value().at[:, :, 0].add(SKEW))
@@ -228,7 +228,7 @@ def _skewed_run(coef: float, bias_rate: float = 0.0):
         for _ in range(STEPS):
             state, m = step(state, batch)
             spread.append(float(m["aux/max_over_mean_load"]))
-    return spread, m, jax.device_get(state["params"])
+    return spread, m, jax.device_get(state.weights)
 
 
 @pytest.fixture(scope="module")
@@ -313,5 +313,5 @@ def test_checkpoint_restores_across_the_expert_split(tmp_path):
             small_config(**moe, **{"mesh.data": 4, "mesh.fsdp": 2}),
             small_config(**moe, **{"mesh.data": 1, "mesh.fsdp": 8})]
     for cfg, state in restore_through(tmp_path, cfgs):
-        w_up = state["params"]["layers"]["w_up"].sharding.spec
+        w_up = state.weights["layers"]["w_up"].sharding.spec
         assert ("fsdp" in str(w_up[1])) == (cfg.mesh.fsdp == 2), w_up  # E split, else D

@@ -11,10 +11,10 @@ import pytest
 from tests.helpers.processes import (
     STEPS,
     logged_losses,
-    logged_steps,
     start_pair,
     start_train,
     wait_all,
+    wait_for_step,
 )
 from tests.helpers.small import seed_data
 from titanax import distributed
@@ -52,11 +52,7 @@ def test_two_processes_log_the_losses_of_one(tmp_path, one_process_losses):
 def test_preempted_pair_saves_together_and_resumes(tmp_path, one_process_losses):
     work = seed_data(tmp_path)
     procs = start_pair(work, "first", extra=["--set=train.steps=400"])
-    deadline = time.time() + 300
-    while logged_steps(work) < 2:
-        assert all(p.poll() is None for p in procs), procs[0].log_path.read_text()[-3000:]
-        assert time.time() < deadline, "the pair never trained"
-        time.sleep(0.05)
+    wait_for_step(procs, work, 2)
     procs[1].send_signal(signal.SIGTERM)  # one process gets the notice; both must stop
     codes = wait_all(procs)
     log0 = procs[0].log_path.read_text()
@@ -76,11 +72,7 @@ def test_preempted_pair_saves_together_and_resumes(tmp_path, one_process_losses)
 def test_lost_process_stops_the_other_with_a_clear_error(tmp_path):
     work = seed_data(tmp_path)
     procs = start_pair(work, "run", extra=["--set=train.steps=100000"])
-    deadline = time.time() + 300
-    while logged_steps(work) < 2:
-        assert all(p.poll() is None for p in procs), procs[0].log_path.read_text()[-3000:]
-        assert time.time() < deadline, "the pair never trained"
-        time.sleep(0.05)
+    wait_for_step(procs, work, 2)
     procs[1].kill()
     t0 = time.time()
     code = wait_all(procs[:1], timeout=120)[0]

@@ -18,7 +18,7 @@ from titanax.plan.cluster import Cluster
 from titanax.plan.compile import compile_all_in_subprocess
 from titanax.train import offload
 from titanax.train.optim import lr_schedule, make_optimizer
-from titanax.train.state import abstract_train_state, create_train_state, jit_train_step
+from titanax.train.state import TrainState, abstract_train_state, create_train_state, jit_train_step
 
 pytestmark = pytest.mark.usefixtures("devices8")  # meshes over 8 simulated devices
 
@@ -71,9 +71,9 @@ def _kinds(state, part):
     moments (part='moments') of a train state."""
     out = {}
     if part == "params":
-        leaves = jax.tree_util.tree_leaves_with_path(state["params"])
+        leaves = jax.tree_util.tree_leaves_with_path(state.weights)
     else:
-        adam = state["opt_state"][-1][0]
+        adam = state.opt_state[-1][0]
         leaves = jax.tree_util.tree_leaves_with_path({"mu": adam.mu, "nu": adam.nu})
     for path, x in leaves:
         key = "layers" if offload.is_layer_path(path) else "other"
@@ -103,7 +103,7 @@ def test_offload_trains_as_without(reference, extra):
                        else {"layers": device, "other": device})
     assert params == ({"layers": host, "other": device} if extra.get("train.offload_params")
                       else {"layers": device, "other": device})
-    assert state["opt_state"][-1][0].count.sharding.memory_kind == "device"
+    assert state.opt_state[-1][0].count.sharding.memory_kind == "device"
 
 
 def test_fsdp_over_8_devices_with_both_offloads_and_accumulation():
@@ -114,7 +114,7 @@ def test_fsdp_over_8_devices_with_both_offloads_and_accumulation():
     ref = _train(tiny(**layout), 8)
     losses, state = _train(tiny(**layout, **BOTH), 8)
     _assert_same(losses, state, *ref)
-    w = state["params"]["layers"]["wq"].get_value()
+    w = state.weights["layers"]["wq"].get_value()
     # 'embed' is split over fsdp x context (parallel/rules.py); context is 1 here
     assert w.sharding.memory_kind == "pinned_host" and "fsdp" in w.sharding.spec[1]
 
@@ -144,17 +144,17 @@ def test_streamed_update_is_optax_update(clip_norm, finite, layout):
     mesh = build_mesh(cfg.mesh, devices=jax.devices()[:8 if layout else 1])
     tx = make_optimizer(cfg)
     _, state, shardings = create_train_state(cfg, mesh, tx)
-    params, opt_state = state["params"], state["opt_state"]
+    params, opt_state = state.weights, state.opt_state
     # A few steps' worth of non-zero moments and a step count past 1.
     adam = opt_state[-1][0]
     adam = adam._replace(mu=_random_like(adam.mu, jax.random.key(1), 0.01),
                          nu=jax.tree.map(abs, _random_like(adam.nu, jax.random.key(2), 1e-4)),
                          count=adam.count + 5)
     opt_state = (opt_state[0], (adam, *opt_state[-1][1:]))
-    opt_state = jax.device_put(opt_state, shardings["opt_state"])
+    opt_state = jax.device_put(opt_state, shardings.opt_state)
     raw = _random_like(params, jax.random.key(3), 0.1)
-    assert "fp8_wq" not in params["layers"]  # the histories: state["fp8"], on the device
-    assert state["fp8"]["layers"]["fp8_wq"].get_value().sharding.memory_kind == "device"
+    assert "fp8_wq" not in params["layers"]  # the histories: state.statistics, on the device
+    assert state.statistics["layers"]["fp8_wq"].get_value().sharding.memory_kind == "device"
 
     def reference(params, opt_state, grads):
         updates, new_state = tx.update(grads, opt_state, params)
@@ -167,12 +167,12 @@ def test_streamed_update_is_optax_update(clip_norm, finite, layout):
         return offload.streamed_update(cfg, tx, grads, opt_state, params, norm,
                                        jax.numpy.asarray(finite))
 
-    host_params = shardings["params"]
+    host_params = shardings.weights
     with model_context(mesh):
         want = jax.jit(reference)(*jax.device_get((params, opt_state, raw)))
         raw = jax.device_put(raw, jax.tree.map(lambda s: s.with_memory_kind("device"),
                                                host_params))
-        compiled = jax.jit(streamed, out_shardings=(host_params, shardings["opt_state"])).lower(
+        compiled = jax.jit(streamed, out_shardings=(host_params, shardings.opt_state)).lower(
             params, opt_state, raw).compile()
         got = compiled(params, opt_state, raw)
     assert "all-gather" not in compiled.as_text()
@@ -189,7 +189,7 @@ def test_checkpoints_restore_into_host_memory_either_way(tmp_path):
     """train() with both offloads (training, evaluating and saving with host-resident leaves)
     writes checkpoints that restore with those leaves in pinned host memory, and into a run
     without offload (the same pytree and values)."""
-    from titanax.checkpoint.orbax_io import Checkpointer
+    from titanax.checkpoint.manager import Checkpointer
     from titanax.train.loop import train
 
     cfg = tiny(**BOTH, **{"train.steps": 4, "checkpoint.every_steps": 2,
@@ -205,14 +205,14 @@ def test_checkpoints_restore_into_host_memory_either_way(tmp_path):
     for name, c in (("offload", cfg), ("plain", tiny(**{"train.steps": 4}))):
         _, abstract, _ = abstract_train_state(c, mesh, make_optimizer(c))
         with model_context(mesh):
-            restored[name], _, _ = ckpt.restore(4, abstract)
+            restored[name] = TrainState.from_saved(ckpt.restore(4, abstract.to_saved())[0])
     ckpt.close()
     assert _kinds(restored["offload"], "moments") == {"layers": {"pinned_host"},
                                                       "other": {"pinned_host"}}
     assert _kinds(restored["offload"], "params") == {"layers": {"pinned_host"},
                                                      "other": {"device"}}
     assert _kinds(restored["plain"], "moments") == {"layers": {"device"}, "other": {"device"}}
-    assert int(restored["offload"]["step"]) == 4
+    assert int(restored["offload"].step) == 4
     for a, b in zip(jax.tree.leaves(restored["offload"]), jax.tree.leaves(restored["plain"]),
                     strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -275,7 +275,7 @@ def test_deviceless_h100_compile_moves_state_and_activations_to_host():
 def test_hf_import_into_host_resident_layers(tmp_path):
     """import_hf writes each HF layer into the stacked weights; with train.offload_params that
     stack lives in pinned host memory and the import still lands every tensor there."""
-    from titanax.checkpoint.orbax_io import Checkpointer
+    from titanax.checkpoint.manager import Checkpointer
     from titanax.generate import load_for_inference
     from titanax.hf.exporter import export_hf
     from titanax.hf.importer import import_hf
@@ -284,12 +284,12 @@ def test_hf_import_into_host_resident_layers(tmp_path):
     mesh = build_mesh(cfg.mesh, devices=jax.devices()[:1])
     _, state, _ = create_train_state(cfg, mesh, make_optimizer(cfg))
     ckpt = Checkpointer(tmp_path / "src" / "checkpoints", cfg.checkpoint)
-    ckpt.save(0, state, data_state=None, config=cfg.to_dict())
+    ckpt.save(0, state.to_saved(), data_state=None, config=cfg.to_dict())
     ckpt.close()
     export_hf(tmp_path / "src", tmp_path / "hf", dtype="float32", progress=False)
     import_hf(tmp_path / "hf", tiny(**PARAMS), tmp_path / "dst", devices=jax.devices()[:1],
               progress=False, log=lambda *_: None)
     _, _, params, _ = load_for_inference(tmp_path / "dst")  # sampling: offload turned off
-    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(state["params"])):
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(state.weights)):
         assert a.sharding.memory_kind != "pinned_host"
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

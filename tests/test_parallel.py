@@ -6,13 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
-from tests.helpers.layouts import (
-    LAYOUTS,
-    assert_matches,
-    loss_and_grads,
-    make_batch,
-    tiny_config,
-)
+from tests.helpers.layouts import LAYOUTS, assert_matches, loss_and_grads, make_batch, tiny_config
 from titanax.config import ConfigError, MeshConfig
 from titanax.parallel.mesh import build_mesh, describe_mesh
 from titanax.parallel.rules import activation_spec, model_context

@@ -13,7 +13,8 @@ from flax import nnx
 
 from tests.helpers.small import run_small, small_config, tree_equal
 from titanax import ops
-from titanax.checkpoint.orbax_io import Checkpointer, legacy_params
+from titanax.checkpoint.manager import Checkpointer
+from titanax.checkpoint.migrations import legacy_params
 from titanax.checkpoint.reader import CheckpointReader
 from titanax.config import apply_overrides
 from titanax.generate import load_for_inference
@@ -23,7 +24,7 @@ from titanax.models.llama3.model import Llama
 from titanax.parallel.mesh import build_mesh, single_device_mesh
 from titanax.parallel.rules import model_context
 from titanax.train.optim import make_optimizer
-from titanax.train.state import abstract_train_state, create_train_state
+from titanax.train.state import TrainState, abstract_train_state, create_train_state
 
 pytestmark = pytest.mark.usefixtures("devices8")  # meshes over 8 simulated devices
 
@@ -129,10 +130,10 @@ def test_old_layout_checkpoint_restores_resharded(tmp_path, monkeypatch, ffn_dim
                                "checkpoint.async_save": False})
     tx = make_optimizer(save_cfg)
     _, state, _ = create_train_state(save_cfg, build_mesh(save_cfg.mesh, jax.devices()), tx)
-    _save_as_before(monkeypatch, tmp_path / "old", 5, _old_layout(state), save_cfg,
+    _save_as_before(monkeypatch, tmp_path / "old", 5, _old_layout(state.to_saved()), save_cfg,
                     save_cfg.to_dict())
     ckpt = Checkpointer(tmp_path / "new", save_cfg.checkpoint)
-    ckpt.save(5, state, data_state=None, config=save_cfg.to_dict())
+    ckpt.save(5, state.to_saved(), data_state=None, config=save_cfg.to_dict())
     ckpt.close()
 
     cfg = apply_overrides(save_cfg, {"mesh.fsdp": 2, "mesh.data": 2, "mesh.tensor": 2})
@@ -142,17 +143,17 @@ def test_old_layout_checkpoint_restores_resharded(tmp_path, monkeypatch, ffn_dim
         source = Checkpointer(tmp_path / folder, cfg.checkpoint, read_only=True)
         assert source.param_layout(5) == (None if folder == "old" else 2)
         with model_context(mesh):
-            got = source.restore_latest_good(abstract, cfg=cfg)
-            restored, _, _ = source.restore(5, abstract)  # checkpoint.restore's path
+            got = source.restore_latest_good(abstract.to_saved(), cfg=cfg)
+            restored, _, _ = source.restore(5, abstract.to_saved())  # checkpoint.restore's path
         source.close()
-        for tree in (got.state, restored):
-            assert tree_equal(tree["params"], state["params"])
-            assert tree_equal(tree["opt_state"], state["opt_state"])  # Adam moments too
+        for tree in map(TrainState.from_saved, (got.state, restored)):
+            assert tree_equal(tree.weights, state.weights)
+            assert tree_equal(tree.opt_state, state.opt_state)  # Adam moments too
             for leaf, want in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings), strict=True):
                 assert leaf.sharding.spec == want.spec and leaf.sharding.mesh.shape == mesh.shape
 
         reader = CheckpointReader(tmp_path / folder)
-        layers = state["params"]["layers"]
+        layers = state.weights["layers"]
         for name in ("wo", "w_down"):
             want = np.asarray(layers[name][...])
             assert reader.params()[("layers", name)][0] == want.shape
@@ -173,7 +174,7 @@ def test_old_layout_run_resumes_exports_and_generates(tmp_path, monkeypatch):
     _, abstract, _ = abstract_train_state(cfg, mesh, make_optimizer(cfg))
     with model_context(mesh):
         saved = Checkpointer(new / "checkpoints", cfg.checkpoint, read_only=True)
-        r = saved.restore_latest_good(abstract)
+        r = saved.restore_latest_good(abstract.to_saved())
         saved.close()
     shutil.rmtree(old / "checkpoints")
     _save_as_before(monkeypatch, old / "checkpoints", r.step, _old_layout(r.state), cfg,
@@ -203,8 +204,8 @@ def test_old_layout_run_resumes_exports_and_generates(tmp_path, monkeypatch):
     ck_b = Checkpointer(old / "checkpoints", cfg.checkpoint, read_only=True)
     assert ck_b.param_layout(3) == 2  # saved again in the current layout
     with model_context(mesh):
-        sa, _, _ = ck_a.restore(3, abstract)
-        sb, _, _ = ck_b.restore(3, abstract)
+        sa, _, _ = ck_a.restore(3, abstract.to_saved())
+        sb, _, _ = ck_b.restore(3, abstract.to_saved())
     ck_a.close()
     ck_b.close()
     assert tree_equal(sa, sb)

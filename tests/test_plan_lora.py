@@ -55,16 +55,16 @@ def test_adapter_count_and_share_equal_the_built_adapters(over, devices8):
     cfg = tiny_config(**over)
     mesh = build_mesh(cfg.mesh, devices8)
     _, state, shardings = abstract_train_state(cfg, mesh, make_optimizer(cfg))
-    built = sum(math.prod(x.shape) for x in jax.tree.leaves(state["lora"]))
+    built = sum(math.prod(x.shape) for x in jax.tree.leaves(state.adapters))
     assert adapter_param_count(cfg.model, cfg.lora) == built
     assert built == cfg.model.n_layers * adapter_params(cfg.model, cfg.lora).per_layer
     # what one device holds: each factor sharded by its own axes (parallel/rules.py)
     deg = dict(mesh.shape)
-    on_device = _elements_per_device(state["lora"], shardings["lora"])
+    on_device = _elements_per_device(state.adapters, shardings.adapters)
     assert adapter_params(cfg.model, cfg.lora).per_device(deg) == on_device
     # the optimizer's state: AdamW's two float32 moments per adapter element, nothing else
     # of any size (the memory model's adapter_optimizer)
-    moments = [x for x in jax.tree.leaves(state["opt_state"]) if x.ndim]
+    moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim]
     assert sum(math.prod(x.shape) for x in moments) == 2 * built
     assert all(x.dtype == jax.numpy.float32 for x in moments)
 

@@ -65,13 +65,13 @@ def test_state_per_device_equals_the_built_model_shards(over, n, devices8):
     _, state, shardings = abstract_train_state(cfg, mesh, make_optimizer(cfg))
     deg = dict(mesh.shape)
     split = param_split(cfg.model, param_counts(cfg.model)[0], deg)
-    on_device = _elements_per_device(state["params"], shardings["params"])
+    on_device = _elements_per_device(state.weights, shardings.weights)
     assert split.total == on_device == _by_hand(deg["expert"], deg["fsdp"], deg["tensor"])
-    layers = _elements_per_device(state["params"]["layers"], shardings["params"]["layers"])
+    layers = _elements_per_device(state.weights["layers"], shardings.weights["layers"])
     assert split.layers == layers
     # AdamW's two moments mirror the parameters' shards (the memory model's 'optimizer')
-    moments = [(x, s) for x, s in zip(jax.tree.leaves(state["opt_state"]),
-                                      jax.tree.leaves(shardings["opt_state"]), strict=True)
+    moments = [(x, s) for x, s in zip(jax.tree.leaves(state.opt_state),
+                                      jax.tree.leaves(shardings.opt_state), strict=True)
                if x.ndim]
     assert sum(math.prod(s.shard_shape(x.shape)) for x, s in moments) == 2 * on_device
 

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from tests.helpers.processes import logged_losses, logged_steps, metrics_rows, wait_for_step
 from tests.helpers.small import ROOT, SMALL, seed_data
 
 pytestmark = pytest.mark.usefixtures("devices8")  # meshes over 8 simulated devices
@@ -35,33 +36,15 @@ def _start(workdir, log_name):
     proc = subprocess.Popen([sys.executable, "-m", "launch.train", "--workdir", str(workdir),
                              "--host-devices", "1", *SETS], cwd=ROOT, env=env, stdout=out,
                             stderr=subprocess.STDOUT)
+    proc.log_path = _log(workdir, log_name)
     return proc, out
-
-
-def _logged_steps(workdir) -> list[int]:
-    path = workdir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    steps = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue  # a row being written
-        if "loss" in row:
-            steps.append(row["step"])
-    return steps
 
 
 def _run_until(workdir, step, sig, log_name):
     """Starts the run, sends `sig` once a training row for `step` or later is logged."""
     proc, out = _start(workdir, log_name)
-    deadline = time.time() + 300
     try:
-        while max(_logged_steps(workdir), default=0) < step:
-            assert proc.poll() is None, _log(workdir, log_name).read_text()[-3000:]
-            assert time.time() < deadline, "the run never got there"
-            time.sleep(0.02)
+        wait_for_step([proc], workdir, step)
         proc.send_signal(sig)
         return proc.wait(timeout=300), _log(workdir, log_name).read_text()
     finally:
@@ -69,19 +52,12 @@ def _run_until(workdir, step, sig, log_name):
         out.close()
 
 
-def _losses(workdir) -> dict[int, float]:
-    rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r["step"] for r in rows if "loss" in r]
-    assert len(steps) == len(set(steps)), f"steps logged twice: {steps}"
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
-
-
 def test_killed_and_preempted_run_resumes_exactly(tmp_path):
     ref = seed_data(tmp_path / "ref")
     proc, out = _start(ref, "log.txt")
     assert proc.wait(timeout=600) == 0, _log(ref, "log.txt").read_text()[-3000:]
     out.close()
-    want = _losses(ref)
+    want = logged_losses(ref)
     assert sorted(want) == list(range(1, STEPS + 1))
 
     work = seed_data(tmp_path / "work")
@@ -99,13 +75,13 @@ def test_killed_and_preempted_run_resumes_exactly(tmp_path):
     assert "resumed from" in text and "preempted (SIGTERM): saved a checkpoint at step" in text
     stopped = int(text.split("saved a checkpoint at step ")[1].split()[0])
     assert (work / "checkpoints" / str(stopped) / "titanax_manifest.json").is_file()
-    assert max(_logged_steps(work)) == stopped < STEPS
+    assert logged_steps(work) == stopped < STEPS
 
     proc, out = _start(work, "final.txt")
     assert proc.wait(timeout=600) == 0, _log(work, "final.txt").read_text()[-3000:]
     out.close()
     assert f"at step {stopped}" in _log(work, "final.txt").read_text()
-    assert _losses(work) == want  # bitwise: every step, once
+    assert logged_losses(work) == want  # bitwise: every step, once
 
 
 def _catches(pid: int, sig: int) -> bool:
@@ -142,7 +118,7 @@ def test_signal_during_start_up_exits_at_once_for_a_requeue(tmp_path, sig, code,
     errors = [line for line in text.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and f"stopped by {signal.Signals(sig).name} during start-up" in \
         errors[0], text[-3000:]
-    assert "Traceback" not in text and not _logged_steps(work)
+    assert "Traceback" not in text and not [r for r in metrics_rows(work) if "loss" in r]
     assert not list((work / "checkpoints").glob("[0-9]*"))
     if when == "compile":  # written whole before the data and the compile
         assert json.loads((work / "config.json").read_text())["train"]["steps"] == STEPS

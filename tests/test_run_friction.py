@@ -196,14 +196,6 @@ def test_start_up_summary_counts_trainable_parameters_and_says_data_once(trained
     assert f"without the input embedding), {total:,} trainable\n" in log
 
 
-def test_trainable_count_is_the_adapters_under_lora():
-    import numpy as np
-
-    state = {"params": {"w": np.zeros((4, 8)), "layers": {"router_bias": np.zeros((2, 4))}}}
-    assert loop._trainable_count(state) == 32  # the routing bias is not trained
-    assert loop._trainable_count({**state, "lora": {"a": np.zeros((4, 2))}}) == 8
-
-
 def test_moe_console_line_shows_the_routing_balance():
     row = {"loss": 6.0, "tokens_per_s": 100.0, "mfu": 0.01, "step_time": 0.1,
            "skipped_steps": 0, "time": 0.0}

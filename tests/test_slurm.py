@@ -12,7 +12,6 @@ Skipped, saying why, only where SLURM is not installed (or cannot run: not root)
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import pathlib
@@ -25,6 +24,8 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from slurm_cluster import LocalSlurmCluster, unavailable  # noqa: E402
+
+from tests.helpers.processes import logged_steps, metrics_rows  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SBATCH = REPO / "launch" / "slurm" / "train.sbatch"
@@ -55,25 +56,12 @@ def _submit(cluster, workdir: pathlib.Path, steps: int, every: int, *, wait: boo
     return job, rc, out
 
 
-def _rows(workdir: pathlib.Path) -> list[dict]:
-    path = workdir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except ValueError:  # a row being written
-            pass
-    return rows
-
-
 def _finished(info) -> bool:
     return info["JobState"] not in ("PENDING", "RUNNING", "REQUEUED", "COMPLETING")
 
 
 def _check_run(workdir: pathlib.Path, steps: int, log: str) -> None:
-    rows = _rows(workdir)
+    rows = metrics_rows(workdir)
     train = {r["step"]: r["loss"] for r in rows if "loss" in r}
     assert sorted(train) == list(range(1, steps + 1)), f"steps logged: {sorted(train)}\n{log}"
     assert all(math.isfinite(v) for v in train.values()), train
@@ -111,7 +99,7 @@ def test_preempted_job_saves_requeues_and_resumes(cluster, tmp_path):
         return out.read_text(errors="replace") if out.exists() else "(no job output)"
 
     deadline = time.monotonic() + 240
-    while len([r for r in _rows(workdir) if "loss" in r]) < 3:
+    while logged_steps(workdir) < 3:
         info = cluster.job(job)
         assert info["JobState"] in ("PENDING", "RUNNING"), f"{info}\n{log()}"
         assert time.monotonic() < deadline, f"no 3 steps in 240 s\n{log()}\n{cluster.logs()}"

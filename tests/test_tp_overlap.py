@@ -226,7 +226,7 @@ def _step_jaxpr(cfg) -> str:
     batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(
         mesh, activation_spec(("batch", "seq")))) for k, v in make_batch(cfg).items()}
     with model_context(mesh):
-        return str(jax.make_jaxpr(jax.grad(make_loss_fn(cfg, graphdef)))(state["params"], batch))
+        return str(jax.make_jaxpr(jax.grad(make_loss_fn(cfg, graphdef)))(state.weights, batch))
 
 
 def test_not_under_the_1f1b_schedule():

@@ -83,7 +83,7 @@ def test_gradient_accumulation_matches_one_big_batch():
         loss_fn = train_step.make_loss_fn(cfg, graphdef, with_metrics=True)
         with model_context(mesh):
             out[accum] = jax.jit(lambda p, b, cfg=cfg, f=loss_fn: train_step._grads(
-                cfg, f, p, {}, b)[:2])(state["params"], batch)
+                cfg, f, p, {}, b)[:2])(state.weights, batch)
     (loss1, g1), (loss4, g4) = out[1], out[4]
     np.testing.assert_allclose(loss4, loss1, rtol=1e-6)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g4), jax.tree.leaves(g1)):
@@ -98,12 +98,12 @@ def test_no_weight_decay_on_norms_and_schedule_shape():
     cfg = small_config(**{"train.steps": 100, "optim.warmup_steps": 10})
     _, state, _ = create_train_state(cfg, build_mesh(cfg.mesh, devices=jax.devices()[:1]),
                                      make_optimizer(cfg))
-    mask = decay_mask(state["params"])
+    mask = decay_mask(state.weights)
     assert mask["final_norm"]["scale"].get_value() is False
     assert mask["layers"]["attn_norm"]["scale"].get_value() is False
     assert mask["layers"]["wq"].get_value() is True and mask["embed"].get_value() is True
     # an architecture's own rule (ModelSpec.no_decay) decides instead, given the names
-    only_embed = decay_mask(state["params"], no_decay=lambda path: path != ("embed",))
+    only_embed = decay_mask(state.weights, no_decay=lambda path: path != ("embed",))
     assert only_embed["embed"].get_value() is True
     assert only_embed["layers"]["wq"].get_value() is False
     lr = lr_schedule(cfg)

@@ -114,7 +114,7 @@ def test_a_lora_steps_damaged_base_is_refused_by_readers_and_by_a_resume(tmp_pat
 
     from tests.helpers.cli import CLI_SMALL, ROOT
     from tests.helpers.verify_runs import largest_data_file
-    from titanax.checkpoint.orbax_io import NoGoodCheckpoint
+    from titanax.checkpoint.fallback import NoGoodCheckpoint
     from titanax.checkpoint.params_only import DamagedCheckpoint
     from titanax.config import apply_overrides, load_config
     from titanax.generate import load_for_inference

@@ -2,11 +2,11 @@
 an XLA reference behind one function; see api.py, backends.py (the backend table) and
 docs/attention.md. The entry point: `from pallas_kernels.flash_attention import flash_attention`.
 
-Names load on first use (PEP 562): titanax.config reads the backend table (backends.py, plain
-data) without importing jax.
+Names load on first use (PEP 562, pallas_kernels/lazy.py): titanax.config reads the backend
+table (backends.py, plain data) without importing jax.
 """
 
-import importlib
+from pallas_kernels.lazy import lazy_exports
 
 _EXPORTS = {
     "IMPLS": ".backends", "BACKENDS": ".backends",
@@ -18,14 +18,4 @@ _EXPORTS = {
     "attention_reference": ".backend_xla",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

@@ -2,11 +2,11 @@
 (jnp reference, XLA, Pallas grid, Hopper wgmma, Blackwell block-scaled tcgen05) and
 fp8_linear with its FP8 backward. backends.py holds the recipe and matmul tables.
 
-Names load on first use (PEP 562): titanax.config reads the tables (backends.py, plain data)
-without importing jax.
+Names load on first use (PEP 562, pallas_kernels/lazy.py): titanax.config reads the tables
+(backends.py, plain data) without importing jax.
 """
 
-import importlib
+from pallas_kernels.lazy import lazy_exports
 
 _EXPORTS = {
     "fp8_matmul": ".api",
@@ -19,14 +19,4 @@ _EXPORTS = {
     "RECIPES": ".backends", "MATMULS": ".backends",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

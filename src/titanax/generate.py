@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from titanax.checkpoint import integrity
-from titanax.checkpoint.orbax_io import first_nonfinite
+from titanax.checkpoint.fallback import first_nonfinite
 from titanax.checkpoint.params_only import (
     abstract_params,
     damaged,

@@ -9,12 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from titanax.checkpoint.orbax_io import Checkpointer
+from titanax.checkpoint.manager import Checkpointer
 from titanax.config import CheckpointConfig, apply_overrides, load_config
 from titanax.parallel.mesh import single_device_mesh
 from titanax.parallel.rules import model_context
 from titanax.train.optim import make_optimizer
-from titanax.train.state import create_train_state
+from titanax.train.state import Role, create_train_state
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -70,17 +70,18 @@ def make_run(workdir: pathlib.Path, cfg):
         names = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in keypath)
         return x + 0.2 * rng.standard_normal(x.shape).astype(x.dtype) if "norm" in names else x
 
-    state["params"] = jax.tree_util.tree_map_with_path(randomise, state["params"])
-    if "lora" in state:  # B starts at zero: make the adapters add something
-        state["lora"] = jax.tree_util.tree_map_with_path(
+    state = state.with_group(state.weights_role, jax.tree_util.tree_map_with_path(
+        randomise, state.weights))
+    if state.adapters is not None:  # B starts at zero: make the adapters add something
+        state = state.with_group(Role.ADAPTER, jax.tree_util.tree_map_with_path(
             lambda kp, x: x + 0.2 * rng.standard_normal(x.shape).astype(x.dtype)
-            if "lora_b" in str(kp) else x, state["lora"])
+            if "lora_b" in str(kp) else x, state.adapters))
     ckpt = Checkpointer(workdir / "checkpoints", CheckpointConfig(async_save=False))
-    ckpt.save(0, state, data_state=None, config=cfg.to_dict())
+    ckpt.save(0, state.to_saved(), data_state=None, config=cfg.to_dict())
     ckpt.close()
     docs = [TEXT * 3, "import os\nprint(os.getcwd())\n" * 5, "class A:\n    pass\n" * 4]
     train_bpe(docs, 300, workdir / "tokenizer.json")
-    return params_by_path(state["params"])
+    return params_by_path(state.weights)
 
 
 def titanax_logits(cfg, graphdef, params, tokens) -> np.ndarray:

@@ -43,9 +43,9 @@ def loss_and_grads(cfg: Config, devices):
     batch_sharding = NamedSharding(mesh, activation_spec(("batch", "seq")))
     with model_context(mesh):
         fn = jax.jit(jax.value_and_grad(make_loss_fn(cfg, graphdef)),
-                     in_shardings=(shardings["params"], batch_sharding))
-        jaxpr = str(jax.make_jaxpr(fn)(state["params"], make_batch(cfg)))
-        loss, grads = fn(state["params"], make_batch(cfg))
+                     in_shardings=(shardings.weights, batch_sharding))
+        jaxpr = str(jax.make_jaxpr(fn)(state.weights, make_batch(cfg)))
+        loss, grads = fn(state.weights, make_batch(cfg))
     grads = jax.device_get(grads)
     grads["layers"] = to_logical_order(grads["layers"], mesh.shape["pipeline"],
                                        cfg.pipeline.resolved_virtual_stages)

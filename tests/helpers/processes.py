@@ -59,7 +59,23 @@ def wait_all(procs, timeout=420):
     return codes
 
 
+def metrics_rows(workdir) -> list[dict]:
+    """The rows a run, running or done, has written to WORKDIR/metrics.jsonl ([] before the file
+    exists; a row still being written is left out)."""
+    path = workdir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue  # a row being written
+    return rows
+
+
 def logged_losses(workdir) -> dict[int, float]:
+    """{step: loss} of a finished run, every training step logged once."""
     rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in rows if "loss" in r]
     assert len(steps) == len(set(steps)), f"steps logged twice: {steps}"
@@ -67,7 +83,15 @@ def logged_losses(workdir) -> dict[int, float]:
 
 
 def logged_steps(workdir) -> int:
-    try:
-        return max(logged_losses(workdir), default=0)
-    except (FileNotFoundError, ValueError, AssertionError):
-        return 0
+    """The last training step a run, running or done, has logged (0: none yet)."""
+    return max((r["step"] for r in metrics_rows(workdir) if "loss" in r), default=0)
+
+
+def wait_for_step(procs, workdir, step: int, timeout: float = 300) -> None:
+    """Returns once the run has logged training step `step`; fails with the first process's
+    log tail if one of procs ends first or `timeout` seconds pass."""
+    deadline = time.time() + timeout
+    while logged_steps(workdir) < step:
+        assert all(p.poll() is None for p in procs), procs[0].log_path.read_text()[-3000:]
+        assert time.time() < deadline, f"the run never logged step {step}"
+        time.sleep(0.02)

@@ -20,7 +20,7 @@ def make_run(workdir: pathlib.Path, steps=(1, 2), *, nan_step: int | None = None
     Returns the config dict."""
     import jax.numpy as jnp
 
-    from titanax.checkpoint.orbax_io import Checkpointer
+    from titanax.checkpoint.manager import Checkpointer
     from titanax.config import apply_overrides, load_config
     from titanax.parallel.mesh import single_device_mesh
     from titanax.train.optim import make_optimizer
@@ -31,9 +31,9 @@ def make_run(workdir: pathlib.Path, steps=(1, 2), *, nan_step: int | None = None
     ckpt = Checkpointer(workdir / "checkpoints", cfg.checkpoint)
     for step in steps:
         if step == nan_step:
-            out = state["params"]["output"]
+            out = state.weights["output"]
             out.set_value(jnp.full_like(out.get_value(), jnp.nan))
-        ckpt.save(step, state, data_state=None, config=cfg.to_dict())
+        ckpt.save(step, state.to_saved(), data_state=None, config=cfg.to_dict())
         ckpt.wait()
     ckpt.close()
     (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))

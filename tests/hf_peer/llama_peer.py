@@ -12,21 +12,14 @@ Jobs:
 """
 
 import json
-import sys
 
 import numpy as np
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-
-def logits_of(model, tokens_path):
-    tokens = torch.from_numpy(np.load(tokens_path).astype(np.int64))
-    with torch.no_grad():
-        return model(input_ids=tokens).logits.float().numpy()
+from peer_common import load, logits_of, random_model, run_jobs
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 
 def job_logits(job):
-    model = AutoModelForCausalLM.from_pretrained(job["dir"], dtype=torch.float32).eval()
+    model = load(job["dir"])
     np.save(job["out"], logits_of(model, job["tokens"]))
     if "text" in job:
         tok = AutoTokenizer.from_pretrained(job["dir"])
@@ -39,24 +32,10 @@ def job_logits(job):
 
 
 def job_make(job):
-    torch.manual_seed(job["seed"])
-    config = LlamaConfig(**job["config"])
-    model = LlamaForCausalLM(config).float().eval()
-    with torch.no_grad():  # norm weights start at 1: randomise them so their mapping is tested
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+    model = random_model(LlamaForCausalLM, LlamaConfig(**job["config"]), job["seed"])
     model.save_pretrained(job["dir"], safe_serialization=True)
     np.save(job["out"], logits_of(model, job["tokens"]))
 
 
-def main():
-    torch.set_num_threads(2)
-    with open(sys.argv[1]) as f:
-        jobs = json.load(f)
-    for job in jobs:
-        {"logits": job_logits, "make": job_make}[job["op"]](job)
-
-
 if __name__ == "__main__":
-    main()
+    run_jobs({"logits": job_logits, "make": job_make})

@@ -15,33 +15,22 @@ Jobs:
 """
 
 import json
-import sys
 
 import numpy as np
 import torch
+from peer_common import load, logits_of, random_model, run_jobs
 from transformers import AutoConfig, AutoModelForCausalLM
 
 
-def logits_of(model, tokens_path):
-    tokens = torch.from_numpy(np.load(tokens_path).astype(np.int64))
-    with torch.no_grad():
-        return model(input_ids=tokens).logits.float().numpy()
-
-
 def job_logits(job):
-    model = AutoModelForCausalLM.from_pretrained(job["dir"], dtype=torch.float32).eval()
+    model = load(job["dir"])
     assert type(model).__name__ == job["class"], type(model)
     np.save(job["out"], logits_of(model, job["tokens"]))
 
 
 def job_make(job):
-    torch.manual_seed(job["seed"])
     config = AutoConfig.for_model(job["model_type"], **job["config"])
-    model = AutoModelForCausalLM.from_config(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+    model = random_model(AutoModelForCausalLM.from_config, config, job["seed"])
     model.save_pretrained(job["dir"], safe_serialization=True)
     np.save(job["out"], logits_of(model, job["tokens"]))
     with open(job["count_out"], "w") as f:
@@ -49,7 +38,7 @@ def job_make(job):
 
 
 def job_greedy(job):
-    model = AutoModelForCausalLM.from_pretrained(job["dir"], dtype=torch.float32).eval()
+    model = load(job["dir"])
     n = job["max_new_tokens"]
     with torch.no_grad():
         out = model.generate(torch.tensor([job["ids"]]), do_sample=False, max_new_tokens=n,
@@ -58,13 +47,5 @@ def job_greedy(job):
         json.dump(out[0, len(job["ids"]):].tolist(), f)
 
 
-def main():
-    torch.set_num_threads(2)
-    with open(sys.argv[1]) as f:
-        jobs = json.load(f)
-    for job in jobs:
-        {"logits": job_logits, "make": job_make, "greedy": job_greedy}[job["op"]](job)
-
-
 if __name__ == "__main__":
-    main()
+    run_jobs({"logits": job_logits, "make": job_make, "greedy": job_greedy})

@@ -11,21 +11,11 @@ Job: {"base": HF_DIR, "adapter": PEFT_DIR, "merged": HF_DIR, "tokens": T.npy, "o
 
 import json
 import pathlib
-import sys
 
 import numpy as np
 import torch
+from peer_common import load, logits_of, run_jobs
 from peft import PeftModel
-from transformers import AutoModelForCausalLM
-
-
-def logits_of(model, tokens):
-    with torch.no_grad():
-        return model(input_ids=tokens).logits.float().numpy()
-
-
-def load(folder):
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
 def run(job):
@@ -47,13 +37,5 @@ def run(job):
     (out / "report.json").write_text(json.dumps(report))
 
 
-def main():
-    torch.set_num_threads(2)
-    with open(sys.argv[1]) as f:
-        jobs = json.load(f)
-    for job in jobs:
-        run(job)
-
-
 if __name__ == "__main__":
-    main()
+    run_jobs(run)

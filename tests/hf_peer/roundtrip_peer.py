@@ -16,11 +16,10 @@ Jobs:
 """
 
 import json
-import sys
 
 import torch
+from peer_common import load, random_model, run_jobs
 from transformers import (
-    AutoModelForCausalLM,
     AutoTokenizer,
     GenerationConfig,
     LlamaConfig,
@@ -32,12 +31,7 @@ CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "
 
 
 def job_make(job):
-    torch.manual_seed(job["seed"])
-    model = LlamaForCausalLM(LlamaConfig(**job["config"])).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+    model = random_model(LlamaForCausalLM, LlamaConfig(**job["config"]), job["seed"])
     if "generation" in job:
         model.generation_config = GenerationConfig(**job["generation"])
     model.save_pretrained(job["dir"], safe_serialization=True)
@@ -51,7 +45,7 @@ def _chat(tok):
 
 
 def job_generate(job):
-    model = AutoModelForCausalLM.from_pretrained(job["dir"], dtype=torch.float32).eval()
+    model = load(job["dir"])
     tok = AutoTokenizer.from_pretrained(job["dir"])
     ids = torch.tensor([job["ids"]], dtype=torch.long)
     gen = GenerationConfig.from_pretrained(job["dir"])
@@ -69,13 +63,5 @@ def job_generate(job):
         json.dump(result, f)
 
 
-def main():
-    torch.set_num_threads(2)
-    with open(sys.argv[1]) as f:
-        jobs = json.load(f)
-    for job in jobs:
-        {"make": job_make, "generate": job_generate}[job["op"]](job)
-
-
 if __name__ == "__main__":
-    main()
+    run_jobs({"make": job_make, "generate": job_generate})

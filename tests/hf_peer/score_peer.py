@@ -11,10 +11,10 @@ Job: {"dir": HF_DIR, "texts": [str, ...], "chats": [[{role, content}, ...], ...]
 """
 
 import json
-import sys
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from peer_common import load, run_jobs
+from transformers import AutoTokenizer
 
 
 def score(model, ids, prompt_len=None):
@@ -36,21 +36,17 @@ def chat_ids(tok, chat, **kw):
     return list(tok.apply_chat_template(chat, tokenize=True, return_dict=True, **kw)["input_ids"])
 
 
-def main():
-    torch.set_num_threads(2)
-    with open(sys.argv[1]) as f:
-        jobs = json.load(f)
-    for job in jobs:
-        tok = AutoTokenizer.from_pretrained(job["dir"])
-        model = AutoModelForCausalLM.from_pretrained(job["dir"], dtype=torch.float32).eval()
-        results = [score(model, list(tok(text)["input_ids"])) for text in job["texts"]]
-        for chat in job["chats"]:
-            prompt = (len(chat_ids(tok, chat[:-1], add_generation_prompt=True))
-                      if chat[-1]["role"] == "assistant" else None)
-            results.append(score(model, chat_ids(tok, chat), prompt))
-        with open(job["out"], "w") as f:
-            json.dump(results, f)
+def run(job):
+    tok = AutoTokenizer.from_pretrained(job["dir"])
+    model = load(job["dir"])
+    results = [score(model, list(tok(text)["input_ids"])) for text in job["texts"]]
+    for chat in job["chats"]:
+        prompt = (len(chat_ids(tok, chat[:-1], add_generation_prompt=True))
+                  if chat[-1]["role"] == "assistant" else None)
+        results.append(score(model, chat_ids(tok, chat), prompt))
+    with open(job["out"], "w") as f:
+        json.dump(results, f)
 
 
 if __name__ == "__main__":
-    main()
+    run_jobs(run)

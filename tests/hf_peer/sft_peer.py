@@ -14,11 +14,10 @@ Jobs:
 """
 
 import json
-import sys
 
 import torch
+from peer_common import load, random_model, run_jobs
 from transformers import (
-    AutoModelForCausalLM,
     AutoTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
@@ -27,12 +26,7 @@ from transformers import (
 
 
 def job_make(job):
-    torch.manual_seed(job["seed"])
-    model = LlamaForCausalLM(LlamaConfig(**job["config"])).float().eval()
-    with torch.no_grad():  # norm weights start at 1: randomise them so their mapping is tested
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+    model = random_model(LlamaForCausalLM, LlamaConfig(**job["config"]), job["seed"])
     model.save_pretrained(job["dir"], safe_serialization=True)
     tok = PreTrainedTokenizerFast(tokenizer_file=job["tokenizer"], bos_token=job["bos"],
                                   eos_token=job["eos"], pad_token=job["eos"])
@@ -42,7 +36,7 @@ def job_make(job):
 
 def job_loss(job):
     tok = AutoTokenizer.from_pretrained(job["dir"])
-    model = AutoModelForCausalLM.from_pretrained(job["dir"], dtype=torch.float32).eval()
+    model = load(job["dir"])
     encoded = [tok.apply_chat_template(c, tokenize=True, return_dict=True,
                                        return_assistant_tokens_mask=True) for c in job["chats"]]
     width = max(len(e["input_ids"]) for e in encoded)
@@ -62,13 +56,5 @@ def job_loss(job):
                    "masks": [e["assistant_masks"] for e in encoded]}, f)
 
 
-def main():
-    torch.set_num_threads(2)
-    with open(sys.argv[1]) as f:
-        jobs = json.load(f)
-    for job in jobs:
-        {"make": job_make, "loss": job_loss}[job["op"]](job)
-
-
 if __name__ == "__main__":
-    main()
+    run_jobs({"make": job_make, "loss": job_loss})

@@ -23,7 +23,7 @@ takes minutes, so the work is split and nobody waits on it:
   the part records sizes only for the files not read through: the scheduler's grace period is for
   saving, not reading back. Sizes still catch truncation; `crc32: null` marks the rest.
 - Before a resume every process verifies its share (each file's size, then its checksum, on a
-  few threads), and the caller agrees the verdicts (checkpoint/orbax_io.py).
+  few threads), and the caller agrees the verdicts (checkpoint/fallback.py).
 """
 
 from __future__ import annotations

@@ -17,10 +17,14 @@ import pathlib
 
 ITEM = "lora_base"
 
+# Train-state entries a LoRA run holds that a step saved without adapters lacks (or holds for
+# other parameters: the base's moments): started fresh when LoRA starts from such a step.
+LORA_ONLY_ENTRIES = ("lora", "opt_state")
+
 
 class MissingBase(FileNotFoundError):
     """The base a LoRA checkpoint names is gone: no older step can stand in for it, so this is
-    not a damaged step to fall back from (orbax_io.restore_latest_good re-raises it)."""
+    not a damaged step to fall back from (fallback.restore_latest_good re-raises it)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,13 +29,10 @@ from jax.sharding import PartitionSpec as P
 
 from titanax.checkpoint import integrity
 from titanax.checkpoint.lora_base import MissingBase
-from titanax.checkpoint.orbax_io import (
-    Checkpointer,
-    _legacy_abstract,
-    _to_current_layout,
-    into_params,
-    partial_restore,
-)
+from titanax.checkpoint.manager import Checkpointer, partial_restore
+from titanax.checkpoint.migrations import into_params
+from titanax.checkpoint.migrations import legacy_abstract as _legacy_abstract
+from titanax.checkpoint.migrations import to_current_layout as _to_current_layout
 from titanax.config import CheckpointConfig, Config, MeshConfig
 from titanax.models.common.lora import LoRA
 from titanax.models.registry import model_spec
@@ -225,26 +222,23 @@ def sampling_mesh(cfg: Config, devices=None) -> jax.sharding.Mesh:
 def abstract_params(cfg: Config, mesh):
     """(graphdef, params as ShapeDtypeStructs sharded on `mesh`): the model's Params as the train
     state holds them (train/state.py), and under fp8_delayed its amax histories (ops.Fp8Meta,
-    the train state's 'fp8') and with lora.rank > 0 its adapters (LoRA, 'lora') in the same
+    the train state's statistics) and with lora.rank > 0 its adapters (LoRA) in the same
     State: nnx.merge(graphdef, params) is the model, adapters included.
     Allocated nowhere."""
-    box = {}
-
-    def init():
-        box["graphdef"], params = nnx.split(
+    def init():  # (graphdef, params): a graphdef has no leaves, eval_shape returns it as is
+        return nnx.split(
             model_spec(cfg.model).build(cfg.model, cfg.execution, rngs=nnx.Rngs(params=0),
                                         lora=cfg.lora),
             nnx.Any(nnx.Param, Fp8Meta, LoRA))
-        return params
 
     with model_context(mesh):
-        abstract = jax.eval_shape(init)
+        graphdef, abstract = jax.eval_shape(init)
         specs = nnx.get_partition_spec(abstract)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s if isinstance(s, P) else P()),
                              specs, is_leaf=lambda x: isinstance(x, P) or x is None)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             abstract, shardings)
-    return box["graphdef"], abstract
+    return graphdef, abstract
 
 
 def _largest_bytes(tree) -> int:

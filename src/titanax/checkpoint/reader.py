@@ -8,7 +8,7 @@ memory holds the requested slice plus the chunks being decoded, never the whole 
 chunks an array by its per-device shard, and splits shards above its target file size (2 GB) into
 smaller chunks, so a chunk is at most one device's shard of one parameter.
 
-Checkpoints written before the current parameter layout (orbax_io.PARAM_LAYOUT: wo stored
+Checkpoints written before the current parameter layout (migrations.PARAM_LAYOUT: wo stored
 [L, Hq, hd, d], w_down [L, F, d]) are read in the current layout: params() reports the current
 shapes, read() maps the index onto the stored array and transposes what it read.
 """
@@ -71,7 +71,7 @@ class CheckpointReader:
             raise ValueError(f"{self.state_dir} holds no 'params' (not a titanax train state)")
         self._arrays = {}  # parameter path -> orbax ArrayMetadata
         _collect(tree.get("params", {}), (), self._arrays)
-        # A LoRA run's adapters (state['lora'], paths such as ('layers', 'wq_lora_a')): read
+        # A LoRA run's adapters (saved under 'lora', paths such as ('layers', 'wq_lora_a')): read
         # like parameters, listed apart, so params() stays the model's weights.
         self._adapters = {}
         _collect(tree.get("lora", {}), (), self._adapters)

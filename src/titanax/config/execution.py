@@ -1,6 +1,6 @@
 """The execution section: how a model's weights are computed, everything a run may change
 between runs of the same weights (a resumed checkpoint is compared on the model section only,
-checkpoint/orbax_io.check_same_model). `--set model.<field>` still reaches these fields
+checkpoint/compare.check_same_model). `--set model.<field>` still reaches these fields
 (config/overrides.py EXECUTION_ALIASES), as do old config files that wrote them under model."""
 
 from __future__ import annotations

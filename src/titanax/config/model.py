@@ -115,6 +115,15 @@ class ModelConfig(metaclass=_TakesOldExecutionFields):
                      "model.rope_low_freq_factor")
 
 
+
+@dataclass(frozen=True)
+class PlainRopeModelConfig(ModelConfig):
+    """The base of an architecture whose Hugging Face form has plain RoPE only (Mistral,
+    Mixtral, Qwen3, Qwen3-MoE): rope_scaling defaults to "none" and nothing else is exported.
+    An MoE architecture names it before MoEModelConfig, whose inherited default would win."""
+    rope_scaling: str = "none"  # plain RoPE: its Hugging Face form has no llama3 scaling
+    ROPE_SCALINGS = ("none",)
+
 def arch_config_class(arch: str) -> type[ModelConfig]:
     """The model section's class for model.arch (CONFIG in titanax/models/<arch>/config.py,
     which imports no jax); a ConfigError naming the field for an unknown arch."""

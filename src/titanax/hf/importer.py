@@ -185,7 +185,7 @@ def _param_path(keypath) -> tuple[str, ...]:
     return tuple(str(k) for k in keys if k != "value")
 
 
-def _build_params(sources, cfg: Config, mesh, abstract_params, bar):
+def _build_params(sources, cfg: Config, mesh, abstract_params, bar, roles):
     """The sharded params tree, each leaf filled from its HF tensors (a stacked one a layer
     at a time, so host memory holds one layer)."""
     position = stored_position(cfg)  # circular-pipeline runs store layers stage-major
@@ -194,7 +194,7 @@ def _build_params(sources, cfg: Config, mesh, abstract_params, bar):
         by_param.setdefault(t.param, []).append(t)
     tick = (lambda: bar.update(1)) if bar is not None else (lambda: None)
 
-    own = model_spec(cfg.model).self_updated(cfg.model)
+    own = roles.self_updated  # (train/roles.py's role table)
 
     def build(keypath, target):
         path = _param_path(keypath)
@@ -225,19 +225,20 @@ def _build_params(sources, cfg: Config, mesh, abstract_params, bar):
     return jax.tree_util.tree_map_with_path(build, abstract_params)
 
 
-def _train_state(sources, cfg: Config, devices, progress: bool) -> dict:
+def _train_state(sources, cfg: Config, devices, progress: bool):
     """Step 0: the imported params and a freshly initialised optimizer state, sharded."""
     from titanax.parallel.mesh import build_mesh
     from titanax.parallel.rules import model_context
     from titanax.train.optim import make_optimizer
-    from titanax.train.state import abstract_train_state, fresh_fp8_state
+    from titanax.train.state import TrainState, fresh_statistics, state_layout
 
     # The imported weights are a base: a run with lora.rank > 0 adds its adapters (and their
     # optimizer state) when it starts from this step (train/state.py with_fresh_adapters).
     cfg = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, rank=0))
     mesh = build_mesh(cfg.mesh, devices)
     tx = make_optimizer(cfg)
-    _, abstract, shardings = abstract_train_state(cfg, mesh, tx)
+    layout = state_layout(cfg, mesh, tx)
+    abstract, shardings = layout.abstract, layout.shardings
     bar = None
     if progress:
         from tqdm import tqdm
@@ -245,10 +246,12 @@ def _train_state(sources, cfg: Config, devices, progress: bool) -> dict:
         bar = tqdm(total=len(sources), desc="import", unit="tensor", dynamic_ncols=True)
     try:
         with model_context(mesh):
-            params = _build_params(sources, cfg, mesh, abstract["params"], bar)
-            opt_state = jax.jit(tx.init, out_shardings=shardings["opt_state"])(params)
-            state = {"step": jax.device_put(np.int32(0), shardings["step"]), "params": params,
-                     "opt_state": opt_state, **fresh_fp8_state(abstract)}  # fp8_delayed: zeros
+            params = _build_params(sources, cfg, mesh, abstract.trained, bar, layout.roles)
+            opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(params)
+            state = TrainState(jax.device_put(np.int32(0), shardings.step),
+                               {abstract.trained_role: params,
+                                **fresh_statistics(abstract)},  # fp8_delayed: zeros
+                               opt_state)
     finally:
         if bar is not None:  # ends its line: an error message then starts on its own
             bar.close()
@@ -288,7 +291,7 @@ def import_hf(hf_dir: str | pathlib.Path, cfg: Config, workdir: str | pathlib.Pa
 
 def _import_locked(hf_dir: pathlib.Path, cfg: Config, workdir: pathlib.Path, devices,
                    progress: bool, log, origin) -> ImportResult:
-    from titanax.checkpoint.orbax_io import Checkpointer
+    from titanax.checkpoint.manager import Checkpointer
 
     ckpt_dir = workdir / "checkpoints"
     if ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir()):
@@ -306,7 +309,7 @@ def _import_locked(hf_dir: pathlib.Path, cfg: Config, workdir: pathlib.Path, dev
             saved_cfg = dataclasses.replace(cfg, data=dataclasses.replace(
                 cfg.data, tokenizer=str((tok_dir / "tokenizer.json").absolute())))
     ckpt = Checkpointer(ckpt_dir, cfg.checkpoint)
-    ckpt.save(0, state, data_state=None, config=saved_cfg.to_dict())
+    ckpt.save(0, state.to_saved(), data_state=None, config=saved_cfg.to_dict())
     ckpt.close()
     if jax.process_index() == 0:
         if tok_dir is not None:

@@ -106,7 +106,7 @@ class ModelSpec:
     # that gets no weight decay.
     no_decay: Callable[[tuple[str, ...]], bool] = no_decay_norms
     # legacy_transposes(cfg) -> {name under 'layers': (perm, current shape)} of parameters an
-    # older titanax stored in another layout (checkpoint/orbax_io.py applies them on restore).
+    # older titanax stored in another layout (checkpoint/migrations.py applies them on restore).
     legacy_transposes: Callable[[ModelConfig], Mapping[str, tuple]] = no_legacy_layouts
     # self_updated(cfg) -> a SelfUpdated (parameters updated from a statistic, not by the
     # optimizer) or None.

@@ -79,35 +79,35 @@ def _chunks(x_BS, c: int):
     return x.reshape(S // (n * c), B, n * c, *x_BS.shape[2:])
 
 
-def _unchunk(x_NBC):
-    N, B, nc = x_NBC.shape[:3]
-    n = seq_split(N * nc)
-    x = x_NBC.reshape(N, B, n, nc // n, *x_NBC.shape[3:])
-    return jnp.moveaxis(x, 0, 2).reshape(B, N * nc, *x_NBC.shape[3:])
+def _unchunk(x_CBs):
+    C, B, nc = x_CBs.shape[:3]
+    n = seq_split(C * nc)
+    x = x_CBs.reshape(C, B, n, nc // n, *x_CBs.shape[3:])
+    return jnp.moveaxis(x, 0, 2).reshape(B, C * nc, *x_CBs.shape[3:])
 
 
-def _logits(h_BcD, w_DV, precision, rows):
-    logits_BcV = jnp.dot(h_BcD, w_DV, precision=_PRECISION[precision])
-    return shard_activation(logits_BcV.astype(jnp.float32), (rows, "seq", "vocab"))
+def _logits(h_BsD, w_DV, precision, rows):
+    logits_BsV = jnp.dot(h_BsD, w_DV, precision=_PRECISION[precision])
+    return shard_activation(logits_BsV.astype(jnp.float32), (rows, "seq", "vocab"))
 
 
-def _nll_and_dlogits(logits_BcV, targets_Bc, with_grad: bool):
+def _nll_and_dlogits(logits_BsV, targets_Bs, with_grad: bool):
     """(sum of nll over the chunk, dnll/dlogits or None). The target logit by an iota compare
     (fused with the logsumexp pass, and partitionable over a vocab-sharded axis)."""
-    V = logits_BcV.shape[-1]
-    is_target_BcV = jnp.arange(V)[None, None, :] == targets_Bc[..., None]
-    lse_Bc = jax.nn.logsumexp(logits_BcV, axis=-1)
-    target_Bc = jnp.sum(jnp.where(is_target_BcV, logits_BcV, 0.0), axis=-1)
+    V = logits_BsV.shape[-1]
+    is_target_BsV = jnp.arange(V)[None, None, :] == targets_Bs[..., None]
+    lse_Bs = jax.nn.logsumexp(logits_BsV, axis=-1)
+    target_Bs = jnp.sum(jnp.where(is_target_BsV, logits_BsV, 0.0), axis=-1)
     # A target outside the vocabulary is broken data: NaN, so the step's non-finite guard
     # skips and counts it (as the dense gather did), rather than a silently wrong loss.
-    target_Bc = jnp.where((targets_Bc >= 0) & (targets_Bc < V), target_Bc, jnp.nan)
-    keep_Bc = targets_Bc != IGNORE_INDEX  # no loss, no gradient
-    nll = jnp.sum(jnp.where(keep_Bc, lse_Bc - target_Bc, 0.0))
+    target_Bs = jnp.where((targets_Bs >= 0) & (targets_Bs < V), target_Bs, jnp.nan)
+    keep_Bs = targets_Bs != IGNORE_INDEX  # no loss, no gradient
+    nll = jnp.sum(jnp.where(keep_Bs, lse_Bs - target_Bs, 0.0))
     if not with_grad:
         return nll, None
-    dlogits_BcV = jnp.where(keep_Bc[..., None],
-                            jnp.exp(logits_BcV - lse_Bc[..., None]) - is_target_BcV, 0.0)
-    return nll, dlogits_BcV
+    dlogits_BsV = jnp.where(keep_Bs[..., None],
+                            jnp.exp(logits_BsV - lse_Bs[..., None]) - is_target_BsV, 0.0)
+    return nll, dlogits_BsV
 
 
 def _zero(like):
@@ -126,44 +126,44 @@ def _prepare(h_BSD, w_DV, targets_BS, c, rows):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _ce_sum(h_BSD, w_DV, targets_BS, c: int, precision: str, rows: str):
-    h_NBcD, w_DV, t_NBc = _prepare(h_BSD, w_DV, targets_BS, c, rows)
+    h_CBsD, w_DV, t_CBs = _prepare(h_BSD, w_DV, targets_BS, c, rows)
 
     def body(total, xs):
-        h_BcD, t_Bc = xs
-        nll, _ = _nll_and_dlogits(_logits(h_BcD, w_DV, precision, rows), t_Bc, with_grad=False)
+        h_BsD, t_Bs = xs
+        nll, _ = _nll_and_dlogits(_logits(h_BsD, w_DV, precision, rows), t_Bs, with_grad=False)
         return total + nll, None
 
-    total, _ = jax.lax.scan(body, _zero(h_NBcD), (h_NBcD, t_NBc))
+    total, _ = jax.lax.scan(body, _zero(h_CBsD), (h_CBsD, t_CBs))
     return total
 
 
 def _ce_sum_fwd(h_BSD, w_DV, targets_BS, c, precision, rows):
-    h_NBcD, w_g_DV, t_NBc = _prepare(h_BSD, w_DV, targets_BS, c, rows)
+    h_CBsD, w_g_DV, t_CBs = _prepare(h_BSD, w_DV, targets_BS, c, rows)
     dt, wdt = h_BSD.dtype, w_DV.dtype
 
     def body(carry, xs):
         total, dw_DV = carry
-        h_BcD, t_Bc = xs
-        nll, dlogits_BcV = _nll_and_dlogits(_logits(h_BcD, w_g_DV, precision, rows), t_Bc,
+        h_BsD, t_Bs = xs
+        nll, dlogits_BsV = _nll_and_dlogits(_logits(h_BsD, w_g_DV, precision, rows), t_Bs,
                                             with_grad=True)
-        dlogits_BcV = dlogits_BcV.astype(dt)
-        dh_BcD = jnp.dot(dlogits_BcV, w_g_DV.T, precision=_PRECISION[precision])
+        dlogits_BsV = dlogits_BsV.astype(dt)
+        dh_BsD = jnp.dot(dlogits_BsV, w_g_DV.T, precision=_PRECISION[precision])
         # The chunk's partial weight gradient leaves the matmul in the weight's dtype, the
         # dtype FSDP reduces gradients in (execution.grad_reduce_dtype: float32 only when the
         # weight came in as float32): under FSDP this [d, vocab] partial is reduce-scattered
         # every chunk, and a float32 one doubled both that traffic and its buffer (4.2 GB for
         # 70B, the peak of the 8x H100 offload step). The running sum stays float32.
-        dw_DV = dw_DV + jnp.einsum("bcd,bcv->dv", h_BcD, dlogits_BcV,
+        dw_DV = dw_DV + jnp.einsum("bcd,bcv->dv", h_BsD, dlogits_BsV,
                                    precision=_PRECISION[precision],
                                    preferred_element_type=wdt).astype(jnp.float32)
-        return (total + nll, dw_DV), dh_BcD.astype(dt)
+        return (total + nll, dw_DV), dh_BsD.astype(dt)
 
-    zeros_DV = shard_activation(jnp.zeros_like(w_g_DV, jnp.float32) + _zero(h_NBcD),
+    zeros_DV = shard_activation(jnp.zeros_like(w_g_DV, jnp.float32) + _zero(h_CBsD),
                                 ("embed", "vocab"))
-    (total, dw_DV), dh_NBcD = jax.lax.scan(body, (_zero(h_NBcD), zeros_DV), (h_NBcD, t_NBc))
+    (total, dw_DV), dh_CBsD = jax.lax.scan(body, (_zero(h_CBsD), zeros_DV), (h_CBsD, t_CBs))
     # Residuals in the operands' dtypes: the float32 sum is rounded once, where the dense
     # backward's dot rounds its output.
-    return total, (_unchunk(dh_NBcD), dw_DV.astype(w_DV.dtype))
+    return total, (_unchunk(dh_CBsD), dw_DV.astype(w_DV.dtype))
 
 
 def _ce_sum_bwd(c, precision, rows, res, g):

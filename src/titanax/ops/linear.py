@@ -82,11 +82,11 @@ def linear(x, w, spec: str, *, precision: str = "default", dtype=jnp.bfloat16,
     if precision in FP8_RECIPES and fp8:
         from pallas_kernels.fp8 import fp8_linear  # the kernels package loads on first FP8 use
 
-        # fp8_linear takes w [K, N]: an [N, K] weight passes this layer's transpose. Activations
+        # fp8_linear takes w [I, O]: an [O, I] weight passes this layer's transpose. Activations
         # arrive in the compute dtype; weights are quantized straight from the float32 master
         # copy (no detour through bf16 rounding).
-        w_KN = w.reshape(-1, k).T if w_last else w.reshape(k, -1)
-        y = fp8_linear(x.astype(dtype).reshape(-1, k), w_KN,
+        w_IO = w.reshape(-1, k).T if w_last else w.reshape(k, -1)
+        y = fp8_linear(x.astype(dtype).reshape(-1, k), w_IO,
                        fp8_meta if RECIPES_TABLE[precision].delayed else None,
                        recipe=precision, out_dtype=dtype,
                        mxfp8_scale_rounding=mxfp8_scale_rounding)
@@ -143,7 +143,7 @@ def _rings(x, x_keep: str, tp: str | None) -> bool:
 
 
 def _ring_products(x, w2s, k, n_keep, w_last, precision, dtype, f32_wgrad, tp) -> list:
-    """parallel.collective_matmul of x [B, S, k] with the 2-D weights w2s: [B, S, N] each.
+    """parallel.collective_matmul of x [B, S, I] with the 2-D weights w2s: [B, S, O] each.
     Its weight gradients are summed in float32 and come back in each w2's dtype: the compute
     dtype, or (f32_wgrad) the parameters' own."""
     x3 = x.astype(dtype).reshape(*x.shape[:n_keep], k)
@@ -170,8 +170,8 @@ def _dot_f32_wgrad_fwd(x2, w2, w_last, precision, dtype):
 
 def _dot_f32_wgrad_bwd(w_last, precision, dtype, res, dy):
     x2, w2 = res
-    dx = _dot(dy, w2.astype(dtype), not w_last, precision)  # dy [T, N] . w [K, N]^T or [N, K]
-    dw = _dot(x2.T, dy, False, precision, preferred_element_type=jnp.float32)  # [K, N]
+    dx = _dot(dy, w2.astype(dtype), not w_last, precision)  # dy [rows, O] . w [I, O]^T or [O, I]
+    dw = _dot(x2.T, dy, False, precision, preferred_element_type=jnp.float32)  # [I, O]
     return dx.astype(x2.dtype), (dw.T if w_last else dw).astype(w2.dtype)
 
 
@@ -189,8 +189,8 @@ class Fp8Meta(nnx.Variable):
     None): sharded and pipeline-staged with the layer stack).
 
     Its own Variable type, not an nnx.Param: the train state splits the model by type
-    (nnx.split(model, nnx.Param, Fp8Meta), train/state.py) and keeps these in state['fp8'],
-    beside 'params', so the optimizer never sees them (no Adam moments, no weight decay, not
+    (nnx.split by train/roles.py's table) and keeps these as the statistic role's variables,
+    beside the weights, so the optimizer never sees them (no Adam moments, no weight decay, not
     in the gradient norm), while checkpoints, sharding, eval and sampling carry them. The
     train step differentiates the loss with respect to them too: fp8_linear's custom VJP
     returns each call site's updated history as its "gradient" (pallas_kernels/fp8/linear.py),

@@ -3,26 +3,26 @@ the reduce-scatter after each row-parallel one, cut into 'tensor'-ring steps tha
 the GEMMs (TorchTitan's async TP, MaxText's collective matmul, NeMo's TP overlap).
 
 Why not XLA's own (`--xla_gpu_threshold_for_windowed_einsum_mib`, titanax/xla_flags.py): it
-never sees our sequence sharding (ops/linear multiplies [B*S, K] GEMMs), and where it would,
+never sees our sequence sharding (ops/linear multiplies [B*S, I] GEMMs), and where it would,
 with the batch also sharded (data, fsdp), its all-gather loop is the 'partial' kind whose
 permutes run synchronously in a conditional. docs/parallelism.md has the HLO evidence
 (`python -m launch.bench tp_overlap`).
 
 Inside jax.shard_map manual over 'tensor' (batch and FSDP shardings stay XLA's), device r of tp,
 sequence chunks of s = S / tp:
-- column (x [B, s, K] per device, weights [K, N_i / tp], one input shared by q/k/v or
+- column (x [B, s, I] per device, weights [I, O_j / tp], one input shared by q/k/v or
   gate/up): step t multiplies the chunk held now, (r + t) mod tp, while passing it on to r - 1.
-  Backward: dW_i = gathered x^T dy_i (the gathered x is the forward's residual), and dx is
+  Backward: dW_j = gathered x^T dy_j (the gathered x is the forward's residual), and dx is
   reduce-scattered the row way, each partial the sum over the weights.
-- row (x [B, S, K / tp], weight [K / tp, N]): step t computes the partial product of chunk
+- row (x [B, S, I / tp], weight [I / tp, O]): step t computes the partial product of chunk
   (r + t + 1) mod tp and adds it to the running sum received from r + 1 while that travels;
   after tp steps device r holds the whole sum of chunk r. Backward: dy chunks go round the
   column way, each step computing its dx chunk and adding to dW.
-With context parallelism (mesh 'context' C > 1) the sequence-parallel activations are split over
-('context', 'tensor'), context major: each context shard's S / C tokens are cut again over
+With context parallelism (mesh 'context' cp > 1) the sequence-parallel activations are split over
+('context', 'tensor'), context major: each context shard's S / cp tokens are cut again over
 'tensor'. The shard_maps are then manual over 'context' too, with the sequence specs
 ('context', 'tensor') (split) and 'context' (gathered), so the same tensor ring runs inside
-every context shard on its own S / C tokens (s = S / (C tp)); the ring never crosses
+every context shard on its own S / cp tokens (s = S / (cp tp)); the ring never crosses
 'context'. Each context shard's weight gradients cover its own tokens only: they leave the
 shard_map stacked over 'context' and are summed outside (XLA reduces them onto the weights'
 fsdp x context sharding; a psum inside a partly manual shard_map aborts XLA:CPU,
@@ -99,7 +99,7 @@ def applies(seq_len: int) -> bool:
 
 class _Cfg(NamedTuple):
     role: str
-    w_last: bool  # weights stored [N, K] (contracted axis last)
+    w_last: bool  # weights stored [O, I] (contracted axis last)
     precision: jax.lax.Precision | None
     tp: int
     context: bool  # the mesh splits the sequence over 'context' too (manual beside 'tensor')
@@ -119,40 +119,40 @@ class _Cfg(NamedTuple):
         return CONTEXT if self.context else None
 
 
-def collective_matmul(x_BSK, w2s, role: str, *, w_last: bool, precision=None) -> list:
-    """[x [B, S, K] times w2 for w2 in w2s] as one collective matmul over 'tensor'; each w2 is
-    2-D, [K, N] or (w_last) [N, K], multiplied in x's dtype. role: 'column' (N sharded over
-    'tensor', x sequence-sharded on entry; any number of weights share the ring) or 'row' (K
+def collective_matmul(x_BSI, w2s, role: str, *, w_last: bool, precision=None) -> list:
+    """[x [B, S, I] times w2 for w2 in w2s] as one collective matmul over 'tensor'; each w2 is
+    2-D, [I, O] or (w_last) [O, I], multiplied in x's dtype. role: 'column' (O sharded over
+    'tensor', x sequence-sharded on entry; any number of weights share the ring) or 'row' (I
     sharded, one weight, y sequence-sharded on exit). Weight gradients are summed in float32
     and returned in each w2's dtype."""
     if role == "row" and len(w2s) != 1:
         raise ValueError(f"a row-parallel collective matmul takes one weight, got {len(w2s)}")
     shape = dict(jax.sharding.get_abstract_mesh().shape)
     cfg = _Cfg(role, w_last, precision, shape[AXIS], shape.get(CONTEXT, 1) > 1)
-    return list(_ring(x_BSK, tuple(w2s), cfg))
+    return list(_ring(x_BSI, tuple(w2s), cfg))
 
 
 # --- the products of one chunk -------------------------------------------------------------
 
-def _xw(x_BsK, w, cfg: _Cfg):
-    """x [B, s, K] @ w -> [B, s, N], one flattened 2-D GEMM in x's dtype."""
+def _xw(x_BsI, w, cfg: _Cfg):
+    """x [B, s, I] @ w -> [B, s, O], one flattened 2-D GEMM in x's dtype."""
     dims = ((1,), (1,)) if cfg.w_last else ((1,), (0,))
-    y = jax.lax.dot_general(x_BsK.reshape(-1, x_BsK.shape[-1]), w.astype(x_BsK.dtype),
+    y = jax.lax.dot_general(x_BsI.reshape(-1, x_BsI.shape[-1]), w.astype(x_BsI.dtype),
                             (dims, ((), ())), precision=cfg.precision)
-    return y.reshape(*x_BsK.shape[:-1], -1)
+    return y.reshape(*x_BsI.shape[:-1], -1)
 
 
-def _dyw(dy_BsN, w, cfg: _Cfg):
-    """dy [B, s, N] @ w^T -> [B, s, K]."""
+def _dyw(dy_BsO, w, cfg: _Cfg):
+    """dy [B, s, O] @ w^T -> [B, s, I]."""
     dims = ((1,), (0,)) if cfg.w_last else ((1,), (1,))
-    dx = jax.lax.dot_general(dy_BsN.reshape(-1, dy_BsN.shape[-1]), w.astype(dy_BsN.dtype),
+    dx = jax.lax.dot_general(dy_BsO.reshape(-1, dy_BsO.shape[-1]), w.astype(dy_BsO.dtype),
                              (dims, ((), ())), precision=cfg.precision)
-    return dx.reshape(*dy_BsN.shape[:-1], -1)
+    return dx.reshape(*dy_BsO.shape[:-1], -1)
 
 
-def _xdy(x_BsK, dy_BsN, cfg: _Cfg):
-    """The weight gradient x^T dy in float32, in w's layout ([K, N] or [N, K])."""
-    a, b = x_BsK.reshape(-1, x_BsK.shape[-1]), dy_BsN.reshape(-1, dy_BsN.shape[-1])
+def _xdy(x_BsI, dy_BsO, cfg: _Cfg):
+    """The weight gradient x^T dy in float32, in w's layout ([I, O] or [O, I])."""
+    a, b = x_BsI.reshape(-1, x_BsI.shape[-1]), dy_BsO.reshape(-1, dy_BsO.shape[-1])
     if cfg.w_last:
         a, b = b, a
     return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=cfg.precision,
@@ -184,7 +184,7 @@ def _cut(x, i, s):
 def _gather_multiply(chunk, r, cfg: _Cfg, products, carry=None):
     """The column ring: chunk (r + t) mod tp is held at step t, and products(chunk, c,
     carry) -> (arrays [B, s, ...], carry) are computed while it travels on. Returns (the
-    gathered chunks [B, S, K], each product gathered [B, S, ...], the final carry)."""
+    gathered chunks [B, S, I], each product gathered [B, S, ...], the final carry)."""
     s = chunk.shape[1]
     gathered = outs = None
     for t in range(cfg.tp):
@@ -215,7 +215,7 @@ def _multiply_scatter(partial, r, cfg: _Cfg, carry):
 
 
 def _w_spec(cfg: _Cfg):
-    sharded_n = cfg.role == "column"  # the out features (N) are the sharded ones
+    sharded_n = cfg.role == "column"  # the out features (O) are the sharded ones
     return P(AXIS, None) if sharded_n == cfg.w_last else P(None, AXIS)
 
 
@@ -240,11 +240,11 @@ def _shard_map(body, cfg: _Cfg, in_specs, out_specs):
 
 
 def _column_fwd(x, ws, cfg: _Cfg):
-    """ys [B, S, N_i / tp] and the gathered x, one [1, B, S, K] per device (the residual;
+    """ys [B, S, O_j / tp] and the gathered x, one [1, B, S, I] per device (the residual;
     S: the context shard's tokens)."""
-    def body(x_BsK, *ws):
+    def body(x_BsI, *ws):
         gathered, ys, _ = _gather_multiply(
-            x_BsK, jax.lax.axis_index(AXIS), cfg,
+            x_BsI, jax.lax.axis_index(AXIS), cfg,
             lambda chunk, c, carry: ([_xw(chunk, w, cfg) for w in ws], carry))
         return tuple(ys), gathered[None]
     n = len(ws)
@@ -253,11 +253,11 @@ def _column_fwd(x, ws, cfg: _Cfg):
 
 
 def _column_bwd(gathered, ws, dys, cfg: _Cfg):
-    """dx [B, S/tp, K] (reduce-scattered round the ring) and each weight's gradient."""
-    def body(g_1BSK, *rest):
+    """dx [B, S/tp, I] (reduce-scattered round the ring) and each weight's gradient."""
+    def body(g_1BSI, *rest):
         ws, dys = rest[:len(rest) // 2], rest[len(rest) // 2:]
-        x_BSK, s = g_1BSK[0], g_1BSK.shape[2] // cfg.tp
-        dws = tuple(_stack(_xdy(x_BSK, dy, cfg).astype(w.dtype), cfg)
+        x_BSI, s = g_1BSI[0], g_1BSI.shape[2] // cfg.tp
+        dws = tuple(_stack(_xdy(x_BSI, dy, cfg).astype(w.dtype), cfg)
                     for w, dy in zip(ws, dys))
 
         def partial(c, dys):  # chunk c's dx: the sum over the weights
@@ -271,22 +271,22 @@ def _column_bwd(gathered, ws, dys, cfg: _Cfg):
 
 
 def _row_fwd(x, w, cfg: _Cfg):
-    def body(x_BSk, w):
-        s = x_BSk.shape[1] // cfg.tp
+    def body(x_BSi, w):
+        s = x_BSi.shape[1] // cfg.tp
         return _multiply_scatter(lambda c, x: (_xw(_cut(x, c, s), w, cfg), x),
-                                 jax.lax.axis_index(AXIS), cfg, x_BSk)
+                                 jax.lax.axis_index(AXIS), cfg, x_BSi)
     return _shard_map(body, cfg, (P(None, cfg.whole, AXIS), _w_spec(cfg)),
                       P(None, cfg.split, None))(x, w)
 
 
 def _row_bwd(x, w, dy, cfg: _Cfg):
-    """dx [B, S, K/tp] (dy gathered round the ring) and dW, both a GEMM per step."""
-    def body(x_BSk, w, dy_BsN):
-        s = dy_BsN.shape[1]
+    """dx [B, S, I/tp] (dy gathered round the ring) and dW, both a GEMM per step."""
+    def body(x_BSi, w, dy_BsO):
+        s = dy_BsO.shape[1]
 
         def products(chunk, c, dw):  # chunk c's dx; its share of dW added to the carry
-            return [_dyw(chunk, w, cfg)], dw + _xdy(_cut(x_BSk, c, s), chunk, cfg)
-        _, (dx,), dw = _gather_multiply(dy_BsN, jax.lax.axis_index(AXIS), cfg, products,
+            return [_dyw(chunk, w, cfg)], dw + _xdy(_cut(x_BSi, c, s), chunk, cfg)
+        _, (dx,), dw = _gather_multiply(dy_BsO, jax.lax.axis_index(AXIS), cfg, products,
                                         jnp.zeros(w.shape, jnp.float32))
         return dx, _stack(dw.astype(w.dtype), cfg)
     dx, dw = _shard_map(body, cfg, (P(None, cfg.whole, AXIS), _w_spec(cfg),

@@ -248,7 +248,7 @@ def _stage_fn(layer_fn, stages: int, V: int, M: int, scatter: bool, aux_zeros, c
             recv_bSD = jax.lax.ppermute(y_bSD, AXIS, ring)
             return (parked_MbSD, out_MbSD, recv_bSD, histories, aux_total), busy
 
-        (_, out_MbSD, _, _, aux_total), busy_T = jax.lax.scan(
+        (_, out_MbSD, _, _, aux_total), busy_per_tick = jax.lax.scan(
             tick, (parked_MbSD, out_MbSD, recv_bSD, histories, zeros), jnp.arange(ticks))
         # Only the last stage holds the outputs. Scattered, each stage gets M/PP of the
         # microbatches, so what follows (the output layer and the loss) runs once per
@@ -258,6 +258,6 @@ def _stage_fn(layer_fn, stages: int, V: int, M: int, scatter: bool, aux_zeros, c
         else:  # every stage gets all of them (out_specs P() needs a psum's invariant type)
             out_MbSD = jax.lax.psum(jnp.where(s == stages - 1, out_MbSD, 0), AXIS)
         aux_total = jax.tree.map(lambda a: jax.lax.psum(a, AXIS), aux_total)
-        return out_MbSD, aux_total, busy_T.sum(dtype=jnp.int32)[None]
+        return out_MbSD, aux_total, busy_per_tick.sum(dtype=jnp.int32)[None]
 
     return stage_fn

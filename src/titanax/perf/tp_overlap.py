@@ -49,6 +49,8 @@ from titanax.perf.hlo_text import (
 AXIS = "tensor"
 
 
+# `duplicates` pairs these fields with other frozen dataclasses' (plan/efficiencies.py,
+# FlashConfig): a list of named defaults alike in shape only, no logic to share.
 @dataclasses.dataclass(frozen=True)
 class StepShape:
     """The compiled step: Llama-3-8B widths (d 4096, ffn 14336, 32/8 heads), a short stack."""

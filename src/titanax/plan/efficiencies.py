@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 
 
+# `duplicates` pairs these fields with other frozen dataclasses' (perf/tp_overlap.py,
+# FlashConfig): a list of named defaults alike in shape only, no logic to share.
 @dataclasses.dataclass(frozen=True)
 class Efficiencies:
     # Large bf16 GEMMs (cuBLAS/cuBLASLt, thousands wide as in a 70B layer) sustain about

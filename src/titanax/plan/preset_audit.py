@@ -37,6 +37,8 @@ DOC_SOURCE = "preset-audit/documents"  # a shard folder name: segment ids reach 
 _RESULT = "PRESET_AUDIT_RESULT "
 
 
+# `duplicates` pairs this record with plan/published.py's Published: typed fields alike in
+# shape only, different records, no logic to share.
 @dataclasses.dataclass(frozen=True)
 class Cell:
     preset: str

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import pathlib
 import time
@@ -26,7 +25,7 @@ import jax
 from jax.sharding import NamedSharding
 
 from titanax.checkpoint.lora_base import BaseRef
-from titanax.checkpoint.orbax_io import Checkpointer, resolve_restore_source
+from titanax.checkpoint.manager import Checkpointer, resolve_restore_source
 from titanax.config import SOURCE_UNSET, Config, ConfigError, format_config
 from titanax.data.pipeline import build_data, check_source_kind, with_epoch_steps
 from titanax.models.registry import model_spec
@@ -51,10 +50,14 @@ from titanax.train.run_log import (
     device_memory,
 )
 from titanax.train.state import (
-    abstract_train_state,
-    create_train_state,
+    Role,
+    init_train_state,
     jit_eval_step,
     jit_train_step,
+    needs_fresh_adapters,
+    restored_state,
+    state_layout,
+    trainable_count,
     with_fresh_adapters,
 )
 from titanax.train.throughput import FLOP_FORMULA, Throughput, peak_flops_per_device
@@ -106,24 +109,6 @@ def _build_data_in_turn(cfg: Config, workdir: pathlib.Path, rows: slice):
     return data or build_data(cfg, workdir, rows=rows)
 
 
-def _check_mesh(cfg: Config, mesh) -> None:
-    """The layout with the degrees -1 resolved to, and the batch's split: refused before the
-    checkpointer (orbax) opens anything."""
-    check_layout(cfg, mesh)
-    batch_ways = math.prod(mesh.shape[a] for a in ("data", "fsdp"))
-    if cfg.train.batch_size % batch_ways:
-        raise ConfigError(f"train.batch_size={cfg.train.batch_size} must be divisible by "
-                          f"mesh data x fsdp = {batch_ways}")
-
-
-def _trainable_count(state: dict) -> int:
-    """The values the optimizer trains: LoRA's adapters alone, else the weights without an
-    MoE's routing bias (moved by its own rule, common/moe_bias.py)."""
-    tree = state["lora"] if "lora" in state else state["params"]
-    return sum(int(x.size) for path, x in jax.tree_util.tree_leaves_with_path(tree)
-               if "router_bias" not in jax.tree_util.keystr(path))
-
-
 def write_config_json(workdir: pathlib.Path, cfg: Config) -> None:
     """WORKDIR/config.json, the config the run trains with, written whole or not at all (a
     kill mid-write leaves the previous one): `launch.train --workdir W` continues from it."""
@@ -151,7 +136,7 @@ class Trainer:
         if self.is_main:
             M.load_loggers(cfg.train.logger_names)
         self.mesh = build_mesh(cfg.mesh, devices)
-        _check_mesh(cfg, self.mesh)
+        check_layout(cfg, self.mesh)  # and the batch rule, all before orbax opens anything
         if why := precision_refusal(cfg.execution.matmul_precision):  # e.g. mxfp8 on Hopper
             raise ConfigError(why)
         # A kernel `auto` would run that no GPU run has checked here is checked now, before
@@ -169,6 +154,7 @@ class Trainer:
             cfg, line = with_epoch_steps(cfg, workdir)
             self.log(line)
         self.cfg = cfg
+        self.spec = model_spec(cfg.model)  # looked up once: the state and the log use it
         self.batch_sharding = NamedSharding(self.mesh, batch_input_spec())
         self.tx, self.schedule = make_optimizer(cfg), lr_schedule(cfg)
         self.ckpt = Checkpointer(workdir / "checkpoints", cfg.checkpoint)
@@ -208,7 +194,7 @@ class Trainer:
             if self.is_main:  # step 0 is evaluated again by a run that starts there
                 M.drop_metrics_from(workdir, self.start_step + 1 if self.start_step else 0)
             self.step_fn = jit_train_step(cfg, self.mesh, self.graphdef, self.shardings,
-                                          self.tx, self.schedule)
+                                          self.tx, self.schedule, roles=self.roles)
             self.eval_fn = jit_eval_step(cfg, self.mesh, self.graphdef, self.shardings)
         except BaseException:  # the loggers' runs (W&B, MLflow) end with the command
             self.writer.close()
@@ -232,12 +218,12 @@ class Trainer:
     def _announce(self) -> None:
         """Logs what the run trains on what, and the FLOP count its MFU is measured by."""
         cfg, seq_len = self.cfg, self.cfg.train.seq_len
-        spec = model_spec(cfg.model)
+        spec = self.spec
         n_params = spec.count_params(cfg.model)
         n_no_embed = spec.count_params(cfg.model, exclude_embedding=True)
         self.flops_per_token = spec.flops(cfg.model, seq_len, n_no_embed)
         self.peak, peak_src = peak_flops_per_device(cfg.train.peak_flops, cfg.execution.dtype)
-        trainable = _trainable_count(self.state)
+        trainable = trainable_count(self.state, self.roles)
         self.log(f"titanax: {n_params:,} parameters ({n_no_embed:,} without the input "
                  f"embedding), {trainable:,} trainable\n"
                  f"  {FLOP_FORMULA} = {self.flops_per_token:.4g} at S={seq_len}\n"
@@ -259,25 +245,26 @@ class Trainer:
         cfg = self.cfg
         self.schedule_change = ""  # the log line for a resume onto another lr curve
         self.saved_config = None  # the resumed checkpoint's config (dict)
-        self.graphdef, abstract, self.shardings = abstract_train_state(cfg, self.mesh, self.tx)
-        restored, source = self._find_checkpoint(abstract)
+        layout = state_layout(cfg, self.mesh, self.tx, spec=self.spec)  # one eval_shape
+        self.graphdef, self.shardings, self.roles = layout.graphdef, layout.shardings, layout.roles
+        # The checkpoint manager reads and writes the state's on-disk layout (a dict).
+        restored, source = self._find_checkpoint(layout.abstract.to_saved())
         self.lora_base = None  # where a LoRA run's frozen base is stored (checkpoint/lora_base.py)
         if restored is None:
             self.start_step = 0
-            self.graphdef, self.state, self.shardings = create_train_state(cfg, self.mesh,
-                                                                           self.tx)
+            self.state = init_train_state(cfg, self.mesh, self.tx, layout)
             return {}, None, ""
-        self.lora_base = restored.lora_base if cfg.lora.enabled else None
+        trains_adapters = self.roles.trains is Role.ADAPTER
+        self.lora_base = restored.lora_base if trains_adapters else None
         self.saved_config = restored.config
         saved = Config.from_dict(restored.config)
-        self.state = reorder_restored(restored.state, {k: self.shardings[k] for k in
-                                                       restored.state}, saved, cfg)
+        self.state = restored_state(restored.state, self.roles, self.shardings,
+                                    lambda st, sh: reorder_restored(st, sh, saved, cfg))
         adapters = ""
-        if "lora" in abstract and "lora" not in self.state:  # LoRA starting from a base
-            self.state = with_fresh_adapters(cfg, self.mesh, self.tx, self.state,
-                                             self.shardings)
+        if needs_fresh_adapters(layout.abstract, self.state):  # LoRA starting from a base
+            self.state = with_fresh_adapters(cfg, self.mesh, self.tx, self.state, layout)
             adapters = f" (its weights as the frozen base of new rank-{cfg.lora.rank} LoRA adapters)"
-        self.start_step = int(self.state["step"])
+        self.start_step = int(self.state.step)
         # The step count carries on: a new horizon or schedule bends the lr curve from here
         # (at step 0 the whole curve is new, nothing to say).
         if self.start_step:
@@ -411,10 +398,10 @@ class Trainer:
 
     def save(self, step: int) -> None:
         self.bad_steps.flush()  # the counters saved must include this step
-        self.ckpt.save(step, self.state, data_state=self.train_iter.get_state(),
+        self.ckpt.save(step, self.state.to_saved(), data_state=self.train_iter.get_state(),
                        config=self.cfg.to_dict(), run_state=self.bad_steps.state(),
                        lora_base=self.lora_base)
-        if self.cfg.lora.enabled and self.lora_base is None:
+        if self.roles.trains is Role.ADAPTER and self.lora_base is None:
             # A LoRA run begun from its seed: this first step holds the base, the next name it.
             self.lora_base = BaseRef(self.ckpt.directory, step)
 

@@ -34,7 +34,7 @@ non-finite guard compute:
    optim.py's table (optim.elementwise_update: the step's own chain without the clip, on trees
    whose other leaves are empty: the math is elementwise, step count and learning rate are
    scalars) and applies the guard, all elementwise. (fp8_delayed's amax
-   histories are not parameters: they live in the train state's 'fp8', in device memory,
+   histories are not parameters: they are the train state's statistics, in device memory,
    and the train step writes them.)
 Elementwise means the layer order is irrelevant (circular pipelines store the stack
 stage-major). With mesh.pipeline > 1 the stack is sharded on 'pipeline' along the layer axis,
@@ -95,19 +95,19 @@ def _host_sharding(s: NamedSharding) -> NamedSharding:
 
 
 def place_state(cfg: Config, tx, shardings):
-    """The train state's shardings ({'step', 'params', 'opt_state'[, 'fp8']}) with the leaves
-    the train.offload_* options move in pinned host memory ('fp8', fp8_delayed's small amax
-    histories, stays in device memory)."""
+    """The train state's shardings (a train/state.py TrainState of NamedShardings) with the
+    leaves the train.offload_* options move in pinned host memory: the weights' stacked
+    layers, the optimizer state's moments (the statistics, fp8_delayed's small amax
+    histories, stay in device memory)."""
     if not enabled(cfg):
         return shardings
-    out = dict(shardings)
+    out = shardings
     if cfg.train.offload_params:
-        out["params"] = jax.tree_util.tree_map_with_path(
-            lambda p, s: _host_sharding(s) if is_layer_path(p) else s, shardings["params"])
+        out = out.with_group(out.weights_role, jax.tree_util.tree_map_with_path(
+            lambda p, s: _host_sharding(s) if is_layer_path(p) else s, out.weights))
     if cfg.train.offload_optimizer:
-        out["opt_state"] = optax.tree_utils.tree_map_params(
-            tx, _host_sharding, shardings["opt_state"],
-            is_leaf=lambda x: isinstance(x, NamedSharding))
+        out = out.replace(opt_state=optax.tree_utils.tree_map_params(
+            tx, _host_sharding, out.opt_state, is_leaf=lambda x: isinstance(x, NamedSharding)))
     return out
 
 

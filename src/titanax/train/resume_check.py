@@ -24,7 +24,7 @@ rows (the logged step may lie a few updates past the checkpoint), the batch and 
 same, and the compute dtype and matmul precision unchanged. Otherwise it says nothing.
 
 On a refusal the step is moved aside to `<step>.corrupt` (as a damaged step found at restore
-is, orbax_io.Checkpointer.restore_latest_good), so that the same command resumes from the
+is, checkpoint/fallback.py restore_latest_good), so that the same command resumes from the
 previous step; where there is none, nothing is moved and the dropped rows are written back, so
 that every rerun is refused the same way until the step is dealt with.
 """

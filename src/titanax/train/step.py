@@ -16,22 +16,22 @@ from titanax.models.spec import PROBE
 from titanax.parallel.collective_matmul import use_collective_matmul
 from titanax.parallel.pipeline import PipelineSchedule, pipeline_stages
 from titanax.train import offload, self_updated
+from titanax.train.roles import Role, Roles, roles_for
 
 
-def nll_sum(graphdef, params, batch, *, document_masking: bool, loss_chunk: int,
-            pipeline: PipelineSchedule | None = None, fp8=None, aux_losses=None, lora=None,
-            aux_metrics=None):
+def nll_sum(graphdef, variables, batch, *, document_masking: bool, loss_chunk: int,
+            pipeline: PipelineSchedule | None = None, aux_losses=None, aux_metrics=None):
     """Sum of the per-token negative log-likelihood over the batch, float32 (the output layer
-    and cross-entropy fused and chunked: no [B, S, V] logits). pipeline: stage the layers over
-    the mesh's 'pipeline' axis when it is > 1. fp8: the train state's 'fp8' (fp8_delayed's
-    amax histories, ops.Fp8Meta); None when the model has none. aux_losses: the
-    architecture's hook (ModelSpec.aux_losses); given, returns (sum, its terms of this batch,
-    read from the model after the forward pass, the aux_metrics hook's values (logged only)). lora: the train state's 'lora' (the
-    adapters; lora.rank > 0), else None. A batch with the entry DROPOUT_KEYS (the train step
-    adds it with lora.dropout > 0) runs the adapters' dropout with those keys; other batches
-    (eval, scoring) run without."""
-    extra = [x for x in (fp8, lora) if x is not None]
-    model = nnx.merge(graphdef, params, *(extra or [nnx.State({})]))
+    and cross-entropy fused and chunked: no [B, S, V] logits). variables: the model's variable
+    groups (nnx.States: the weights and, as the run has them, the statistics (fp8_delayed's
+    amax histories) and adapters; train/state.py), merged into the model. pipeline: stage the
+    layers over the mesh's 'pipeline' axis when it is > 1. aux_losses: the architecture's hook
+    (ModelSpec.aux_losses); given, returns (sum, its terms of this batch, read from the model
+    after the forward pass, the aux_metrics hook's values (logged only)). A batch with the
+    entry DROPOUT_KEYS (the train step adds it with lora.dropout > 0) runs the adapters'
+    dropout with those keys; other batches (eval, scoring) run without."""
+    first, *rest = variables
+    model = nnx.merge(graphdef, first, *(rest or [nnx.State({})]))
     segment_ids = batch["segment_ids"] if document_masking else None
     dropout = {"lora_dropout_keys": batch[DROPOUT_KEYS]} if DROPOUT_KEYS in batch else {}
     total = model.loss_sum(batch["inputs"], batch["targets"], batch["positions"], segment_ids,
@@ -48,16 +48,17 @@ def step_loss_tokens(targets):
 
 
 def make_loss_fn(cfg: Config, graphdef, *, with_metrics: bool = False):
-    """mean_loss(params, batch, fp8=None, tokens=None): the scalar the train step
-    differentiates, with respect to params and fp8 (whose "gradient" is its updated value):
+    """mean_loss(params, batch, fp8=None, tokens=None, fixed=()): the scalar the train step
+    differentiates, with respect to params (the trained role's variables) and fp8 (the
+    statistics, whose "gradient" is their updated value; None: the model has none):
     the summed loss over `tokens`, the loss-bearing targets of the whole step (all of its
     microbatches, all devices; None: this batch's own), so the step's loss is the mean over
     them whatever train.grad_accum and the layout (transformers' loss with labels=-100 on
     the same examples). execution.tp_overlap: the
     model is traced with its tensor-parallel matmuls as collective matmuls (titanax.config has
     refused the layouts they cannot run; others fall back by themselves). The config decides,
-    also against an enclosing use_collective_matmul() block. lora: the adapters (lora.rank >
-    0; train_step differentiates with respect to them alone, the base params held fixed).
+    also against an enclosing use_collective_matmul() block. fixed: the other variable groups
+    the model needs, held constant (a LoRA run's frozen base, whose adapters are params).
     with_metrics: mean_loss returns (scalar, {'aux/<name>': value}) instead, the
     architecture's auxiliary loss terms and logged values (an MoE's routing statistics),
     each already weighted by the microbatch's token share ({} for a dense model)."""
@@ -65,11 +66,12 @@ def make_loss_fn(cfg: Config, graphdef, *, with_metrics: bool = False):
     pipeline = PipelineSchedule.from_config(cfg.pipeline)
     spec = model_spec(cfg.model)
 
-    def mean_loss(params, batch, fp8=None, tokens=None, lora=None):
+    def mean_loss(params, batch, fp8=None, tokens=None, fixed=()):
+        variables = (*fixed, params, *(() if fp8 is None else (fp8,)))
         with use_collective_matmul(cfg.execution.tp_overlap):  # the context var is read at trace
-            total, aux, logged = nll_sum(graphdef, params, batch, document_masking=masking,
-                                         loss_chunk=chunk, pipeline=pipeline, fp8=fp8,
-                                         aux_losses=spec.aux_losses, lora=lora,
+            total, aux, logged = nll_sum(graphdef, variables, batch, document_masking=masking,
+                                         loss_chunk=chunk, pipeline=pipeline,
+                                         aux_losses=spec.aux_losses,
                                          aux_metrics=spec.aux_metrics)
         own = step_loss_tokens(batch["targets"])
         loss = total / (own if tokens is None else tokens)
@@ -154,34 +156,35 @@ def _grads(cfg: Config, loss_fn, params, fp8, batch):
     return loss, grads, new_fp8, jax.tree.map(lambda v: jnp.sum(v, axis=0), logged)
 
 
-def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation, schedule):
-    """train_step(state, batch) -> (new state, metrics). state: {'step', 'params', 'opt_state'}
-    and, under fp8_delayed, 'fp8' (train/state.py); the optimizer sees 'params' alone, or with
-    lora.rank > 0 'lora' alone ('params' is then the frozen base, returned as it came)."""
+def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation, schedule, *,
+                    roles: Roles | None = None):
+    """train_step(state, batch) -> (new state, metrics) on a TrainState (train/state.py): the
+    loss differentiated with respect to the role the run trains (its weights, or with
+    lora.rank > 0 its adapters, the weights then a frozen constant), the optimizer's update
+    of those alone, the statistics set by their rules (fp8_delayed's histories by the VJP, an
+    MoE's routing bias by the spec's self_updated rule). roles: the run's table
+    (train/roles.py roles_for; looked up when not given)."""
     if cfg.train.grad_accum_auto:  # a number by now: titanax.plan.fit chooses it
         raise ConfigError("train.grad_accum=auto must be resolved before the step is built "
                           "(launch.train's memory check does it)")
     offload_update = offload.enabled(cfg)
     loss_fn = make_loss_fn(cfg, graphdef, with_metrics=True)
-    trained = "lora" if cfg.lora.enabled else "params"
-    # Parameters set from a statistic, not trained (an MoE's routing bias); under LoRA they
-    # are part of the frozen base.
-    own = model_spec(cfg.model).self_updated(cfg.model) if trained == "params" else None
+    roles = roles or roles_for(cfg)
+    trains, own = roles.trains, roles.self_updated
 
-    def train_step(state, batch):
-        params, fp8 = state[trained], state.get("fp8", nnx.State({}))
-        step_loss = loss_fn
+    def train_step(state, batch):  # a train/state.py TrainState
+        params = state.variables[trains]
+        fp8 = state.statistics if state.statistics is not None else nnx.State({})
+        # The frozen groups (a LoRA run's base) enter as constants, so no gradient of theirs
+        # is ever computed (only the activations' back through them), and they leave untouched.
+        fixed = tuple(v for r, v in state.variables.items() if r not in (trains, Role.STATISTIC))
+        step_loss = (lambda p, b, f=None, t=None: loss_fn(p, b, f, t, fixed=fixed)) \
+            if fixed else loss_fn
         if cfg.lora.enabled and cfg.lora.dropout > 0:
             # Adapter dropout: each token's key from train.seed and the step (a resumed run
             # draws the masks an uninterrupted one does), split into microbatches with it.
             B, S = batch["inputs"].shape
-            batch = {**batch, DROPOUT_KEYS: dropout_token_keys(cfg.train.seed, state["step"],
-                                                               B, S)}
-        if trained == "lora":
-            # LoRA: the base weights enter as constants, so no gradient of theirs is ever
-            # computed (only the activations' back through them), and they leave untouched.
-            base = state["params"]
-            step_loss = lambda lora, b, f=None, t=None: loss_fn(base, b, f, t, lora=lora)
+            batch = {**batch, DROPOUT_KEYS: dropout_token_keys(cfg.train.seed, state.step, B, S)}
         loss, grads, new_fp8, logged = _grads(cfg, step_loss, params, fp8, batch)
         # An MoE's routing bias: its "gradient" is the step's loads, not the optimizer's.
         raw_grads = grads
@@ -194,27 +197,29 @@ def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation, sch
         # steps, each of them scaled by 1.0: the step is skipped instead, histories included.
         nonfinite_amax = ops.count_nonfinite_amax(new_fp8)
         # One NaN/inf (an overflow, a broken batch) would poison the weights and Adam's moments
-        # for good: such a step keeps the old ones. 'step' still advances (a batch was consumed;
-        # the data position and the step count stay in lockstep) and the loop counts the skip.
+        # for good: such a step keeps the old ones. The step still advances (a batch was
+        # consumed; the data position and the step count stay in lockstep) and the loop counts
+        # the skip.
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & (nonfinite_amax == 0)
         if offload_update:
             # Host-resident moments / layer weights: the same update, streamed one layer at a
             # time through the device (train/offload.py), the guard folded in.
             new_params, new_opt_state = offload.streamed_update(
-                cfg, tx, grads, state["opt_state"], params, grad_norm, finite)
+                cfg, tx, grads, state.opt_state, params, grad_norm, finite)
             new_fp8 = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_fp8, fp8)
         else:
-            updates, opt_state = tx.update(grads, state["opt_state"], params)
+            updates, opt_state = tx.update(grads, state.opt_state, params)
             new_params, new_opt_state, new_fp8 = _keep_if_finite(
                 finite, (optax.apply_updates(params, updates), opt_state, new_fp8),
-                (params, state["opt_state"], fp8))
+                (params, state.opt_state, fp8))
         if own is not None:
             new_params = self_updated.with_updates(own, new_params, params, raw_grads, finite)
-        new_state = {**state, "step": state["step"] + 1, trained: new_params,
-                     "opt_state": new_opt_state}
-        if "fp8" in state:
-            new_state["fp8"] = new_fp8
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]),
+        variables = {**state.variables, trains: new_params}
+        if state.statistics is not None:
+            variables[Role.STATISTIC] = new_fp8
+        new_state = state.replace(step=state.step + 1, variables=variables,
+                                  opt_state=new_opt_state)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step),
                    "skipped": (~finite).astype(jnp.int32), "fp8_nonfinite_amax": nonfinite_amax,
                    **logged}
         return new_state, metrics
@@ -226,11 +231,11 @@ def make_eval_step(cfg: Config, graphdef):
     masking, chunk = cfg.data.masks_documents, cfg.train.loss_chunk
     pipeline = PipelineSchedule.from_config(cfg.pipeline)
 
-    def eval_step(params, batch, fp8=None, lora=None):
-        """fp8: the train state's 'fp8' (needed under fp8_delayed: the histories scale the
-        forward pass); lora: its adapters (lora.rank > 0)."""
-        total = nll_sum(graphdef, params, batch, document_masking=masking, loss_chunk=chunk,
-                        pipeline=pipeline, fp8=fp8, lora=lora)
+    def eval_step(variables, batch):
+        """variables: all of the train state's variable groups (TrainState.model_variables:
+        under fp8_delayed the histories scale the forward pass; with LoRA the adapters)."""
+        total = nll_sum(graphdef, variables, batch, document_masking=masking, loss_chunk=chunk,
+                        pipeline=pipeline)
         return total, ops.loss_tokens(batch["targets"])
 
     return eval_step

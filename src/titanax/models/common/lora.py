@@ -4,8 +4,8 @@ x W + (alpha / r) (x A) B. With lora.dropout = p > 0 the train step drops the ad
 x W + (alpha / r) (dropout(x) A) B, inverted (kept values scaled by 1 / (1 - p)), as PEFT does.
 
 The adapters are their own Variable type, LoRA, not an nnx.Param: the train state splits the
-model by type (train/state.py), keeps the frozen base in state['params'] and the adapters in
-state['lora'], and gives only the latter gradients and optimizer state.
+model by type (train/roles.py's table): the base is the frozen role, the adapters the adapter
+role, and only the adapters get gradients and optimizer state (saved under 'lora' on disk).
 """
 
 from __future__ import annotations

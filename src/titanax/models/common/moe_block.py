@@ -53,23 +53,23 @@ class MoEBlock(DecoderBlock):
         cfg, ex = self.cfg, self.execution
         B, S, D = h_BSD.shape
         precision = "highest" if ex.matmul_precision == "highest" else None
-        h_TD = h_BSD.reshape(B * S, D)
+        h_RD = h_BSD.reshape(B * S, D)
         # The router in float32 (a few thousand FLOPs per token; its softmax decides routing).
-        logits_TE = jnp.einsum("td,de->te", h_TD.astype(jnp.float32),
+        logits_RE = jnp.einsum("rd,de->re", h_RD.astype(jnp.float32),
                                self.router[...].astype(jnp.float32), precision=precision)
         bias_E = self.router_bias[...] if self._biased else None
-        r = route(logits_TE, cfg.experts_per_token, norm_topk=cfg.norm_topk_prob, bias_E=bias_E)
+        r = route(logits_RE, cfg.experts_per_token, norm_topk=cfg.norm_topk_prob, bias_E=bias_E)
         weights = (self.w_gate[...], self.w_up[...], self.w_down[...])
         if on_mesh():  # each device dispatches its own tokens (common/moe_ep.py)
             y_BSD, dropped = experts_sharded(
                 h_BSD, r, *weights, dtype=jnp.dtype(ex.dtype), precision=precision,
                 capacity_factor=ex.expert_capacity_factor or None)
         else:
-            y_BSD = experts_ragged(h_TD, r, *weights, dtype=jnp.dtype(ex.dtype),
+            y_BSD = experts_ragged(h_RD, r, *weights, dtype=jnp.dtype(ex.dtype),
                                    precision=precision).reshape(B, S, D)
             dropped = jnp.zeros((), jnp.float32)
         aux = {**balance_sums(r), "dropped": jax.lax.stop_gradient(dropped),
-               "z_sum": jnp.sum(jnp.square(jax.nn.logsumexp(logits_TE, axis=-1))),
+               "z_sum": jnp.sum(jnp.square(jax.nn.logsumexp(logits_RE, axis=-1))),
                # Weighted by the tokens: the log's mean over layers and pipeline microbatches.
                "max_over_mean_load": jax.lax.stop_gradient(
                    routing_stats(r)["max_over_mean_load"]) * (B * S)}

@@ -14,17 +14,17 @@ mesh.expert = ep > 1: the experts are split over the `expert` axis (E / ep per d
 (token, expert) pair travels to the device holding its expert and back with two all-to-alls.
 parallel/rules.py puts `expert` into the batch's split too, so outside the experts an expert
 rank is one more data-parallel rank, as TorchTitan and MaxText use it. On each device, for its
-T tokens (T x K pairs):
+R tokens (R x A pairs):
 
-    pairs sorted by expert (so by destination rank), each given its slot in a [ep, C, D] send
-    buffer (C rows per destination) -> all_to_all -> the received [ep x C] rows sorted by local
-    expert -> grouped GEMMs (ragged_dot; empty slots fall past the group sizes and compute
+    pairs sorted by expert (so by destination rank), each given its slot in a [ep, cap, D]
+    send buffer (cap rows per destination) -> all_to_all -> the received [ep x cap] rows sorted
+    by local expert -> grouped GEMMs (ragged_dot; empty slots fall past the group sizes and compute
     nothing) -> back to received order -> all_to_all -> each pair's row read from its slot,
     weighted by its gate and summed per token.
 
-C, the rows a rank may send to one destination: T x K (every pair to one rank: nothing is ever
-dropped) unless execution.expert_capacity_factor is set, then ceil(factor x T x K / ep) as
-Switch/GShard's capacity; pairs past it are dropped (they add nothing to their token's output,
+cap (capacity), the rows a rank may send to one destination: R x A (every pair to one rank:
+nothing is ever dropped) unless execution.expert_capacity_factor is set, then
+ceil(factor x R x A / ep) as Switch/GShard's capacity; pairs past it are dropped (they add nothing to their token's output,
 the residual carries the token on) and counted in the step log (`aux/dropped_fraction`).
 """
 
@@ -82,10 +82,10 @@ def capacity(pairs: int, ep: int, factor: float | None) -> int:
 def experts_sharded(x_BSD, r: Routing, w_gate_EDF, w_up_EDF, w_down_EFD, *, dtype,
                     precision=None, capacity_factor: float | None = None):
     """experts_ragged per device on a mesh: (y [B, S, D] in dtype, pairs dropped [] float32,
-    summed over the step's devices). r's [T, K] arrays are over T = B x S tokens; the weights
+    summed over the step's devices). r's [R, A] arrays are over R = B x S tokens; the weights
     arrive as the parameters are sharded (the shard_map takes its share)."""
     B, S, D = x_BSD.shape
-    K = r.expert_TK.shape[-1]
+    A = r.expert_RA.shape[-1]
     tokens, up, down = expert_specs(x_BSD.shape)
     token_axes = spec_axes(tokens)
     width_axes = tuple(a for a in spec_axes(up) if a != AXIS)
@@ -93,27 +93,27 @@ def experts_sharded(x_BSD, r: Routing, w_gate_EDF, w_up_EDF, w_down_EFD, *, dtyp
     if ep > 1 and AXIS not in token_axes:
         raise ValueError(f"{B} rows do not split over the {ep} expert ranks: expert "
                          "parallelism needs every expert rank to hold its own tokens")
-    C = capacity(B * S * K // _size(token_axes), ep, capacity_factor)
+    cap = capacity(B * S * A // _size(token_axes), ep, capacity_factor)
 
-    def local(x_BSD, expert_BSK, gate_BSK, wg, wu, wd):
+    def local(x_BSD, expert_BSA, gate_BSA, wg, wu, wd):
         b, s = x_BSD.shape[:2]
-        x_TD = x_BSD.reshape(b * s, D)
-        e_TK, g_TK = expert_BSK.reshape(b * s, K), gate_BSK.reshape(b * s, K)
+        x_RD = x_BSD.reshape(b * s, D)
+        e_RA, g_RA = expert_BSA.reshape(b * s, A), gate_BSA.reshape(b * s, A)
         if ep > 1:
-            y_TD, dropped = _exchange(x_TD, e_TK, g_TK, wg, wu, wd, ep=ep, C=C, dtype=dtype,
+            y_RD, dropped = _exchange(x_RD, e_RA, g_RA, wg, wu, wd, ep=ep, cap=cap, dtype=dtype,
                                       precision=precision)
         else:
-            y_TD = experts_of_pairs(x_TD, e_TK, g_TK, wg, wu, wd, dtype=dtype,
+            y_RD = experts_of_pairs(x_RD, e_RA, g_RA, wg, wu, wd, dtype=dtype,
                                     precision=precision)
             dropped = jnp.zeros((), jnp.float32)
         if width_axes:  # each tensor rank computed its slice of the experts' width
-            y_TD = jax.lax.psum(y_TD, width_axes)
-        return y_TD.reshape(b, s, D), jax.lax.psum(dropped, token_axes)
+            y_RD = jax.lax.psum(y_RD, width_axes)
+        return y_RD.reshape(b, s, D), jax.lax.psum(dropped, token_axes)
 
     return jax.shard_map(
         local, in_specs=(tokens, tokens, tokens, up, up, down), out_specs=(tokens, P()),
         axis_names=frozenset(token_axes + width_axes), check_vma=not in_shard_map(),
-    )(x_BSD.astype(dtype), r.expert_TK.reshape(B, S, K), r.gate_TK.reshape(B, S, K),
+    )(x_BSD.astype(dtype), r.expert_RA.reshape(B, S, A), r.gate_RA.reshape(B, S, A),
       w_gate_EDF.astype(dtype), w_up_EDF.astype(dtype), w_down_EFD.astype(dtype))
 
 
@@ -122,29 +122,29 @@ def _size(axes) -> int:
     return math.prod(shape[a] for a in axes)
 
 
-def _exchange(x_TD, expert_TK, gate_TK, w_gate, w_up, w_down, *, ep, C, dtype, precision):
+def _exchange(x_RD, expert_RA, gate_RA, w_gate, w_up, w_down, *, ep, cap, dtype, precision):
     """One expert rank's experts over its tokens' pairs, via two all-to-alls (module
-    docstring): (y [T, D] in dtype, pairs dropped [] float32). Every row moves by a gather or
+    docstring): (y [R, D] in dtype, pairs dropped [] float32). Every row moves by a gather or
     scatter whose indices are distinct (moe.py: their gradients are gathers and scatters of
     the same kind)."""
-    T, K = expert_TK.shape
-    E_l, D = w_gate.shape[0], x_TD.shape[-1]
-    flat = expert_TK.reshape(-1)
+    _, A = expert_RA.shape
+    E_l, D = w_gate.shape[0], x_RD.shape[-1]
+    flat = expert_RA.reshape(-1)
     order, inverse = sort_pairs(flat)  # by expert, hence by destination rank
     dest = flat[order] // E_l
     per_dest = jnp.zeros(ep, jnp.int32).at[dest].add(1)
     slot = jnp.arange(flat.shape[0], dtype=jnp.int32) - (jnp.cumsum(per_dest) - per_dest)[dest]
-    kept = slot < C
+    kept = slot < cap
     # Dropped pairs: each its own slot past the buffer, so the indices stay distinct and the
     # scatter and gather below skip them.
-    slot = jnp.where(kept, slot, C + jnp.arange(flat.shape[0], dtype=jnp.int32))
-    rows = gather_pairs(x_TD.astype(dtype), order, inverse, K)
-    send_x = jnp.zeros((ep, C, D), dtype).at[dest, slot].set(rows, mode="drop",
+    slot = jnp.where(kept, slot, cap + jnp.arange(flat.shape[0], dtype=jnp.int32))
+    rows = gather_pairs(x_RD.astype(dtype), order, inverse, A)
+    send_x = jnp.zeros((ep, cap, D), dtype).at[dest, slot].set(rows, mode="drop",
                                                              unique_indices=True)
-    send_e = jnp.full((ep, C), E_l, jnp.int32).at[dest, slot].set(flat[order] % E_l,
+    send_e = jnp.full((ep, cap), E_l, jnp.int32).at[dest, slot].set(flat[order] % E_l,
                                                                     mode="drop")
     a2a = lambda a: jax.lax.all_to_all(a, AXIS, 0, 0, tiled=True)  # noqa: E731
-    recv_x, recv_e = a2a(send_x).reshape(ep * C, D), a2a(send_e).reshape(ep * C)
+    recv_x, recv_e = a2a(send_x).reshape(ep * cap, D), a2a(send_e).reshape(ep * cap)
     # Local experts' rows in expert order; empty slots (E_l) sort last, past every group.
     by_expert, back_order = sort_pairs(recv_e)
     sizes = jnp.zeros(E_l + 1, jnp.int32).at[recv_e].add(1)[:E_l]
@@ -152,7 +152,7 @@ def _exchange(x_TD, expert_TK, gate_TK, w_gate, w_up, w_down, *, ep, C, dtype, p
     xs = recv_x.at[by_expert].get(unique_indices=True)
     h = swiglu(mm(xs, w_gate).astype(jnp.float32), mm(xs, w_up).astype(jnp.float32))
     ys = mm(h.astype(dtype), w_down).astype(dtype).at[back_order].get(unique_indices=True)
-    back = a2a(ys.reshape(ep, C, D))  # [ep, C, D]: our pairs' rows, by destination and slot
+    back = a2a(ys.reshape(ep, cap, D))  # [ep, cap, D]: our pairs' rows, by destination and slot
     y_sorted = back.at[dest, slot].get(mode="fill", fill_value=0, unique_indices=True)
-    return (combine_pairs(y_sorted, inverse, gate_TK).astype(dtype),
+    return (combine_pairs(y_sorted, inverse, gate_RA).astype(dtype),
             jnp.sum(~kept).astype(jnp.float32))

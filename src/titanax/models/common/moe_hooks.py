@@ -23,7 +23,7 @@ def moe_aux_losses(model) -> dict:
 
 
 def moe_aux_metrics(model) -> dict:
-    """The unweighted load-balancing loss (K when balanced), the busiest expert's load over
+    """The unweighted load-balancing loss (A when balanced), the busiest expert's load over
     the mean, averaged over the layers and a pipeline's microbatches by tokens (1.0: perfect
     balance), and the share of (token, expert) pairs expert parallelism's capacity dropped
     (0 when dropless)."""

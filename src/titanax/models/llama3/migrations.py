@@ -1,9 +1,9 @@
 """Old Llama checkpoints (ModelSpec.legacy_transposes): the parameter layouts titanax wrote
-before, and how a stored leaf becomes the current layout. checkpoint/orbax_io.py asks the spec
+before, and how a stored leaf becomes the current layout. checkpoint/migrations.py asks the spec
 and applies them (to the parameter and its optimizer moments alike) on restore and in
 checkpoint/reader.py, so every checkpoint a user has keeps loading.
 
-Layout 2 (checkpoint/orbax_io.py PARAM_LAYOUT) stores wo as [L, D, H, K] and w_down as
+Layout 2 (checkpoint/migrations.py PARAM_LAYOUT) stores wo as [L, D, H, K] and w_down as
 [L, D, F] (embed first, as HF does); steps written before held [L, H, K, D] and [L, F, D]."""
 
 from __future__ import annotations

@@ -9,14 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from titanax.config.errors import fail
-from titanax.config.model import ModelConfig
+from titanax.config.model import PlainRopeModelConfig
 
 
 @dataclass(frozen=True)
-class MistralConfig(ModelConfig):
+class MistralConfig(PlainRopeModelConfig):
     arch: str = "mistral"
-    rope_scaling: str = "none"  # plain RoPE: its Hugging Face form has no llama3 scaling
-    ROPE_SCALINGS = ("none",)
     sliding_window: int = 0  # attention window in tokens (0: none); only one hiding nothing is taken
 
     def __post_init__(self):

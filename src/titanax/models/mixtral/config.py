@@ -5,14 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from titanax.config.model import PlainRopeModelConfig
 from titanax.config.moe import MoEModelConfig
 
 
 @dataclass(frozen=True)
-class MixtralConfig(MoEModelConfig):
+class MixtralConfig(PlainRopeModelConfig, MoEModelConfig):
     arch: str = "mixtral"
-    rope_scaling: str = "none"  # plain RoPE: its Hugging Face form has no llama3 scaling
-    ROPE_SCALINGS = ("none",)
 
 
 CONFIG = MixtralConfig

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from titanax.config.model import ModelConfig
+from titanax.config.model import PlainRopeModelConfig
 
 
 @dataclass(frozen=True)
-class Qwen3Config(ModelConfig):
+class Qwen3Config(PlainRopeModelConfig):
     arch: str = "qwen3"
-    rope_scaling: str = "none"  # plain RoPE: its Hugging Face form has no llama3 scaling
-    ROPE_SCALINGS = ("none",)
 
 
 CONFIG = Qwen3Config

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from titanax.config.model import PlainRopeModelConfig
 from titanax.config.moe import MoEModelConfig
 
 
 @dataclass(frozen=True)
-class Qwen3MoeConfig(MoEModelConfig):
+class Qwen3MoeConfig(PlainRopeModelConfig, MoEModelConfig):
     arch: str = "qwen3_moe"
-    rope_scaling: str = "none"  # plain RoPE: its Hugging Face form has no llama3 scaling
-    ROPE_SCALINGS = ("none",)
 
 
 CONFIG = Qwen3MoeConfig

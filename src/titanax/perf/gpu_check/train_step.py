@@ -49,8 +49,9 @@ DRY = {"model.d_model": 64, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv
 def layers_that_fit(model, bytes_limit: float) -> tuple[int, dict]:
     """Decoder layers (1..MAX_LAYERS) whose train state fits next to the embedding and output
     layer: (limit - 16 B x (non-layer params) - reserve) / (16 B x params per layer)."""
-    one = model_spec(model).count_params(dataclasses.replace(model, n_layers=1))
-    per_layer = model_spec(model).count_params(dataclasses.replace(model, n_layers=2)) - one
+    count = model_spec(model).count_params
+    one = count(dataclasses.replace(model, n_layers=1))
+    per_layer = count(dataclasses.replace(model, n_layers=2)) - one
     fixed = one - per_layer
     room = bytes_limit - BYTES_PER_PARAM * fixed - ACTIVATION_RESERVE
     n = int(max(1, min(MAX_LAYERS, room // (BYTES_PER_PARAM * per_layer))))
