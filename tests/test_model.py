@@ -201,6 +201,6 @@ def test_remat_does_not_change_gradients(remat):
 
 def test_parameters_carry_logical_axis_names():
     _, model = _tiny_llama()
-    assert model.layers.wq.get_metadata()["out_sharding"] == ("layers", "embed", "heads", "head_dim")
+    assert model.layers.wq.kernel.get_metadata()["out_sharding"] == ("layers", "embed", "heads", "head_dim")
     assert model.embed.get_metadata()["out_sharding"] == ("vocab", "embed")
-    assert model.layers.wq.shape[0] == 2  # stacked over layers, run with scan
+    assert model.layers.wq.kernel.shape[0] == 2  # stacked over layers, run with scan

@@ -78,14 +78,14 @@ def test_wo_and_w_down_are_stored_embed_first():
     with model_context(single_device_mesh()):
         model = Llama(cfg, run.execution, rngs=nnx.Rngs(0))
     L, d, F, H, hd = cfg.n_layers, cfg.d_model, cfg.ffn_dim, cfg.n_heads, cfg.resolved_head_dim
-    assert model.layers.wo.shape == (L, d, H, hd)
-    assert model.layers.wo.get_metadata()["out_sharding"] == ("layers", "embed", "heads",
+    assert model.layers.wo.kernel.shape == (L, d, H, hd)
+    assert model.layers.wo.kernel.get_metadata()["out_sharding"] == ("layers", "embed", "heads",
                                                               "head_dim")
-    assert model.layers.w_down.shape == (L, d, F)
-    assert model.layers.w_down.get_metadata()["out_sharding"] == ("layers", "embed", "mlp")
+    assert model.layers.w_down.kernel.shape == (L, d, F)
+    assert model.layers.w_down.kernel.get_metadata()["out_sharding"] == ("layers", "embed", "mlp")
     # out_std = init_std / sqrt(2 L), as before
     want = run.execution.init_std / np.sqrt(2 * L)
-    for w in (model.layers.wo, model.layers.w_down):
+    for w in (model.layers.wo.kernel, model.layers.w_down.kernel):
         assert abs(float(jnp.std(w[...])) / want - 1) < 0.05
 
 

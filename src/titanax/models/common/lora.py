@@ -10,6 +10,8 @@ role, and only the adapters get gradients and optimizer state (saved under 'lora
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 
 import jax
@@ -32,6 +34,9 @@ DROPOUT_KEYS = "lora_dropout_keys"
 # draws its own mask, as PEFT's dropout module per adapted Linear does, whatever lora.targets
 # chooses.
 _DROPOUT_SITES = tuple(LORA_TARGETS.values())
+# Adapter dropout's inputs while a layer traces (dropout_context): one context variable, so
+# no seam of the block passes them along.
+_DROPOUT = contextvars.ContextVar("lora_dropout", default=None)
 
 
 class LoRA(nnx.Variable):
@@ -148,3 +153,21 @@ def dropout_input(x, keys_BS2, layer, weight: str, rate: float):
     """The adapter's input of weight `weight` in a training pass: x [B, S, ...] dropped with
     the tokens' keys (their rows of dropout_token_keys) in logical layer `layer`."""
     return dropped(x, dropout_keep(keys_BS2, layer, weight, x.shape[2:], rate), rate)
+
+
+@contextlib.contextmanager
+def dropout_context(drop):
+    """Within it, every adapter (common/linear.py Projection) drops its input with drop: (the
+    tokens' dropout keys [B, S, 2], this layer's logical index), given in a training forward
+    pass with lora.dropout > 0; None: no dropout. Entered around one layer's trace, so the
+    keys are values of that trace."""
+    token = _DROPOUT.set(drop)
+    try:
+        yield
+    finally:
+        _DROPOUT.reset(token)
+
+
+def current_dropout():
+    """The innermost dropout_context's drop, or None."""
+    return _DROPOUT.get()

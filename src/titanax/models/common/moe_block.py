@@ -6,7 +6,10 @@ once from the pooled sums, as transformers forms it.
 
 Parameters ([layers, ...] as every block parameter): router [L, D, E]; w_gate, w_up
 [L, E, D, F]; w_down [L, E, F, D] (ragged_dot's [groups, in, out]); with
-model.router_bias_update_rate > 0 also router_bias [L, E] (common/moe_bias.py).
+model.router_bias_update_rate > 0 also router_bias [L, E] (common/moe_bias.py). The attention's
+wq..wo are the common block's Projections (common/linear.py); the router (a float32 einsum)
+and the experts (grouped ragged_dot GEMMs, which have no FP8 recipe or adapters yet: the
+config refuses both for MoE) are a different kind of matmul and stay bare parameters.
 """
 
 from __future__ import annotations
