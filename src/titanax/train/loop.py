@@ -153,11 +153,9 @@ class Trainer:
             cfg, line = with_epoch_steps(cfg, workdir)
             self.log(line)
         self.cfg = cfg
-        # Resolved once: the state, the step, the optimizer and the log take it from here.
-        self.spec = resolve(cfg).spec
+        self.spec = resolve(cfg).spec  # once: the state, step, optimizer and log take it
         self.batch_sharding = NamedSharding(self.mesh, batch_input_spec())
-        self.tx = make_optimizer(cfg, no_decay=self.spec.no_decay)
-        self.schedule = lr_schedule(cfg)
+        self.tx, self.schedule = make_optimizer(cfg, no_decay=self.spec.no_decay), lr_schedule(cfg)
         self.ckpt = Checkpointer(workdir / "checkpoints", cfg.checkpoint)
         # The model is checked against the checkpoint it resumes before anything in the
         # workdir changes: a refused run leaves config.json, the tokenizer and the metrics as
@@ -194,9 +192,8 @@ class Trainer:
                 self.train_iter.set_state(data_state)
             if self.is_main:  # step 0 is evaluated again by a run that starts there
                 M.drop_metrics_from(workdir, self.start_step + 1 if self.start_step else 0)
-            self.step_fn = jit_train_step(cfg, self.mesh, self.graphdef, self.shardings,
-                                          self.tx, self.schedule, spec=self.spec,
-                                          roles=self.roles)
+            self.step_fn = jit_train_step(cfg, self.mesh, self.graphdef, self.shardings, self.tx,
+                                          self.schedule, spec=self.spec, roles=self.roles)
             self.eval_fn = jit_eval_step(cfg, self.mesh, self.graphdef, self.shardings)
         except BaseException:  # the loggers' runs (W&B, MLflow) end with the command
             self.writer.close()
