@@ -19,6 +19,7 @@ from titanax.plan.cluster import Cluster
 from titanax.plan.compile import compile_all_in_subprocess
 from titanax.train import step as train_step
 from titanax.train.optim import make_optimizer
+from titanax.train.resolved import resolve
 from titanax.train.run_log import describe_accumulation
 from titanax.train.state import create_train_state
 
@@ -38,7 +39,7 @@ def _grads(cfg, n_devices, trace_only=False):
     batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:],
              "segment_ids": np.ones((B, S), np.int32),
              "positions": np.broadcast_to(np.arange(S, dtype=np.int32), (B, S))}
-    loss_fn = train_step.make_loss_fn(cfg, graphdef, with_metrics=True)
+    loss_fn = train_step.make_loss_fn(cfg, graphdef, resolve(cfg).spec, with_metrics=True)
     fn = lambda p, f, b: train_step._grads(cfg, loss_fn, p, f, b)[:3]  # noqa: E731
     with model_context(mesh):
         return (jax.eval_shape if trace_only else jax.jit(fn))(

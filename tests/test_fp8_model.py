@@ -18,6 +18,7 @@ from titanax.models.llama3.model import Llama
 from titanax.parallel.mesh import build_mesh
 from titanax.parallel.rules import model_context
 from titanax.train.optim import lr_schedule, make_optimizer
+from titanax.train.resolved import resolve
 from titanax.train.state import Role, TrainState, abstract_train_state, create_train_state
 from titanax.train.step import make_train_step
 
@@ -189,7 +190,7 @@ def test_grad_accum_records_the_max_amax_over_microbatches():
     # scale of the gradients whose amax the histories record.
     tokens = step_loss_tokens(batch["targets"])
     new_histories = jax.jit(jax.grad(
-        lambda p, b, f: make_loss_fn(cfg, graphdef)(p, b, f, tokens), argnums=2))
+        lambda p, b, f: make_loss_fn(cfg, graphdef, resolve(cfg).spec)(p, b, f, tokens), argnums=2))
     with model_context(mesh):
         per_mb = [np.asarray(new_histories(state.weights, {k: v[i::2] for k, v in batch.items()},
                                            state.statistics)["layers"]["fp8_wq"][...])[..., 0]
@@ -367,7 +368,7 @@ def test_checkpoint_with_histories_in_params_restores(tmp_path):
     assert ckpt.moved_out_of_params(2, abstract.to_saved()) == ("fp8",)
     with model_context(mesh):
         restored = TrainState.from_saved(ckpt.restore(2, abstract.to_saved())[0])
-        graphdef, abstract_p = abstract_params(cfg, mesh)
+        graphdef, abstract_p = abstract_params(cfg, mesh, resolve(cfg).spec)
         sampling = restore_params(ckpt, 2, abstract_p)
     ckpt.close()
     assert type(restored.statistics["layers"]["fp8_wq"]) is ops.Fp8Meta

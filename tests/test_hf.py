@@ -36,6 +36,7 @@ from titanax.hf.importer import HFImportError, import_hf
 from titanax.hf.safetensors_io import read_header, read_tensor
 from titanax.parallel.mesh import single_device_mesh
 from titanax.parallel.rules import model_context
+from titanax.train.resolved import resolve
 
 pytestmark = pytest.mark.usefixtures("devices8")  # meshes over 8 simulated devices
 
@@ -153,7 +154,7 @@ def test_training_resumes_from_an_import(peer, tmp_path):
     _, graphdef, params = load_run(work)
     batch = next(build_data(cfg, work, 0, 1).train_iterator())
     with model_context(single_device_mesh()):
-        want = float(make_loss_fn(cfg, graphdef)(params,
+        want = float(make_loss_fn(cfg, graphdef, resolve(cfg).spec)(params,
                                                  {k: jnp.asarray(v) for k, v in batch.items()}))
     logs = []
     result = train(cfg, work, log=logs.append, devices=jax.devices()[:1])

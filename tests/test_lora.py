@@ -34,6 +34,7 @@ from titanax.ops import IGNORE_INDEX
 from titanax.parallel.mesh import build_mesh
 from titanax.parallel.rules import model_context
 from titanax.train.optim import lr_schedule, make_optimizer
+from titanax.train.resolved import resolve
 from titanax.train.state import Role, create_train_state, jit_eval_step, jit_train_step
 from titanax.train.step import make_loss_fn
 
@@ -113,7 +114,7 @@ def test_eight_steps_match_a_merged_dense_reference():
 
     cfg0 = apply_overrides(cfg, {"lora.rank": 0})
     mesh, g0, s0, _, _ = _setup(cfg0, jax.devices()[:1])
-    loss_fn = make_loss_fn(cfg0, g0)
+    loss_fn = make_loss_fn(cfg0, g0, resolve(cfg0).spec)
     base = nnx.to_pure_dict(s0.weights)
     _, _, s1, _, _ = _setup(cfg, jax.devices()[:1])  # the adapters' initial values
     pure = nnx.to_pure_dict(s1.adapters)["layers"]

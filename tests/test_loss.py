@@ -19,6 +19,7 @@ from titanax.ops.cross_entropy import (
     dense_cross_entropy_sum,
     linear_cross_entropy_sum,
 )
+from titanax.train.resolved import resolve
 
 pytestmark = pytest.mark.usefixtures("devices8")  # meshes over 8 simulated devices
 
@@ -94,9 +95,9 @@ def _step_cfg(**train) -> Config:
                   mesh=MeshConfig(data=1), train=TrainConfig(batch_size=4, seq_len=64, **train))
 
 
-def _loss_and_grads(cfg: Config, devices, accum: bool = False):
+def _loss_and_grads(cfg: Config, devices, accum: bool = False, spec=None):
     """(loss, gradients, compiled HLO, parameters) of make_loss_fn on a fixed batch; accum: through the
-    train step's microbatch sum (train.grad_accum) instead."""
+    train step's microbatch sum (train.grad_accum) instead. spec: the model's (default cfg's)."""
     from flax import nnx
 
     from titanax.parallel.mesh import build_mesh
@@ -106,6 +107,7 @@ def _loss_and_grads(cfg: Config, devices, accum: bool = False):
     from titanax.train.step import _grads, make_loss_fn
 
     mesh = build_mesh(cfg.mesh, devices)
+    spec = spec or resolve(cfg).spec
     graphdef, state, _ = create_train_state(cfg, mesh, make_optimizer(cfg))
     rng = np.random.default_rng(0)
     toks = rng.integers(0, cfg.model.vocab_size, (4, 65), dtype=np.int32)
@@ -113,9 +115,9 @@ def _loss_and_grads(cfg: Config, devices, accum: bool = False):
              "segment_ids": np.ones((4, 64), np.int32),
              "positions": np.broadcast_to(np.arange(64, dtype=np.int32), (4, 64)).copy()}
     with model_context(mesh):
-        fn = jax.jit(jax.value_and_grad(make_loss_fn(cfg, graphdef)))
+        fn = jax.jit(jax.value_and_grad(make_loss_fn(cfg, graphdef, spec)))
         if accum:
-            loss_fn = make_loss_fn(cfg, graphdef, with_metrics=True)
+            loss_fn = make_loss_fn(cfg, graphdef, spec, with_metrics=True)
             fn = jax.jit(lambda p, b: _grads(cfg, loss_fn, p, None, b)[:2])
         loss, grads = fn(state.weights, batch)
         hlo = fn.lower(state.weights, batch).compile().as_text()
@@ -146,21 +148,17 @@ def test_sharded_loss_matches_one_device():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
-def test_an_architectures_aux_losses_join_the_step_loss_and_gradients(monkeypatch):
+def test_an_architectures_aux_losses_join_the_step_loss_and_gradients():
     """ModelSpec.aux_losses: its terms (here 1e-3 x the embedding's squared norm) add to the
     step's mean loss and their gradients to the parameters', and split over microbatches
     (train.grad_accum=2) they still sum to one term."""
     import dataclasses
 
-    from titanax.models import model_spec
-    from titanax.train import step as step_mod
-
     base_cfg = _step_cfg(loss_chunk=0)
     dense, g_dense, _, params = _loss_and_grads(base_cfg, jax.devices()[:1])
     l2 = lambda m: {"l2": 1e-3 * jnp.sum(jnp.square(m.embed[...]))}  # noqa: E731
-    spec = dataclasses.replace(model_spec(base_cfg.model), aux_losses=l2)
-    monkeypatch.setattr(step_mod, "model_spec", lambda _: spec)
-    with_aux, g_aux, _, _ = _loss_and_grads(base_cfg, jax.devices()[:1])
+    spec = dataclasses.replace(resolve(base_cfg).spec, aux_losses=l2)
+    with_aux, g_aux, _, _ = _loss_and_grads(base_cfg, jax.devices()[:1], spec=spec)
     # (the same initial weights: create_train_state is seeded by train.seed)
     embed = params["embed"]
     np.testing.assert_allclose(with_aux - dense, 1e-3 * np.sum(np.square(embed)), rtol=1e-4)
@@ -168,6 +166,6 @@ def test_an_architectures_aux_losses_join_the_step_loss_and_gradients(monkeypatc
                                atol=1e-8)
     np.testing.assert_array_equal(g_aux["output"], g_dense["output"])
     accum2, g_accum2, _, _ = _loss_and_grads(_step_cfg(loss_chunk=0, grad_accum=2),
-                                          jax.devices()[:1], accum=True)
+                                          jax.devices()[:1], accum=True, spec=spec)
     np.testing.assert_allclose(accum2, with_aux, rtol=1e-5)
     np.testing.assert_allclose(g_accum2["embed"], g_aux["embed"], rtol=1e-4, atol=1e-7)

@@ -20,6 +20,7 @@ from titanax.parallel.mesh import build_mesh
 from titanax.parallel.rules import activation_spec, model_context
 from titanax.train import step as train_step
 from titanax.train.optim import make_optimizer
+from titanax.train.resolved import resolve
 from titanax.train.state import create_train_state
 
 pytestmark = pytest.mark.usefixtures("devices8")
@@ -68,7 +69,7 @@ def _step_loss_and_grads(cfg, devices, batch):
     """The train step's loss and gradients (train/step.py _grads: microbatches and all)."""
     mesh = build_mesh(cfg.mesh, devices)
     graphdef, state, shardings = create_train_state(cfg, mesh, make_optimizer(cfg))
-    loss_fn = train_step.make_loss_fn(cfg, graphdef, with_metrics=True)
+    loss_fn = train_step.make_loss_fn(cfg, graphdef, resolve(cfg).spec, with_metrics=True)
     batch_sharding = NamedSharding(mesh, activation_spec(("batch", "seq")))
     with model_context(mesh):
         fn = jax.jit(lambda p, b: train_step._grads(cfg, loss_fn, p, nnx.State({}), b)[:2],

@@ -28,6 +28,7 @@ from titanax.ops.linear import linear, linears
 from titanax.parallel.collective_matmul import unsupported, use_collective_matmul
 from titanax.parallel.rules import MESH_AXES
 from titanax.perf import hlo_text, tp_overlap
+from titanax.train.resolved import resolve
 
 needs_plugin = pytest.mark.skipif(not aot.plugin_available(), reason="CUDA plugin not installed "
                                   "in .venv/cuda-plugin (bash scripts/dev.sh cuda-plugin installs it)")
@@ -226,7 +227,8 @@ def _step_jaxpr(cfg) -> str:
     batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(
         mesh, activation_spec(("batch", "seq")))) for k, v in make_batch(cfg).items()}
     with model_context(mesh):
-        return str(jax.make_jaxpr(jax.grad(make_loss_fn(cfg, graphdef)))(state.weights, batch))
+        loss_fn = make_loss_fn(cfg, graphdef, resolve(cfg).spec)
+        return str(jax.make_jaxpr(jax.grad(loss_fn))(state.weights, batch))
 
 
 def test_not_under_the_1f1b_schedule():

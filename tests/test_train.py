@@ -18,6 +18,7 @@ from titanax.train.optim import (
     make_optimizer,
     update_rule,
 )
+from titanax.train.resolved import resolve
 from titanax.train.state import create_train_state
 
 pytestmark = pytest.mark.usefixtures("devices8")  # meshes over 8 simulated devices
@@ -80,7 +81,8 @@ def test_gradient_accumulation_matches_one_big_batch():
     out = {}
     for accum in (1, 4):
         cfg = apply_overrides(base, {"train.grad_accum": accum})
-        loss_fn = train_step.make_loss_fn(cfg, graphdef, with_metrics=True)
+        loss_fn = train_step.make_loss_fn(cfg, graphdef, resolve(cfg).spec,
+                                             with_metrics=True)
         with model_context(mesh):
             out[accum] = jax.jit(lambda p, b, cfg=cfg, f=loss_fn: train_step._grads(
                 cfg, f, p, {}, b)[:2])(state.weights, batch)

@@ -21,6 +21,7 @@ from titanax.parallel.mesh import build_mesh, check_layout
 from titanax.parallel.rules import model_context
 from titanax.train import step as train_step
 from titanax.train.optim import lr_schedule, make_optimizer
+from titanax.train.resolved import resolve
 from titanax.train.state import (
     Role,
     TrainState,
@@ -55,12 +56,13 @@ def _types(tree) -> set[type]:
 
 
 def test_the_role_table():
-    plain, lora = roles_for(tiny_config(**SMALL)), roles_for(tiny_config(**LORA))
+    table = lambda cfg: roles_for(cfg, resolve(cfg).spec)  # noqa: E731
+    plain, lora = table(tiny_config(**SMALL)), table(tiny_config(**LORA))
     assert dict(plain.by_type) == {nnx.Param: Role.TRAINED, LoRA: Role.ADAPTER,
                                    Fp8Meta: Role.STATISTIC}
     assert plain.trains is Role.TRAINED and plain.self_updated is None
     assert dict(lora.by_type)[nnx.Param] is Role.FROZEN and lora.trains is Role.ADAPTER
-    moe = roles_for(tiny_config(**MOE_BIAS))
+    moe = table(tiny_config(**MOE_BIAS))
     assert moe.self_updated.selects(("layers", "router_bias"))
     assert not moe.self_updated.selects(("layers", "router"))
 
@@ -104,7 +106,7 @@ def test_fp8_histories_update_by_their_rule_outside_the_optimizer_and_the_norm()
     cfg, mesh, tx, layout = _layout(**FP8)
     graphdef, state, shardings = create_train_state(cfg, mesh, tx)
     batch = make_batch(cfg)
-    loss_fn = train_step.make_loss_fn(cfg, graphdef, with_metrics=True)
+    loss_fn = train_step.make_loss_fn(cfg, graphdef, resolve(cfg).spec, with_metrics=True)
     with model_context(mesh):
         _, grads, new_fp8, _ = jax.jit(lambda p, f, b: train_step._grads(cfg, loss_fn, p, f, b))(
             state.trained, state.statistics, batch)

@@ -22,8 +22,8 @@ from titanax.checkpoint.params_only import (
     sampling_mesh,
 )
 from titanax.config import Config, MeshConfig, PipelineConfig
-from titanax.models.registry import model_spec
 from titanax.parallel.layer_order import to_logical_in_place
+from titanax.train.resolved import resolve
 
 
 def load_for_inference(workdir, step: int | None = None, devices=None, dtype: str | None = None,
@@ -49,7 +49,7 @@ def load_for_inference(workdir, step: int | None = None, devices=None, dtype: st
         if dtype is not None:
             cfg = dataclasses.replace(cfg, execution=dataclasses.replace(cfg.execution, dtype=dtype))
         mesh = sampling_mesh(cfg, jax.devices()[:1] if devices is None else devices)
-        graphdef, abstract = abstract_params(cfg, mesh)
+        graphdef, abstract = abstract_params(cfg, mesh, resolve(cfg).spec)
         params = restore_params(ckpt, step, abstract, verify=verify)
         if unverified and (bad := first_nonfinite(params)):
             raise damaged(ckpt, step, f"it has no manifest and its parameter {bad} holds "
@@ -127,7 +127,7 @@ def generate(cfg: Config, graphdef, params, prompt_ids: list[int], *, max_new_to
     if total > cfg.model.max_seq_len:
         raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens "
                          f"({max_new_tokens}) exceeds model.max_seq_len={cfg.model.max_seq_len}")
-    cache = model_spec(cfg.model).init_cache(cfg.model, 1, total, cfg.execution.dtype)
+    cache = resolve(cfg).spec.init_cache(cfg.model, 1, total, cfg.execution.dtype)
     key = jax.random.key(seed)
     logits, cache = _forward(graphdef, params, jnp.asarray([prompt_ids], jnp.int32), cache,
                              jnp.int32(0))

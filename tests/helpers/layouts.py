@@ -12,6 +12,7 @@ from titanax.parallel.layer_order import to_logical_order
 from titanax.parallel.mesh import build_mesh
 from titanax.parallel.rules import activation_spec, model_context
 from titanax.train.optim import make_optimizer
+from titanax.train.resolved import resolve
 from titanax.train.state import create_train_state
 from titanax.train.step import make_loss_fn
 
@@ -42,7 +43,7 @@ def loss_and_grads(cfg: Config, devices):
     graphdef, state, shardings = create_train_state(cfg, mesh, make_optimizer(cfg))
     batch_sharding = NamedSharding(mesh, activation_spec(("batch", "seq")))
     with model_context(mesh):
-        fn = jax.jit(jax.value_and_grad(make_loss_fn(cfg, graphdef)),
+        fn = jax.jit(jax.value_and_grad(make_loss_fn(cfg, graphdef, resolve(cfg).spec)),
                      in_shardings=(shardings.weights, batch_sharding))
         jaxpr = str(jax.make_jaxpr(fn)(state.weights, make_batch(cfg)))
         loss, grads = fn(state.weights, make_batch(cfg))

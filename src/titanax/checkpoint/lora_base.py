@@ -16,10 +16,12 @@ import dataclasses
 import pathlib
 
 ITEM = "lora_base"
+# The train-state entry holding a run's adapters (its on-disk name, train/state.py).
+ADAPTERS = "lora"
 
 # Train-state entries a LoRA run holds that a step saved without adapters lacks (or holds for
 # other parameters: the base's moments): started fresh when LoRA starts from such a step.
-LORA_ONLY_ENTRIES = ("lora", "opt_state")
+LORA_ONLY_ENTRIES = (ADAPTERS, "opt_state")
 
 
 class MissingBase(FileNotFoundError):
@@ -69,3 +71,46 @@ class KeepBases:
 
     def should_preserve(self, checkpoints, *, context=None) -> list[bool]:
         return [c.step in self.steps for c in checkpoints]
+
+
+@dataclasses.dataclass
+class FrozenBase:
+    """Where a run's frozen weights are stored, for its saves to name (train/loop.py): kept is
+    the run's role table's say (a LoRA run keeps a frozen base, train/roles.py); ref the base
+    its next saves name, None while they must hold the weights themselves."""
+    kept: bool
+    ref: BaseRef | None = None
+
+    def restored(self, ref: BaseRef | None) -> None:
+        """After a restore: the base the restored step named (or is); a run without a frozen
+        base saves its weights whatever the step it resumed named."""
+        self.ref = ref if self.kept else None
+
+    def saved(self, directory: pathlib.Path, step: int) -> None:
+        """After a save: a run begun from its seed has just written its base in this step,
+        which the next saves name."""
+        if self.kept and self.ref is None:
+            self.ref = BaseRef(directory, step)
+
+
+def without_base_weights(state: dict, base: BaseRef | None, here: pathlib.Path,
+                         keep: KeepBases) -> tuple[dict, dict]:
+    """(the state a step saves, {ITEM: the reference's JSON} or {}): with a base, the state
+    without its weights ('params'), which the step names instead; a base in this run's own
+    folder `here` is kept by `keep` from now on."""
+    if base is None:
+        return state, {}
+    if base.directory == here:
+        keep.steps.add(base.step)
+    return {k: v for k, v in state.items() if k != "params"}, {ITEM: base.to_json(here)}
+
+
+def base_of_restored(abstract_state: dict, directory: pathlib.Path, step: int) -> BaseRef | None:
+    """The base a run's next saves name after restoring `step` (which holds its weights):
+    that step, for a run with adapters (its state has ADAPTERS); None otherwise."""
+    return BaseRef(directory, step) if ADAPTERS in abstract_state else None
+
+
+def adapters_start_fresh(abstract_state: dict, stored_state: dict) -> bool:
+    """Does a run with adapters meet a step saved without them (its base alone)?"""
+    return ADAPTERS in abstract_state and ADAPTERS not in stored_state

@@ -35,7 +35,14 @@ from titanax.checkpoint import fallback, integrity
 from titanax.checkpoint.disk_full import disk_full, is_disk_full, remove_partial, tree_bytes
 from titanax.checkpoint.fallback import agreed
 from titanax.checkpoint.lora_base import ITEM as LORA_BASE_ITEM
-from titanax.checkpoint.lora_base import LORA_ONLY_ENTRIES, BaseRef, KeepBases
+from titanax.checkpoint.lora_base import (
+    LORA_ONLY_ENTRIES,
+    BaseRef,
+    KeepBases,
+    adapters_start_fresh,
+    base_of_restored,
+    without_base_weights,
+)
 from titanax.checkpoint.migrations import (
     LAYOUT_KEY,
     PARAM_LAYOUT,
@@ -123,12 +130,9 @@ class Checkpointer:
         # unless checksumming is slower than the save interval): `keep` may now collect that
         # step, and must not while it is being read.
         self._join_sealers()
-        items = {"config": ocp.args.JsonSave(config)}
-        if lora_base is not None:
-            state = {k: v for k, v in state.items() if k != "params"}
-            items[LORA_BASE_ITEM] = ocp.args.JsonSave(lora_base.to_json(self.directory))
-            if lora_base.directory == self.directory:
-                self.bases.steps.add(lora_base.step)
+        state, named = without_base_weights(state, lora_base, self.directory, self.bases)
+        items = {"config": ocp.args.JsonSave(config),
+                 **{k: ocp.args.JsonSave(v) for k, v in named.items()}}
         items["state"] = ocp.args.StandardSave(state)
         if data_state is not None:
             items["data"] = ocp.args.JsonSave(data_state)
@@ -179,7 +183,7 @@ class Checkpointer:
             return self._restore_on_base(step, abstract_state, names)
         legacy = self.legacy_params(step)
         # A LoRA run's next saves name this step as their base (it holds the weights).
-        base = BaseRef(self.directory, step) if "lora" in abstract_state else None
+        base = base_of_restored(abstract_state, self.directory, step)
         base_only = self.base_only(step, abstract_state)
         if base_only:
             # A LoRA run starting from a step saved without adapters: its base weights (and
@@ -263,7 +267,7 @@ class Checkpointer:
     def base_only(self, step: int, abstract_state) -> bool:
         """Does abstract_state (a LoRA run's: it has 'lora') meet a step saved without
         adapters, from which it takes the base weights alone?"""
-        return "lora" in abstract_state and "lora" not in self._state_tree(step)
+        return adapters_start_fresh(abstract_state, self._state_tree(step))
 
     def _state_tree(self, step: int) -> dict:
         """The step's stored 'state' tree (orbax metadata: shapes, no arrays read)."""

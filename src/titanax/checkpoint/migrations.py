@@ -57,6 +57,8 @@ def legacy_params(model: ModelConfig, stored_shapes: dict[str, tuple[int, ...]],
     the same shape (and with n_heads == head_dim == d_model both wo layouts)."""
     if layout is not None and layout >= 2:
         return {}
+    # The step's own spec (its config's model.arch), not the run's: the one lookup of the
+    # checkpoint layer, which sits below train/resolved.py.
     candidates = model_spec(model).legacy_transposes(model)
     return {name: perm for name, (perm, current) in candidates.items()
             if stored_shapes.get(name) is not None
@@ -69,13 +71,12 @@ def stored_legacy_params(model: ModelConfig, stored: dict,
     'state' tree (stored_tree), layout its recorded one."""
     params = stored.get("params")
     layers = params.get("layers") if isinstance(params, dict) else None
-    shapes = {}
-    for name in model_spec(model).legacy_transposes(model):
-        leaf = layers.get(name) if isinstance(layers, dict) else None
+    shapes = {}  # every stored stacked parameter's; legacy_params picks its candidates
+    for name, leaf in (layers.items() if isinstance(layers, dict) else ()):
         leaf = leaf.get("value") if isinstance(leaf, dict) else leaf
         if getattr(leaf, "shape", None) is not None:
             shapes[name] = tuple(leaf.shape)
-    return legacy_params(model, shapes, layout) if shapes else {}
+    return legacy_params(model, shapes, layout)
 
 
 def stored_tree(state_dir: pathlib.Path) -> dict:

@@ -35,10 +35,15 @@ from titanax.checkpoint.migrations import legacy_abstract as _legacy_abstract
 from titanax.checkpoint.migrations import to_current_layout as _to_current_layout
 from titanax.config import CheckpointConfig, Config, MeshConfig
 from titanax.models.common.lora import LoRA
-from titanax.models.registry import model_spec
+from titanax.models.spec import ModelSpec
 from titanax.ops.linear import Fp8Meta
 from titanax.parallel.mesh import build_mesh
 from titanax.parallel.rules import model_context
+
+# The model's variables a sampler needs, by type, under their train-state entry names (the
+# checkpoint's on-disk layout, train/state.py): the weights, fp8_delayed's amax histories, a
+# LoRA run's adapters; merged back into one State in this order.
+_SAMPLED = (("params", nnx.Param), ("fp8", Fp8Meta), ("lora", LoRA))
 
 
 class UnreadableCheckpoint(RuntimeError):
@@ -219,17 +224,16 @@ def sampling_mesh(cfg: Config, devices=None) -> jax.sharding.Mesh:
                       used)
 
 
-def abstract_params(cfg: Config, mesh):
+def abstract_params(cfg: Config, mesh, spec: ModelSpec):
     """(graphdef, params as ShapeDtypeStructs sharded on `mesh`): the model's Params as the train
     state holds them (train/state.py), and under fp8_delayed its amax histories (ops.Fp8Meta,
     the train state's statistics) and with lora.rank > 0 its adapters (LoRA) in the same
-    State: nnx.merge(graphdef, params) is the model, adapters included.
-    Allocated nowhere."""
+    State: nnx.merge(graphdef, params) is the model, adapters included. spec: cfg.model's, as
+    the caller resolved it. Allocated nowhere."""
     def init():  # (graphdef, params): a graphdef has no leaves, eval_shape returns it as is
         return nnx.split(
-            model_spec(cfg.model).build(cfg.model, cfg.execution, rngs=nnx.Rngs(params=0),
-                                        lora=cfg.lora),
-            nnx.Any(nnx.Param, Fp8Meta, LoRA))
+            spec.build(cfg.model, cfg.execution, rngs=nnx.Rngs(params=0), lora=cfg.lora),
+            nnx.Any(*(kind for _, kind in _SAMPLED)))
 
     with model_context(mesh):
         graphdef, abstract = jax.eval_shape(init)
@@ -253,9 +257,11 @@ def restore_params(ckpt: Checkpointer, step: int, abstract, *, verify: bool = Fa
     'params') just as well. A LoRA step that names its base (checkpoint/lora_base.py) gives
     its adapters, and the base step's params. verify: the base step's files are checked
     against its manifest too (the step's own are verify_step's, open_checkpoints)."""
-    params, fp8, lora = nnx.split_state(abstract, nnx.Param, Fp8Meta, LoRA)
-    target = {"params": params, **{k: v for k, v in (("fp8", fp8), ("lora", lora))
-                                   if jax.tree.leaves(v)}}
+    groups = nnx.split_state(abstract, *(kind for _, kind in _SAMPLED))
+    # the weights always; the other variables where the model has any
+    target = {name: group for (name, _), group in zip(_SAMPLED, groups, strict=True)
+              if name == "params" or jax.tree.leaves(group)}
+    params = target["params"]
     base = ckpt.lora_base(step)
     if base is not None:
         del target["params"]
@@ -287,4 +293,4 @@ def restore_params(ckpt: Checkpointer, step: int, abstract, *, verify: bool = Fa
         raise unreadable(ckpt, step, "its parameters", e) from e
     if legacy:
         out = _to_current_layout(out, target, legacy)
-    return nnx.merge_state(out["params"], *(out[k] for k in ("fp8", "lora") if k in out))
+    return nnx.merge_state(*(out[name] for name, _ in _SAMPLED if name in out))

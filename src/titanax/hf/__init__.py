@@ -5,6 +5,6 @@ source folder and export writes back), run_config.py (the config an import train
 hub.py (a hub id org/name[@revision] -> a snapshot folder in the hub cache), push.py (an
 exported folder -> a hub repository; docs/hub.md).
 
-Architecture-generic: the tensor table and config.json come from the model's spec
-(`model_spec(cfg.model).hf`, models/*/hf.py). This package sits above train, checkpoint and
+Architecture-generic: the tensor table and config.json come from the model's spec (its `hf`,
+models/*/hf.py), resolved once per import or export (train/resolved.py). This package sits above train, checkpoint and
 generate (it builds train states and reads checkpoints); none of them imports it."""

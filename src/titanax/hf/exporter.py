@@ -30,8 +30,9 @@ from titanax.hf.lora_export import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     AdaptedTensor,
-    adapted_tensors,
     adapter_base,
+    adapter_export,
+    check_mode,
     merged_layer,
     peft_factors,
     peft_names,
@@ -40,8 +41,8 @@ from titanax.hf.lora_export import (
 from titanax.hf.safetensors_io import StreamingWriter, dtype_name
 from titanax.hf.source import merge_config, source_config, source_file
 from titanax.hf.tokenizer import write_tokenizer
-from titanax.models.registry import model_spec
 from titanax.parallel.layer_order import stored_position
+from titanax.train.resolved import Resolved, resolve
 
 EXPORT_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32),
                  "float16": np.dtype(np.float16)}
@@ -106,34 +107,33 @@ def _plan_shards(table, itemsize: int, max_bytes: int) -> list[list]:
     return shards + [current]
 
 
-def _check_params(reader: CheckpointReader, cfg: Config) -> None:
-    stored = reader.params()
-    for t in model_spec(cfg.model).hf.tensor_table(cfg.model):
-        want = t.shape if t.layer is None else (cfg.model.n_layers, *t.shape)
-        if t.expert is not None:  # one expert's slice of a stacked [L, E, ...] parameter
-            want = (cfg.model.n_layers, cfg.model.n_experts, *t.shape)
+def _check_params(reader: CheckpointReader, run: Resolved, table) -> None:
+    """Refuses a step whose parameters the table writes are not stored in the shapes the
+    model of its config has (the spec's param_shapes: stacked [L, ...], an MoE's experts
+    [L, E, ...])."""
+    stored, implied = reader.params(), run.spec.param_shapes(run.cfg.model)
+    for t in table:
+        want = implied.get(t.param)
         got = stored.get(t.param, (None,))[0]
         if got != want:
             raise ValueError(f"checkpoint {reader.state_dir}: parameter {'.'.join(t.param)} has "
                              f"shape {got}, but its config implies {want}")
 
 
-def _refuse_unmapped(reader: CheckpointReader, cfg: Config, table) -> None:
+def _refuse_unmapped(reader: CheckpointReader, run: Resolved, table) -> None:
     """Refuses a checkpoint with self-updated parameters (models/spec.py SelfUpdated: an
     MoE's routing bias, model.router_bias_update_rate > 0) that the HF table has no tensor
     for: they change the model's outputs, so leaving them out must be asked for."""
-    own = model_spec(cfg.model).self_updated(cfg.model)
+    own = run.spec.self_updated(run.cfg.model)
     mapped = {t.param for t in table}
     lost = sorted(".".join(p) for p in reader.params() if own is not None
                   and own.selects(p) and p not in mapped)
     if lost:
-        arch = model_spec(cfg.model).hf.model_type
         raise ValueError(
-            f"{reader.state_dir.parent}: parameters {lost} (model.router_bias_update_rate="
-            f"{cfg.model.router_bias_update_rate}: the routing bias that decides which experts "
-            f"each token uses) have no tensor in Hugging Face's {arch} format, so the exported "
-            "model would route differently from the trained one; export anyway without them "
-            "with --drop-router-bias (drop_unmapped=True)")
+            f"{reader.state_dir.parent}: parameters {lost} ({own.what}) have no tensor in "
+            f"Hugging Face's {run.hf.model_type} format, so the exported model would "
+            f"{own.lost_effect} from the trained one; export anyway without them with "
+            "--drop-router-bias (drop_unmapped=True)")
 
 
 def _write_shards(reader: CheckpointReader, cfg: Config, shards, tmp: pathlib.Path,
@@ -213,17 +213,16 @@ def _write_adapter(reader: CheckpointReader, cfg: Config, adapted: dict, tmp: pa
     return total
 
 
-def _write_configs(cfg: Config, workdir: pathlib.Path, tmp: pathlib.Path, dtype: str):
-    """Tokenizer files, config.json (the architecture's keys over an imported source's, see
-    hf/source.py) and generation_config.json (an imported one as it was); returns the
-    tokenizer's path (None when the run has none)."""
+def _write_configs(cfg: Config, workdir: pathlib.Path, tmp: pathlib.Path, dtype: str, hf):
+    """Tokenizer files, config.json (the architecture's keys (hf: its HF interop) over an
+    imported source's, see hf/source.py) and generation_config.json (an imported one as it
+    was); returns the tokenizer's path (None when the run has none)."""
     from titanax.generate import find_tokenizer
 
     tok_path = find_tokenizer(cfg, workdir)
     bos_id = eos_id = None
     if tok_path is not None:
         bos_id, eos_id = write_tokenizer(tok_path, tmp, cfg.model.max_seq_len)
-    hf = model_spec(cfg.model).hf
     ours = hf.to_config(cfg.model, dtype=dtype, bos_id=bos_id, eos_id=eos_id)
     config = merge_config(ours, source_config(workdir), cfg.model.max_seq_len, hf.source_keeps)
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -256,9 +255,6 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-LORA_EXPORTS = ("merged", "adapter", "base")
 
 
 def export_hf(workdir: str | pathlib.Path, out: str | pathlib.Path, *, step: int | None = None,
@@ -298,21 +294,19 @@ def _export(workdir, out, *, step, dtype, max_shard_bytes, progress, lora, drop_
             verify, base_model_id=None) -> ExportResult:
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"dtype {dtype!r}: choose one of {list(EXPORT_DTYPES)}")
-    if lora not in LORA_EXPORTS:
-        raise ValueError(f"lora {lora!r}: choose one of {list(LORA_EXPORTS)}")
+    check_mode(lora)  # hf/lora_export.py's modes
     out = pathlib.Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists and is not an empty folder; choose a new --out")
     workdir = pathlib.Path(workdir)
     reader = CheckpointReader(workdir / "checkpoints", step, verify=verify)
-    cfg = Config.from_dict(reader.config_dict)
-    if model_spec(cfg.model).hf is None:
-        raise ValueError(f"model.arch={cfg.model.arch!r} has no Hugging Face export")
-    table = model_spec(cfg.model).hf.tensor_table(cfg.model)
+    run = resolve(Config.from_dict(reader.config_dict))  # the export's one lookup of its spec
+    cfg = run.cfg
+    table = run.hf.tensor_table(cfg.model)  # (ValueError: an architecture without export)
     if not drop_unmapped:
-        _refuse_unmapped(reader, cfg, table)
-    adapted = _adapted(reader, cfg, table, lora)
-    _check_params(reader, cfg)
+        _refuse_unmapped(reader, run, table)
+    adapters = adapter_export(reader, cfg, table, lora)
+    _check_params(reader, run, table)
     out_dtype = EXPORT_DTYPES[dtype]
     shards = _plan_shards(table, out_dtype.itemsize, max_shard_bytes)
 
@@ -325,16 +319,16 @@ def _export(workdir, out, *, step, dtype, max_shard_bytes, progress, lora, drop_
         if progress:
             from tqdm import tqdm
 
-            n = len(adapted) if lora == "adapter" else len(table)
-            bar = tqdm(total=n, desc="export", unit="tensor", dynamic_ncols=True)
-        if lora == "adapter":
-            total = _write_adapter(reader, cfg, adapted, tmp, out_dtype,
+            bar = tqdm(total=adapters.tensor_count(table), desc="export", unit="tensor",
+                       dynamic_ncols=True)
+        if adapters.folder:  # a PEFT adapter folder instead of the model
+            total = _write_adapter(reader, cfg, adapters.adapted, tmp, out_dtype,
                                    adapter_base(workdir, base_model_id), bar)
-            tensors, n_shards, tok_path = 2 * len(adapted), 1, None
+            tensors, n_shards, tok_path = 2 * len(adapters.adapted), 1, None
         else:
             total = _write_shards(reader, cfg, shards, tmp, out_dtype, max_shard_bytes, bar,
-                                  adapted if lora == "merged" else None)
-            tok_path = _write_configs(cfg, workdir, tmp, dtype)
+                                  adapters.merged)
+            tok_path = _write_configs(cfg, workdir, tmp, dtype, run.hf)
             tensors, n_shards = len(table), len(shards)
         if bar is not None:
             bar.close()
@@ -348,19 +342,3 @@ def _export(workdir, out, *, step, dtype, max_shard_bytes, progress, lora, drop_
         raise
     return ExportResult(out, reader.step, tensors, n_shards, total, tok_path)
 
-
-def _adapted(reader: CheckpointReader, cfg: Config, table, lora: str) -> dict:
-    """The tensors with LoRA adapters in this step ({} for a run without them); 'adapter' of
-    a run without adapters is refused."""
-    if not cfg.lora.enabled or not reader.adapters():
-        if lora == "adapter":
-            raise ValueError(f"{reader.state_dir.parent} holds no LoRA adapters (lora.rank="
-                             f"{cfg.lora.rank}): export it without --adapter")
-        return {}
-    adapted = adapted_tensors(cfg, table)
-    missing = sorted({".".join(p) for t in adapted.values() for p in (t.a_param, t.b_param)}
-                     - {".".join(p) for p in reader.adapters()})
-    if missing:
-        raise ValueError(f"{reader.state_dir.parent}: adapters {missing} of lora.targets="
-                         f"{cfg.lora.targets!r} are not stored")
-    return adapted

@@ -29,8 +29,9 @@ from titanax.hf.safetensors_io import SafetensorsError, TensorInfo, read_header,
 from titanax.hf.source import keep_source
 from titanax.hf.tokenizer import tokenizer_files, tokenizer_refusal
 from titanax.models.common.hf_interop import HFTensor
-from titanax.models.registry import model_spec, spec_for_hf
+from titanax.models.registry import spec_for_hf
 from titanax.parallel.layer_order import stored_position
+from titanax.train.resolved import Resolved, resolve
 
 __all__ = ["HFImportError", "ImportResult", "import_hf", "plan_import"]
 
@@ -55,8 +56,10 @@ class _Source:  # where one titanax tensor comes from
     info: TensorInfo
 
 
-def _config_problems(hf_dir: pathlib.Path, hf_cfg: dict, cfg: Config) -> list[str]:
-    """config.json against cfg: the architecture its model_type names, then its fields."""
+def _config_problems(hf_dir: pathlib.Path, hf_cfg: dict, run: Resolved) -> list[str]:
+    """config.json against the run's config: the architecture its model_type names, then its
+    fields."""
+    cfg = run.cfg
     where = hf_dir / "config.json"
     try:
         arch = spec_for_hf(hf_cfg.get("model_type")).arch
@@ -66,7 +69,7 @@ def _config_problems(hf_dir: pathlib.Path, hf_cfg: dict, cfg: Config) -> list[st
         return [f"model.arch={cfg.model.arch!r} but config.json's model_type "
                 f"{hf_cfg.get('model_type')!r} is {arch!r} (--set model.arch={arch})"]
     try:
-        return model_spec(cfg.model).hf.mismatches(hf_cfg, cfg.model)
+        return run.hf.mismatches(hf_cfg, cfg.model)
     except (ValueError, KeyError) as e:
         raise HFImportError(f"{where}: {e if isinstance(e, ValueError) else f'no {e}'}") from None
 
@@ -90,20 +93,21 @@ def _fail(hf_dir, problems: list[str], what: str = "does not match the config"):
                         + "\n  ".join(problems[:MAX_REPORTED]) + more)
 
 
-def plan_import(hf_dir: str | pathlib.Path, cfg: Config) -> dict[str, _Source]:
-    """Checks the HF folder against cfg and returns where each tensor comes from; raises
-    HFImportError naming every problem found (up to MAX_REPORTED)."""
-    hf_dir = pathlib.Path(hf_dir)
+def plan_import(hf_dir: str | pathlib.Path, run: Resolved) -> dict[str, _Source]:
+    """Checks the HF folder against the run's config (train/resolved.py) and returns where
+    each tensor comes from; raises HFImportError naming every problem found (up to
+    MAX_REPORTED)."""
+    hf_dir, cfg = pathlib.Path(hf_dir), run.cfg
     names = locate(hf_dir)
     hf_cfg = read_config(hf_dir)
-    if hf_cfg is not None and (problems := _config_problems(hf_dir, hf_cfg, cfg)):
+    if hf_cfg is not None and (problems := _config_problems(hf_dir, hf_cfg, run)):
         raise HFImportError(f"{hf_dir} does not match the config:\n  " + "\n  ".join(problems))
     declared = hf_cfg and (hf_cfg.get("torch_dtype") or hf_cfg.get("dtype"))
     want_dtype = _TORCH_DTYPES.get(declared) if isinstance(declared, str) else None
     problems = []
     headers = _headers(names, problems)
 
-    interop = model_spec(cfg.model).hf
+    interop = run.hf
     table = interop.tensor_table(cfg.model)
     lm_head, embedding = interop.tied_names
     # A tied checkpoint into an untied config: the output layer starts as the embedding.
@@ -185,16 +189,17 @@ def _param_path(keypath) -> tuple[str, ...]:
     return tuple(str(k) for k in keys if k != "value")
 
 
-def _build_params(sources, cfg: Config, mesh, abstract_params, bar, roles):
+def _build_params(sources, cfg: Config, mesh, abstract_params, bar, layout):
     """The sharded params tree, each leaf filled from its HF tensors (a stacked one a layer
-    at a time, so host memory holds one layer)."""
+    at a time, so host memory holds one layer). layout: the state's (train/state.py
+    StateLayout: its spec's tensor table, its role table)."""
     position = stored_position(cfg)  # circular-pipeline runs store layers stage-major
     by_param: dict[tuple[str, ...], list[HFTensor]] = {}
-    for t in model_spec(cfg.model).hf.tensor_table(cfg.model):
+    for t in layout.spec.hf.tensor_table(cfg.model):
         by_param.setdefault(t.param, []).append(t)
     tick = (lambda: bar.update(1)) if bar is not None else (lambda: None)
 
-    own = roles.self_updated  # (train/roles.py's role table)
+    own = layout.roles.self_updated  # (train/roles.py's role table)
 
     def build(keypath, target):
         path = _param_path(keypath)
@@ -225,7 +230,7 @@ def _build_params(sources, cfg: Config, mesh, abstract_params, bar, roles):
     return jax.tree_util.tree_map_with_path(build, abstract_params)
 
 
-def _train_state(sources, cfg: Config, devices, progress: bool):
+def _train_state(sources, run: Resolved, devices, progress: bool):
     """Step 0: the imported params and a freshly initialised optimizer state, sharded."""
     from titanax.parallel.mesh import build_mesh
     from titanax.parallel.rules import model_context
@@ -234,10 +239,10 @@ def _train_state(sources, cfg: Config, devices, progress: bool):
 
     # The imported weights are a base: a run with lora.rank > 0 adds its adapters (and their
     # optimizer state) when it starts from this step (train/state.py with_fresh_adapters).
-    cfg = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, rank=0))
+    cfg = dataclasses.replace(run.cfg, lora=dataclasses.replace(run.cfg.lora, rank=0))
     mesh = build_mesh(cfg.mesh, devices)
-    tx = make_optimizer(cfg)
-    layout = state_layout(cfg, mesh, tx)
+    tx = make_optimizer(cfg, no_decay=run.spec.no_decay)
+    layout = state_layout(cfg, mesh, tx, spec=run.spec)
     abstract, shardings = layout.abstract, layout.shardings
     bar = None
     if progress:
@@ -246,7 +251,7 @@ def _train_state(sources, cfg: Config, devices, progress: bool):
         bar = tqdm(total=len(sources), desc="import", unit="tensor", dynamic_ncols=True)
     try:
         with model_context(mesh):
-            params = _build_params(sources, cfg, mesh, abstract.trained, bar, layout.roles)
+            params = _build_params(sources, cfg, mesh, abstract.trained, bar, layout)
             opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(params)
             state = TrainState(jax.device_put(np.int32(0), shardings.step),
                                {abstract.trained_role: params,
@@ -296,11 +301,12 @@ def _import_locked(hf_dir: pathlib.Path, cfg: Config, workdir: pathlib.Path, dev
     ckpt_dir = workdir / "checkpoints"
     if ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir()):
         raise HFImportError(f"{ckpt_dir} already holds checkpoints; import into a new --workdir")
-    sources = plan_import(hf_dir, cfg)
+    run = resolve(cfg)  # the import's one lookup of the model's spec
+    sources = plan_import(hf_dir, run)
     tok_files = tokenizer_files(hf_dir)
     if (why := tokenizer_refusal(hf_dir)) is not None:
         log(f"warning: {why}")
-    state = _train_state(sources, cfg, devices, progress)
+    state = _train_state(sources, run, devices, progress)
 
     saved_cfg, tok_dir = cfg, None
     if tok_files:

@@ -153,3 +153,55 @@ def adapter_config(cfg: Config, adapted: dict[str, AdaptedTensor],
 
 def write_adapter_config(path: pathlib.Path, cfg: Config, adapted, base) -> None:
     path.write_text(json.dumps(adapter_config(cfg, adapted, base), indent=2) + "\n")
+
+
+# export_hf's `lora`: the weights with the adapters merged in, a PEFT adapter folder instead
+# of the model, or the frozen base alone.
+LORA_EXPORTS = ("merged", "adapter", "base")
+
+
+def check_mode(mode: str) -> None:
+    """Refuses a `lora` export_hf does not know, before anything is read."""
+    if mode not in LORA_EXPORTS:
+        raise ValueError(f"lora {mode!r}: choose one of {list(LORA_EXPORTS)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterExport:
+    """What an export does with a step's adapters: mode (LORA_EXPORTS) and adapted, the HF
+    tensors with an adapter in the step ({} for a step without any)."""
+    mode: str
+    adapted: dict[str, AdaptedTensor]
+
+    @property
+    def folder(self) -> bool:
+        """A PEFT adapter folder is written instead of the model."""
+        return self.mode == "adapter"
+
+    @property
+    def merged(self) -> dict[str, AdaptedTensor] | None:
+        """The tensors the model is written with their adapter merged in (None: every
+        tensor as stored)."""
+        return self.adapted if self.mode == "merged" else None
+
+    def tensor_count(self, table: list[HFTensor]) -> int:
+        """The HF tensors the export writes (its progress bar's total)."""
+        return len(self.adapted) if self.folder else len(table)
+
+
+def adapter_export(reader, cfg: Config, table: list[HFTensor], mode: str) -> AdapterExport:
+    """The export's AdapterExport for the step `reader` reads (checkpoint/reader.py): its
+    adapters when the run has any; 'adapter' of a step without them is refused, as are
+    adapters of lora.targets the step does not store."""
+    if not cfg.lora.enabled or not reader.adapters():
+        if mode == "adapter":
+            raise ValueError(f"{reader.state_dir.parent} holds no LoRA adapters (lora.rank="
+                             f"{cfg.lora.rank}): export it without --adapter")
+        return AdapterExport(mode, {})
+    adapted = adapted_tensors(cfg, table)
+    missing = sorted({".".join(p) for t in adapted.values() for p in (t.a_param, t.b_param)}
+                     - {".".join(p) for p in reader.adapters()})
+    if missing:
+        raise ValueError(f"{reader.state_dir.parent}: adapters {missing} of lora.targets="
+                         f"{cfg.lora.targets!r} are not stored")
+    return AdapterExport(mode, adapted)

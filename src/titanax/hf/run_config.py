@@ -19,12 +19,14 @@ from titanax.config import (
 from titanax.hf.folder import HFImportError, hf_arch, read_config
 
 
-def _derived_model(hf_dir: pathlib.Path, arch: str) -> dict[str, object]:
-    from titanax.models.registry import model_spec
+def _derived_model(hf_dir: pathlib.Path) -> dict[str, object]:
+    """The model.* fields config.json gives (its model_type's architecture reads them)."""
+    from titanax.models.registry import spec_for_hf
 
     hf_cfg = read_config(hf_dir)
     try:
-        derived = {"model.arch": arch, **model_spec(arch).hf.from_config(hf_cfg)}
+        spec = spec_for_hf(hf_cfg.get("model_type"))  # (hf_arch has refused an unknown one)
+        derived = {"model.arch": spec.arch, **spec.hf.from_config(hf_cfg)}
     except (ValueError, KeyError) as e:
         raise HFImportError(f"{hf_dir / 'config.json'}: "
                             f"{e if isinstance(e, ValueError) else f'no {e}'}") from None
@@ -83,7 +85,7 @@ def import_config(hf_dir, config_path=None, overrides=()) -> Config:
                             "--config FILE with the model's dimensions")
     picked = {"model.arch": arch} if arch else {}
     if config_path is None:
-        picked = {**FINETUNE, **_derived_model(hf_dir, arch)}
+        picked = {**FINETUNE, **_derived_model(hf_dir)}
         # Sequences as long as the model takes, up to 8192 (Llama 3's pretraining length).
         longest = user.get("model.max_seq_len", picked.get("model.max_seq_len", 1 << 30))
         try:

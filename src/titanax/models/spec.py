@@ -61,6 +61,10 @@ class SelfUpdated:
     selects: Callable[[tuple[str, ...]], bool]
     # (value, its statistic) -> the new value, both float32 arrays of the parameter's shape
     update: Callable[[Any, Any], Any]
+    # What they are and what a model without them does differently, for messages (an HF
+    # export whose format has no tensor for them: hf/exporter.py).
+    what: str = "parameters the train step sets by a rule of their own"
+    lost_effect: str = "compute differently"
 
 
 def no_self_updated(model: ModelConfig) -> None:
@@ -129,6 +133,24 @@ class ModelSpec:
         if exclude_embedding and not getattr(cfg, "tie_embeddings", False):
             total -= cfg.vocab_size * cfg.d_model
         return total
+
+    def param_shapes(self, cfg: ModelConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
+        """{path like ('layers', 'wq'): shape} of every parameter as a checkpoint of cfg
+        stores it (stacked [L, ...]; an MoE's experts [L, E, ...]), from nnx.eval_shape of
+        build: nothing is allocated, and no caller needs to know the architecture's fields
+        (hf/exporter.py checks a step against it)."""
+        import jax
+        from flax import nnx
+
+        from titanax.parallel.mesh import single_device_mesh
+        from titanax.parallel.rules import model_context
+
+        with model_context(single_device_mesh()):
+            model = nnx.eval_shape(lambda: self.build(cfg, ExecutionConfig(), rngs=nnx.Rngs(0)))
+        leaves = jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))
+        names = lambda path: (str(getattr(k, "key", getattr(k, "name", k))) for k in path)  # noqa: E731
+        return {tuple(n for n in names(path) if n != "value"): tuple(x.shape)
+                for path, x in leaves}
 
     def flops_per_token(self, cfg: ModelConfig, seq_len: int) -> float:
         """FLOPs per token (the architecture's `flops`; FLOP_FORMULA by default) at cfg's

@@ -18,10 +18,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from titanax.config import Config
-from titanax.models.registry import model_spec
 from titanax.parallel.mesh import build_mesh
 from titanax.parallel.rules import batch_input_spec, model_context
 from titanax.train.optim import lr_schedule, make_optimizer
+from titanax.train.resolved import resolve
 from titanax.train.state import create_train_state, jit_train_step
 from titanax.train.throughput import measure_matmul_peak
 
@@ -67,18 +67,20 @@ def _random_batches(cfg: Config, n: int, sharding) -> list[dict]:
 
 
 def _build(cfg: Config, devices, n_batches: int):
-    """The real train step as train/loop.py builds it, its state and random device batches."""
+    """The real train step as train/loop.py builds it, its state and random device batches,
+    and the model's spec (resolved once here)."""
     mesh = build_mesh(cfg.mesh, devices)
-    tx = make_optimizer(cfg)
-    graphdef, state, shardings = create_train_state(cfg, mesh, tx)
-    step_fn = jit_train_step(cfg, mesh, graphdef, shardings, tx, lr_schedule(cfg))
+    spec = resolve(cfg).spec
+    tx = make_optimizer(cfg, no_decay=spec.no_decay)
+    graphdef, state, shardings = create_train_state(cfg, mesh, tx, spec=spec)
+    step_fn = jit_train_step(cfg, mesh, graphdef, shardings, tx, lr_schedule(cfg), spec=spec)
     batch_sharding = NamedSharding(mesh, batch_input_spec())
-    return mesh, step_fn, state, _random_batches(cfg, n_batches, batch_sharding)
+    return mesh, step_fn, state, _random_batches(cfg, n_batches, batch_sharding), spec
 
 
 def compile_seconds(cfg: Config, devices=None) -> tuple[float, object]:
     """(seconds to lower + compile the train step, its memory analysis); nothing runs."""
-    mesh, step_fn, state, batches = _build(cfg, list(devices or jax.devices()), 1)
+    mesh, step_fn, state, batches, _ = _build(cfg, list(devices or jax.devices()), 1)
     with model_context(mesh):
         t0 = time.perf_counter()
         compiled = step_fn.lower(state, batches[0]).compile()
@@ -88,7 +90,7 @@ def compile_seconds(cfg: Config, devices=None) -> tuple[float, object]:
 def bench_train_step(cfg: Config, *, steps: int = 10, warmup: int = 2, devices=None,
                      peak_flops: float | None = None) -> TrainBenchResult:
     devices = list(devices or jax.devices())
-    mesh, step_fn, state, batches = _build(cfg, devices, min(4, steps + warmup))
+    mesh, step_fn, state, batches, spec = _build(cfg, devices, min(4, steps + warmup))
     with model_context(mesh):
         t0 = time.perf_counter()
         compiled = step_fn.lower(state, batches[0]).compile()
@@ -101,9 +103,9 @@ def bench_train_step(cfg: Config, *, steps: int = 10, warmup: int = 2, devices=N
             jax.block_until_ready(metrics)
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
-    n_no_embed = model_spec(cfg.model).count_params(cfg.model, exclude_embedding=True)
+    n_no_embed = spec.count_params(cfg.model, exclude_embedding=True)
     tokens = cfg.train.batch_size * cfg.train.seq_len
-    flops_step = model_spec(cfg.model).flops(cfg.model, cfg.train.seq_len, n_no_embed) * tokens
+    flops_step = spec.flops(cfg.model, cfg.train.seq_len, n_no_embed) * tokens
     if peak_flops is None:
         # The whole machine's matmul peak: simulated CPU devices share the same cores.
         peak_flops = (cfg.train.peak_flops * len(devices) if cfg.train.peak_flops
@@ -111,7 +113,7 @@ def bench_train_step(cfg: Config, *, steps: int = 10, warmup: int = 2, devices=N
     med = statistics.median(times)
     qs = np.percentile(times, [10, 90])
     return TrainBenchResult(
-        config=cfg.to_dict(), devices=len(devices), params=model_spec(cfg.model).count_params(cfg.model),
+        config=cfg.to_dict(), devices=len(devices), params=spec.count_params(cfg.model),
         flops_per_step=flops_step, compile_s=compile_s, step_times_s=times,
         step_median_s=med, step_p10_s=float(qs[0]), step_p90_s=float(qs[1]),
         tokens_per_s=tokens / med, achieved_flops=flops_step / med, peak_flops=peak_flops,

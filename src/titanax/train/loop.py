@@ -24,11 +24,10 @@ import time
 import jax
 from jax.sharding import NamedSharding
 
-from titanax.checkpoint.lora_base import BaseRef
+from titanax.checkpoint.lora_base import FrozenBase
 from titanax.checkpoint.manager import Checkpointer, resolve_restore_source
 from titanax.config import SOURCE_UNSET, Config, ConfigError, format_config
 from titanax.data.pipeline import build_data, check_source_kind, with_epoch_steps
-from titanax.models.registry import model_spec
 from titanax.ops.linear import precision_refusal
 from titanax.parallel.layer_order import reorder_restored
 from titanax.parallel.mesh import build_mesh, check_layout, describe_mesh
@@ -41,6 +40,7 @@ from titanax.train.batches import global_batch, process_rows
 from titanax.train.compilation_cache import compilation_cache
 from titanax.train.optim import horizon_change, lr_schedule, make_optimizer
 from titanax.train.profile_window import ProfileWindow
+from titanax.train.resolved import resolve
 from titanax.train.resume_check import ResumeCheck
 from titanax.train.run_log import (
     Progress,
@@ -50,7 +50,6 @@ from titanax.train.run_log import (
     device_memory,
 )
 from titanax.train.state import (
-    Role,
     init_train_state,
     jit_eval_step,
     jit_train_step,
@@ -154,9 +153,9 @@ class Trainer:
             cfg, line = with_epoch_steps(cfg, workdir)
             self.log(line)
         self.cfg = cfg
-        self.spec = model_spec(cfg.model)  # looked up once: the state and the log use it
+        self.spec = resolve(cfg).spec  # once: the state, step, optimizer and log take it
         self.batch_sharding = NamedSharding(self.mesh, batch_input_spec())
-        self.tx, self.schedule = make_optimizer(cfg), lr_schedule(cfg)
+        self.tx, self.schedule = make_optimizer(cfg, no_decay=self.spec.no_decay), lr_schedule(cfg)
         self.ckpt = Checkpointer(workdir / "checkpoints", cfg.checkpoint)
         # The model is checked against the checkpoint it resumes before anything in the
         # workdir changes: a refused run leaves config.json, the tokenizer and the metrics as
@@ -193,8 +192,8 @@ class Trainer:
                 self.train_iter.set_state(data_state)
             if self.is_main:  # step 0 is evaluated again by a run that starts there
                 M.drop_metrics_from(workdir, self.start_step + 1 if self.start_step else 0)
-            self.step_fn = jit_train_step(cfg, self.mesh, self.graphdef, self.shardings,
-                                          self.tx, self.schedule, roles=self.roles)
+            self.step_fn = jit_train_step(cfg, self.mesh, self.graphdef, self.shardings, self.tx,
+                                          self.schedule, spec=self.spec, roles=self.roles)
             self.eval_fn = jit_eval_step(cfg, self.mesh, self.graphdef, self.shardings)
         except BaseException:  # the loggers' runs (W&B, MLflow) end with the command
             self.writer.close()
@@ -249,13 +248,13 @@ class Trainer:
         self.graphdef, self.shardings, self.roles = layout.graphdef, layout.shardings, layout.roles
         # The checkpoint manager reads and writes the state's on-disk layout (a dict).
         restored, source = self._find_checkpoint(layout.abstract.to_saved())
-        self.lora_base = None  # where a LoRA run's frozen base is stored (checkpoint/lora_base.py)
+        # Where the run's frozen weights (a LoRA run's base) are stored: its saves name them.
+        self.frozen_base = FrozenBase(kept=self.roles.keeps_frozen_base)
         if restored is None:
             self.start_step = 0
             self.state = init_train_state(cfg, self.mesh, self.tx, layout)
             return {}, None, ""
-        trains_adapters = self.roles.trains is Role.ADAPTER
-        self.lora_base = restored.lora_base if trains_adapters else None
+        self.frozen_base.restored(restored.lora_base)
         self.saved_config = restored.config
         saved = Config.from_dict(restored.config)
         self.state = restored_state(restored.state, self.roles, self.shardings,
@@ -400,10 +399,8 @@ class Trainer:
         self.bad_steps.flush()  # the counters saved must include this step
         self.ckpt.save(step, self.state.to_saved(), data_state=self.train_iter.get_state(),
                        config=self.cfg.to_dict(), run_state=self.bad_steps.state(),
-                       lora_base=self.lora_base)
-        if self.roles.trains is Role.ADAPTER and self.lora_base is None:
-            # A LoRA run begun from its seed: this first step holds the base, the next name it.
-            self.lora_base = BaseRef(self.ckpt.directory, step)
+                       lora_base=self.frozen_base.ref)
+        self.frozen_base.saved(self.ckpt.directory, step)
 
     def _result(self, step: int, preempted: bool, watch: PreemptionWatch) -> RunResult:
         skipped = self.bad_steps.total

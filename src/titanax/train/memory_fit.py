@@ -19,6 +19,7 @@ from titanax import xla_flags
 from titanax.config import Config, ConfigError
 from titanax.parallel.rules import batch_input_spec, model_context
 from titanax.train.optim import lr_schedule, make_optimizer
+from titanax.train.resolved import resolve
 from titanax.train.state import abstract_train_state, jit_train_step
 
 
@@ -65,9 +66,10 @@ def lower_train_step(cfg: Config, mesh):
     compile, so the loop runs the executable the check compiled (no second compile). Call it
     outside the mesh context: abstract_train_state sets its own, and train.offload_* need
     optax's eager tx.init to run outside it."""
-    tx = make_optimizer(cfg)
-    graphdef, abstract_state, shardings = abstract_train_state(cfg, mesh, tx)
-    step = jit_train_step(cfg, mesh, graphdef, shardings, tx, lr_schedule(cfg))
+    spec = resolve(cfg).spec
+    tx = make_optimizer(cfg, no_decay=spec.no_decay)
+    graphdef, abstract_state, shardings = abstract_train_state(cfg, mesh, tx, spec=spec)
+    step = jit_train_step(cfg, mesh, graphdef, shardings, tx, lr_schedule(cfg), spec=spec)
     sharding = NamedSharding(mesh, batch_input_spec())
     shape = (cfg.train.batch_size, cfg.train.seq_len)
     batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)

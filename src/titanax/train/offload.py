@@ -51,6 +51,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from titanax.config import Config
+from titanax.models.spec import no_decay_norms
 from titanax.train.optim import clip_leaf, elementwise_update
 
 HOST = "pinned_host"  # memory kind of offloaded leaves between steps
@@ -185,15 +186,16 @@ def _inner_state(cfg: Config, inner, opt_state, params):
     return inner_state
 
 
-def streamed_update(cfg: Config, tx, grads, opt_state, params, grad_norm, finite):
+def streamed_update(cfg: Config, tx, grads, opt_state, params, grad_norm, finite, *,
+                    no_decay=no_decay_norms):
     """(new params, new opt_state), as train_step computes them without offload:
         updates, new_state = tx.update(grads, opt_state, params)
         new = optax.apply_updates(params, updates)
         both kept at their old values where not `finite`
     with the stacked layers' leaves streamed a layer at a time. grad_norm: the global norm of
     grads; finite: a scalar bool. (fp8_delayed's histories are not parameters: the train step
-    writes them, train/step.py.)"""
-    inner = elementwise_update(cfg)
+    writes them, train/step.py.) no_decay: the model spec's rule, as make_optimizer's."""
+    inner = elementwise_update(cfg, no_decay)
     inner_state = _inner_state(cfg, inner, opt_state, params)
     clip = _clip_fn(cfg.optim.clip_norm, grad_norm)
     keep = lambda new, old: jnp.where(finite, new, old)

@@ -18,7 +18,6 @@ import jax.numpy as jnp
 import optax
 
 from titanax.config import Config, OptimConfig
-from titanax.models.registry import model_spec
 from titanax.models.spec import no_decay_norms
 
 
@@ -175,16 +174,18 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
-def elementwise_update(cfg: Config) -> optax.GradientTransformation:
+def elementwise_update(cfg: Config, no_decay=no_decay_norms) -> optax.GradientTransformation:
     """The rule without the clipping, chain(rule): its state is make_optimizer's last entry."""
-    return optax.chain(update_rule(cfg).transform(cfg.optim, lr_schedule(cfg),
-                                                  model_spec(cfg.model).no_decay))
+    return optax.chain(update_rule(cfg).transform(cfg.optim, lr_schedule(cfg), no_decay))
 
 
-def make_optimizer(cfg: Config) -> optax.GradientTransformation:
+def make_optimizer(cfg: Config, *, no_decay: Callable[[tuple[str, ...]], bool] = no_decay_norms
+                   ) -> optax.GradientTransformation:
     """chain([clip_by_global_norm,] rule): the state is (EmptyState(), rule state) or, with
-    optim.clip_norm = 0, (rule state,) (checkpoints hold optax's own pytrees)."""
+    optim.clip_norm = 0, (rule state,) (checkpoints hold optax's own pytrees). no_decay: the
+    model spec's rule (ModelSpec.no_decay, passed by the entry that resolved it,
+    train/resolved.py); by default the spec's default, norm scales undecayed."""
     o = cfg.optim
     clip = [clip_by_global_norm(o.clip_norm)] if o.clip_norm > 0 else []
-    rule = update_rule(cfg).transform(o, lr_schedule(cfg), model_spec(cfg.model).no_decay)
+    rule = update_rule(cfg).transform(o, lr_schedule(cfg), no_decay)
     return optax.chain(*clip, rule)

@@ -41,6 +41,8 @@ REL_TOL = 1e-2
 # The train fields that decide which tokens a step sees (the rest: how long, how often to log).
 _BATCH_FIELDS = ("batch_size", "seq_len", "seed")
 _EXECUTION_FIELDS = ("dtype", "matmul_precision")
+# The sections whose every field does (the data, the optimizer, the adapters trained).
+_WHOLE_SECTIONS = ("data", "optim", "lora")
 
 
 class ResumeDiverged(TrainingDiverged):
@@ -64,9 +66,7 @@ def _rows(path: pathlib.Path) -> list[tuple[int, str, dict]]:
 def _comparable(saved: dict, now: dict) -> bool:
     """Would the rows the saved run logged after its checkpoint be logged again, bitwise or to
     rounding, by the config `now`? (saved, now: Config.to_dict() of each)"""
-    if saved.get("data") != now.get("data") or saved.get("optim") != now.get("optim"):
-        return False
-    if saved.get("lora") != now.get("lora"):
+    if any(saved.get(section) != now.get(section) for section in _WHOLE_SECTIONS):
         return False
     for section, fields in (("train", _BATCH_FIELDS), ("execution", _EXECUTION_FIELDS)):
         a, b = saved.get(section) or {}, now.get(section) or {}

@@ -33,12 +33,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from titanax.config import Config
-from titanax.models.registry import model_spec
 from titanax.models.spec import ModelSpec
 from titanax.parallel.layer_order import to_storage_order
 from titanax.parallel.mesh import check_layout
 from titanax.parallel.rules import batch_input_spec, model_context
 from titanax.train import offload
+from titanax.train.resolved import resolve
 from titanax.train.roles import OPTIMIZED, Role, Roles, roles_for
 
 # The checkpoint's on-disk layout: each role's entry name (the weights are 'params' whether
@@ -208,9 +208,10 @@ def state_layout(cfg: Config, mesh, tx, *, spec: ModelSpec | None = None) -> Sta
     """The state's layout without allocating anything: one jax.eval_shape of the init. Checks
     the model and batch against the mesh first (ConfigError naming the fix). The leaves that
     train.offload_* put in host memory have memory_kind 'pinned_host' (so the state is
-    created there, and checkpoints restore there)."""
+    created there, and checkpoints restore there). spec: cfg.model's, as the entry resolved
+    it (train/resolved.py); resolved here for a caller that holds only the config."""
     check_layout(cfg, mesh)
-    spec = spec or model_spec(cfg.model)
+    spec = spec or resolve(cfg).spec
     roles = roles_for(cfg, spec)
     with model_context(mesh):
         graphdef, abstract = jax.eval_shape(_make_init(cfg, tx, mesh, roles, spec))
@@ -222,9 +223,9 @@ def state_layout(cfg: Config, mesh, tx, *, spec: ModelSpec | None = None) -> Sta
     return StateLayout(graphdef, abstract, shardings, roles, spec)
 
 
-def abstract_train_state(cfg: Config, mesh, tx):
+def abstract_train_state(cfg: Config, mesh, tx, *, spec: ModelSpec | None = None):
     """(graphdef, abstract state with shardings, shardings): state_layout's."""
-    return tuple(state_layout(cfg, mesh, tx))
+    return tuple(state_layout(cfg, mesh, tx, spec=spec))
 
 
 def init_train_state(cfg: Config, mesh, tx, layout: StateLayout) -> TrainState:
@@ -234,10 +235,10 @@ def init_train_state(cfg: Config, mesh, tx, layout: StateLayout) -> TrainState:
         return jax.jit(lambda: init()[1], out_shardings=layout.shardings)()
 
 
-def create_train_state(cfg: Config, mesh, tx):
+def create_train_state(cfg: Config, mesh, tx, *, spec: ModelSpec | None = None):
     """(graphdef, state, shardings) on device: a TrainState (module docstring for the roles)
     and its shardings."""
-    layout = state_layout(cfg, mesh, tx)
+    layout = state_layout(cfg, mesh, tx, spec=spec)
     return layout.graphdef, init_train_state(cfg, mesh, tx, layout), layout.shardings
 
 
@@ -269,13 +270,13 @@ def restored_state(saved: Mapping, roles: Roles, shardings: TrainState, reorder)
 
 
 def jit_train_step(cfg: Config, mesh, graphdef, shardings, tx, schedule, *,
-                   roles: Roles | None = None):
+                   spec: ModelSpec | None = None, roles: Roles | None = None):
     """The train step jitted as the loop runs it: state and batch sharded, state donated.
-    roles: the run's table (state_layout's; looked up when not given)."""
+    spec, roles: the run's (state_layout's), as make_train_step takes them."""
     from titanax.train.step import make_train_step
 
     batch_sharding = NamedSharding(mesh, batch_input_spec())
-    return jax.jit(make_train_step(cfg, graphdef, tx, schedule, roles=roles),
+    return jax.jit(make_train_step(cfg, graphdef, tx, schedule, spec=spec, roles=roles),
                    in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None),
                    donate_argnums=(0,))
 

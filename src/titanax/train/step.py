@@ -10,12 +10,13 @@ from flax import nnx
 from pallas_kernels.target import target_platform
 from titanax import ops
 from titanax.config import Config, ConfigError
-from titanax.models import accumulate, model_spec
-from titanax.models.common.lora import DROPOUT_KEYS, dropout_token_keys
-from titanax.models.spec import PROBE
+from titanax.models import accumulate
+from titanax.models.common.lora import DROPOUT_KEYS
+from titanax.models.spec import PROBE, ModelSpec
 from titanax.parallel.collective_matmul import use_collective_matmul
 from titanax.parallel.pipeline import PipelineSchedule, pipeline_stages
 from titanax.train import offload, self_updated
+from titanax.train.resolved import resolve
 from titanax.train.roles import Role, Roles, roles_for
 
 
@@ -33,7 +34,8 @@ def nll_sum(graphdef, variables, batch, *, document_masking: bool, loss_chunk: i
     first, *rest = variables
     model = nnx.merge(graphdef, first, *(rest or [nnx.State({})]))
     segment_ids = batch["segment_ids"] if document_masking else None
-    dropout = {"lora_dropout_keys": batch[DROPOUT_KEYS]} if DROPOUT_KEYS in batch else {}
+    # (the batch entry is named as loss_sum's keyword: passed through when present)
+    dropout = {k: v for k, v in batch.items() if k == DROPOUT_KEYS}
     total = model.loss_sum(batch["inputs"], batch["targets"], batch["positions"], segment_ids,
                            pipeline=pipeline, loss_chunk=loss_chunk, **dropout)
     if aux_losses is None:
@@ -47,7 +49,7 @@ def step_loss_tokens(targets):
     return jnp.maximum(ops.loss_tokens(targets), 1.0)
 
 
-def make_loss_fn(cfg: Config, graphdef, *, with_metrics: bool = False):
+def make_loss_fn(cfg: Config, graphdef, spec: ModelSpec, *, with_metrics: bool = False):
     """mean_loss(params, batch, fp8=None, tokens=None, fixed=()): the scalar the train step
     differentiates, with respect to params (the trained role's variables) and fp8 (the
     statistics, whose "gradient" is their updated value; None: the model has none):
@@ -61,10 +63,10 @@ def make_loss_fn(cfg: Config, graphdef, *, with_metrics: bool = False):
     the model needs, held constant (a LoRA run's frozen base, whose adapters are params).
     with_metrics: mean_loss returns (scalar, {'aux/<name>': value}) instead, the
     architecture's auxiliary loss terms and logged values (an MoE's routing statistics),
-    each already weighted by the microbatch's token share ({} for a dense model)."""
+    each already weighted by the microbatch's token share ({} for a dense model). spec:
+    cfg.model's (train/resolved.py), whose aux_losses and aux_metrics hooks these are."""
     masking, chunk = cfg.data.masks_documents, cfg.train.loss_chunk
     pipeline = PipelineSchedule.from_config(cfg.pipeline)
-    spec = model_spec(cfg.model)
 
     def mean_loss(params, batch, fp8=None, tokens=None, fixed=()):
         variables = (*fixed, params, *(() if fp8 is None else (fp8,)))
@@ -157,19 +159,21 @@ def _grads(cfg: Config, loss_fn, params, fp8, batch):
 
 
 def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation, schedule, *,
-                    roles: Roles | None = None):
+                    spec: ModelSpec | None = None, roles: Roles | None = None):
     """train_step(state, batch) -> (new state, metrics) on a TrainState (train/state.py): the
     loss differentiated with respect to the role the run trains (its weights, or with
     lora.rank > 0 its adapters, the weights then a frozen constant), the optimizer's update
     of those alone, the statistics set by their rules (fp8_delayed's histories by the VJP, an
-    MoE's routing bias by the spec's self_updated rule). roles: the run's table
-    (train/roles.py roles_for; looked up when not given)."""
+    MoE's routing bias by the spec's self_updated rule). spec: cfg.model's, as the entry
+    resolved it (train/resolved.py; resolved here for a caller that holds only the config);
+    roles: the run's table (train/roles.py roles_for; made from cfg and spec when not given)."""
     if cfg.train.grad_accum_auto:  # a number by now: titanax.plan.fit chooses it
         raise ConfigError("train.grad_accum=auto must be resolved before the step is built "
                           "(launch.train's memory check does it)")
     offload_update = offload.enabled(cfg)
-    loss_fn = make_loss_fn(cfg, graphdef, with_metrics=True)
-    roles = roles or roles_for(cfg)
+    spec = spec or resolve(cfg).spec
+    loss_fn = make_loss_fn(cfg, graphdef, spec, with_metrics=True)
+    roles = roles or roles_for(cfg, spec)
     trains, own = roles.trains, roles.self_updated
 
     def train_step(state, batch):  # a train/state.py TrainState
@@ -180,11 +184,7 @@ def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation, sch
         fixed = tuple(v for r, v in state.variables.items() if r not in (trains, Role.STATISTIC))
         step_loss = (lambda p, b, f=None, t=None: loss_fn(p, b, f, t, fixed=fixed)) \
             if fixed else loss_fn
-        if cfg.lora.enabled and cfg.lora.dropout > 0:
-            # Adapter dropout: each token's key from train.seed and the step (a resumed run
-            # draws the masks an uninterrupted one does), split into microbatches with it.
-            B, S = batch["inputs"].shape
-            batch = {**batch, DROPOUT_KEYS: dropout_token_keys(cfg.train.seed, state.step, B, S)}
+        batch = roles.step_inputs(batch, state.step)  # (LoRA's adapter dropout keys)
         loss, grads, new_fp8, logged = _grads(cfg, step_loss, params, fp8, batch)
         # An MoE's routing bias: its "gradient" is the step's loads, not the optimizer's.
         raw_grads = grads
@@ -205,7 +205,8 @@ def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation, sch
             # Host-resident moments / layer weights: the same update, streamed one layer at a
             # time through the device (train/offload.py), the guard folded in.
             new_params, new_opt_state = offload.streamed_update(
-                cfg, tx, grads, state.opt_state, params, grad_norm, finite)
+                cfg, tx, grads, state.opt_state, params, grad_norm, finite,
+                no_decay=spec.no_decay)
             new_fp8 = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_fp8, fp8)
         else:
             updates, opt_state = tx.update(grads, state.opt_state, params)

@@ -49,4 +49,7 @@ def moe_self_updated(cfg) -> SelfUpdated | None:
     if rate <= 0:
         return None
     return SelfUpdated(selects=lambda path: path[-1:] == (BIAS,),
-                       update=lambda bias, load: updated_bias(bias, load, rate))
+                       update=lambda bias, load: updated_bias(bias, load, rate),
+                       what=f"model.router_bias_update_rate={rate}: the routing bias that "
+                            "decides which experts each token uses",
+                       lost_effect="route differently")

@@ -22,11 +22,11 @@ from pallas_kernels.fp8.api import resolve_impl as fp8_resolve_impl
 from pallas_kernels.fp8.backends import RECIPES_TABLE
 from pallas_kernels.target import compute_capability
 from titanax.config import load_config
-from titanax.models.registry import model_spec
 from titanax.perf.gpu_check.context import attention_key, fp8_key
 from titanax.perf.gpu_check.device import our_attention_impl
 from titanax.perf.gpu_check.generation import recipe_refusal
 from titanax.perf.train_bench import bench_train_step
+from titanax.train.resolved import resolve
 from titanax.train.throughput import FLOP_FORMULA, flops_per_token, peak_flops_per_device
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[4] / "configs"
@@ -46,10 +46,11 @@ DRY = {"model.d_model": 64, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv
        "execution.attention_impl": "xla"}
 
 
-def layers_that_fit(model, bytes_limit: float) -> tuple[int, dict]:
+def layers_that_fit(model, bytes_limit: float, spec) -> tuple[int, dict]:
     """Decoder layers (1..MAX_LAYERS) whose train state fits next to the embedding and output
-    layer: (limit - 16 B x (non-layer params) - reserve) / (16 B x params per layer)."""
-    count = model_spec(model).count_params
+    layer: (limit - 16 B x (non-layer params) - reserve) / (16 B x params per layer). spec:
+    the model's (train/resolved.py)."""
+    count = spec.count_params
     one = count(dataclasses.replace(model, n_layers=1))
     per_layer = count(dataclasses.replace(model, n_layers=2)) - one
     fixed = one - per_layer
@@ -70,7 +71,7 @@ def _config(ctx, overrides: dict, precision: str, attention: str):
                         "execution.attention_impl": attention})
 
 
-def _one(ctx, overrides: dict, precision: str, attention: str, peak: float) -> dict:
+def _one(ctx, spec, overrides: dict, precision: str, attention: str, peak: float) -> dict:
     gc.collect()  # the previous recipe's train state (tens of GB) must be gone first
     cfg = _config(ctx, overrides, precision, attention)
     steps, warmup = (2, 1) if ctx.dry_run else (3, 1)
@@ -78,7 +79,7 @@ def _one(ctx, overrides: dict, precision: str, attention: str, peak: float) -> d
                          peak_flops=peak)
     m, t = cfg.model, cfg.train
     row = {**r.row(), "flops_per_token": flops_per_token(
-        m, t.seq_len, model_spec(m).count_params(m, exclude_embedding=True)),
+        m, t.seq_len, spec.count_params(m, exclude_embedding=True)),
         "tflops_per_s": r.achieved_flops / 1e12}
     if precision != "default":
         mode = RECIPES_TABLE[precision].scaling
@@ -109,13 +110,15 @@ def train_plan(ours: str, dry: bool) -> list[tuple[str, str]]:
 
 def train_section(ctx) -> None:
     dev = jax.devices()[0]
+    # every row's model is the config file's architecture (layers aside): resolved once
+    spec = resolve(_config(ctx, {}, "default", "xla")).spec
     if ctx.dry_run:
         overrides, attention = dict(DRY), "xla"
     else:
         attention = our_attention_impl()
         base = load_config(CONFIGS / "llama3_70b.py", GPU).model
         limit = (dev.memory_stats() or {}).get("bytes_limit") or 80e9
-        n, why = layers_that_fit(base, limit)
+        n, why = layers_that_fit(base, limit, spec)
         overrides = {**GPU, "model.n_layers": n}
         ctx.note(layer_choice=why)
     # The README's peak: train.peak_flops, else the datasheet, else (CPU) a matmul probe, once.
@@ -135,7 +138,7 @@ def train_section(ctx) -> None:
         uses = (attention_key(attn, False),) + (
             (fp8_key("xla", RECIPES_TABLE[precision].scaling),)
             if precision != "default" else ())
-        row = ctx.run_item(label, lambda: _one(ctx, overrides, precision, attn, peak),
+        row = ctx.run_item(label, lambda: _one(ctx, spec, overrides, precision, attn, peak),
                            estimate_s=90.0, group="train", uses=uses)
         if _is_oom(row) and overrides["model.n_layers"] > 1:
             # The estimate was optimistic: one layer fewer for this and every later recipe.
@@ -144,5 +147,5 @@ def train_section(ctx) -> None:
             overrides["model.n_layers"] -= 1
             ctx.note(overrides=overrides, oom_retry=label)
             label = {**label, "n_layers": overrides["model.n_layers"]}
-            ctx.run_item(label, lambda: _one(ctx, overrides, precision, attn, peak),
+            ctx.run_item(label, lambda: _one(ctx, spec, overrides, precision, attn, peak),
                          estimate_s=90.0, group="train", uses=uses)
