@@ -128,6 +128,16 @@ class ModelConfig(metaclass=_TakesOldExecutionFields):
              f"model's experts, and model.arch={self.arch!r} has none; set mesh.expert=1 "
              "(use mesh.data or mesh.fsdp for more data parallelism)")
 
+    def splits_experts(self, expert: int) -> bool:
+        """Whether mesh.expert = expert splits this model's experts: a dense decoder has
+        none to split, so only 1 (plan/search.py tries the degrees this takes)."""
+        return expert == 1
+
+    def tp_overlap_refusal(self) -> str | None:
+        """Why execution.tp_overlap cannot run on this architecture whatever the layout, or
+        None: a dense decoder's projections all have a collective matmul."""
+        return None
+
     def plain_accumulation_reason(self) -> str | None:
         """Why this architecture's microbatch gradients are summed the plain way rather than
         in place (config.grad_accum_in_place_unsupported), or None: a dense decoder's layers

@@ -58,8 +58,14 @@ class MoEModelConfig(ModelConfig):
             fail("lora.rank", f"{cfg.lora.rank}: LoRA adapters on {arch} are not "
                  "implemented yet; set lora.rank=0")
         if cfg.execution.tp_overlap:
-            fail("execution.tp_overlap", f"the experts of {arch} have no collective matmul; "
-                 "set execution.tp_overlap=false")
+            fail("execution.tp_overlap", self.tp_overlap_refusal())
+
+    def splits_experts(self, expert: int) -> bool:
+        return self.n_experts % expert == 0
+
+    def tp_overlap_refusal(self) -> str | None:
+        return (f"the experts of model.arch={self.arch!r} (mixture of experts) have no "
+                "collective matmul; set execution.tp_overlap=false")
 
     def check_expert_degree(self, expert: int) -> None:
         """Each expert rank holds n_experts / mesh.expert experts (-1: not resolved yet)."""
