@@ -132,7 +132,7 @@ def test_1f1b_activations_do_not_grow_with_microbatches_in_the_model():
 def test_flops_per_token_is_the_readme_formula():
     cfg = _70b()
     plan = make_plan(cfg, Cluster("h100", 8), compile_step=False)
-    n_no_embed = param_counts(cfg.model)[1]
+    n_no_embed = param_counts(cfg)[1]
     want = throughput.flops_per_token(cfg.model, cfg.train.seq_len, n_no_embed)
     assert plan["flops_per_token"] == want
     assert plan["flops_per_token"] == pytest.approx(4.81e11, rel=0.005)  # DESIGN.md's number
@@ -150,7 +150,7 @@ def test_pipeline_bubble_and_hand_computed_communication():
     assert layout.inner == {"pipeline": 1, "data": 1, "fsdp": 4, "expert": 1, "context": 1, "tensor": 2}
     est = estimate(cfg, cluster, layout)
     assert est.bubble == pytest.approx((2 - 1) / (8 + 2 - 1))
-    n_params = param_counts(cfg.model)[0]
+    n_params = param_counts(cfg)[0]
     # FSDP: forward and backward all-gathers and a gradient reduce-scatter of the bf16 weights
     # of this tensor x pipeline shard, each moving 3/4 of them
     fsdp = est.comm["fsdp"]

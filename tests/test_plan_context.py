@@ -44,8 +44,8 @@ def _estimate(cluster, *overrides, eff=EFFICIENCIES):
 
 def test_context_2_halves_activations_and_shards_state_over_fsdp_x_context():
     cfg = _70b("train.batch_size=8")
-    one, _ = memory_per_device(cfg, _deg(fsdp=4), N_70B)
-    two, _ = memory_per_device(cfg, _deg(fsdp=4, context=2), N_70B)
+    one, _ = memory_per_device(cfg, _deg(fsdp=4))
+    two, _ = memory_per_device(cfg, _deg(fsdp=4, context=2))
     # the same rows per device, half of each sequence
     assert two["saved_activations"] == pytest.approx(one["saved_activations"] / 2)
     assert two["saved_activations"] == pytest.approx(80 * 2 * 4096 * 8192 * 2)
@@ -57,10 +57,10 @@ def test_context_2_halves_activations_and_shards_state_over_fsdp_x_context():
 
 
 def test_params_divide_by_fsdp_x_context():
-    m = _70b().model
-    assert param_split(m, N_70B, _deg(fsdp=4, context=2)) == \
-        param_split(m, N_70B, _deg(fsdp=8))
-    split = param_split(m, N_70B, _deg(fsdp=2, context=4, tensor=2, pipeline=2))
+    cfg = _70b()
+    assert param_counts(cfg)[0] == N_70B
+    assert param_split(cfg, _deg(fsdp=4, context=2)) == param_split(cfg, _deg(fsdp=8))
+    split = param_split(cfg, _deg(fsdp=2, context=4, tensor=2, pipeline=2))
     other = 2 * 128256 * 8192 + 8192  # embedding, output layer, final norm: every stage
     assert split.layers == pytest.approx((N_70B - other) / (2 * 4 * 2 * 2))
     assert split.other == pytest.approx(other / (2 * 4 * 2))
@@ -73,7 +73,7 @@ def test_context_kv_buffers_per_strategy():
     for strategy, want in (("ring", 2 * 2 * block * (2 + 4)),
                            ("all_gather", 2 * 8 * block * (2 + 4))):
         cfg = _70b(*LONG, "train.batch_size=8", f"execution.context_strategy={strategy}")
-        mem, _ = memory_per_device(cfg, _deg(fsdp=8, context=8), N_70B)
+        mem, _ = memory_per_device(cfg, _deg(fsdp=8, context=8))
         assert mem["context_kv"] == pytest.approx(want)
 
 
@@ -125,7 +125,7 @@ def test_fsdp_runs_over_the_fsdp_x_context_group():
     assert layout.inner["context"] == 8 and layout.outer["fsdp"] == 8
     c = est.comm["fsdp"]
     assert c.degree == 64 and c.over == ("fsdp", "context")
-    n = param_counts(cfg.model)[0]
+    n = param_counts(cfg)[0]
     assert c.bytes_per_step == pytest.approx(63 / 64 * n * (2 + 2 + 2))
     # one ring through 64 GPUs: 8 per node, each on its own rail
     assert c.link == "infiniband"

@@ -15,9 +15,10 @@ from titanax.parallel.mesh import build_mesh
 from titanax.plan import Cluster, make_plan
 from titanax.plan.cluster import layout_for, plan_config
 from titanax.plan.cost_model import estimate
-from titanax.plan.lora import adapter_param_count, adapter_params
+from titanax.plan.lora import projection_widths
 from titanax.plan.report import format_plan
 from titanax.plan.search import candidates
+from titanax.plan.state_shape import plan_state
 from titanax.train.optim import make_optimizer
 from titanax.train.state import abstract_train_state
 
@@ -56,12 +57,17 @@ def test_adapter_count_and_share_equal_the_built_adapters(over, devices8):
     mesh = build_mesh(cfg.mesh, devices8)
     _, state, shardings = abstract_train_state(cfg, mesh, make_optimizer(cfg))
     built = sum(math.prod(x.shape) for x in jax.tree.leaves(state.adapters))
-    assert adapter_param_count(cfg.model, cfg.lora) == built
-    assert built == cfg.model.n_layers * adapter_params(cfg.model, cfg.lora).per_layer
+    # the planner's adapters (read from its abstract state by role) against the train
+    # state's, and against rank x (in + out) per adapted projection and layer by hand
+    adapters = plan_state(cfg).training.adapters
+    widths = projection_widths(cfg.model)
+    by_hand = sum(cfg.lora.rank * sum(widths[w]) for w in cfg.lora.weights)
+    assert plan_state(cfg).training.adapter_params == built == cfg.model.n_layers * by_hand
+    assert built == cfg.model.n_layers * adapters.per_layer
     # what one device holds: each factor sharded by its own axes (parallel/rules.py)
     deg = dict(mesh.shape)
     on_device = _elements_per_device(state.adapters, shardings.adapters)
-    assert adapter_params(cfg.model, cfg.lora).per_device(deg) == on_device
+    assert adapters.per_device(deg) == on_device
     # the optimizer's state: AdamW's two float32 moments per adapter element, nothing else
     # of any size (the memory model's adapter_optimizer)
     moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim]

@@ -64,7 +64,7 @@ def test_state_per_device_equals_the_built_model_shards(over, n, devices8):
     mesh = build_mesh(cfg.mesh, devices8[:n])
     _, state, shardings = abstract_train_state(cfg, mesh, make_optimizer(cfg))
     deg = dict(mesh.shape)
-    split = param_split(cfg.model, param_counts(cfg.model)[0], deg)
+    split = param_split(cfg, deg)
     on_device = _elements_per_device(state.weights, shardings.weights)
     assert split.total == on_device == _by_hand(deg["expert"], deg["fsdp"], deg["tensor"])
     layers = _elements_per_device(state.weights["layers"], shardings.weights["layers"])
@@ -87,7 +87,7 @@ def test_memory_rows_by_hand_expert2_fsdp2():
     assert mem["optimizer"] == 8 * per_device
     assert mem["gradients"] == 4 * per_device
     # (a uniform split of all 27,072 parameters over fsdp would hold 13,536 on the device)
-    assert param_counts(cfg.model)[0] / 2 == 13_536
+    assert param_counts(cfg)[0] / 2 == 13_536
     # the rows split over expert x data x fsdp: 16 x 16 tokens over 8 devices, 32 a device;
     # full remat keeps each layer's [32, D] input in bf16
     full = _estimate(_moe(**{"mesh.expert": 2, "mesh.fsdp": 2, "mesh.data": 2,
@@ -96,7 +96,7 @@ def test_memory_rows_by_hand_expert2_fsdp2():
 
 
 def test_moe_transient_is_near_the_compiled_peak():
-    """The MoE layer's transient (plan/moe.layer_transient_bytes) against what XLA compiled
+    """The MoE layer's transient (models/common/moe_plan.py layer_transient_bytes) against what XLA compiled
     for a 2-layer Qwen3-30B-A3B step on 1 x 8 H100 at grad_accum 1 (`python -m launch.plan
     --config configs/qwen3_30b_a3b.py --gpu h100 --nodes 1 --set model.n_layers=2 --buffers
     40`, deviceless: temporaries 92.0 GB, six [2,097,152, 2048] bf16 buffers of dispatched

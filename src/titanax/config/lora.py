@@ -56,3 +56,32 @@ class LoraConfig:
         """The block weights with adapters, in the block's order (wq .. w_down)."""
         chosen = {LORA_TARGETS[t.strip()] for t in self.targets.split(",")} if self.rank else ()
         return tuple(w for w in LORA_TARGETS.values() if w in chosen)
+
+    # --- What the run-wide checks (config/rules.py) ask of this section.
+    def check_run(self, cfg) -> None:
+        """What LoRA (rank > 0) cannot run with yet, one line each (cfg: the Config)."""
+        if not self.enabled:
+            return
+        for name in ("offload_params", "offload_optimizer"):
+            if getattr(cfg.train, name):
+                # The streamed update (train/offload.py) walks the base weights' layers; the
+                # adapters and their moments are small enough to need no offload at all.
+                fail(f"train.{name}", f"does not run with lora.rank={self.rank} yet: the "
+                     "host-offloaded update streams the base weights, which LoRA never "
+                     f"updates; set train.{name}=false (the adapters' state is small)")
+
+    def check_pipeline_schedule(self, schedule: str) -> None:
+        """A pipelined run's schedule (mesh.pipeline > 1)."""
+        if self.enabled and schedule == "1f1b":
+            fail("pipeline.schedule", "1f1b computes every layer weight's gradient inside its "
+                 "own backward schedule, so with lora.rank > 0 it would compute (and drop) the "
+                 "frozen base's; use pipeline.schedule=gpipe or circular")
+
+    def plain_accumulation_reason(self) -> str | None:
+        """Why the microbatch gradients are summed the plain way (rules.py
+        grad_accum_in_place_unsupported), or None."""
+        if self.enabled:
+            # The in-place sum rides on the base weights' layer scan; LoRA differentiates only
+            # the adapters, whose plain sum is a small carry.
+            return "lora.rank > 0: only the adapters get gradients, summed the plain way"
+        return None

@@ -114,6 +114,36 @@ class ModelConfig(metaclass=_TakesOldExecutionFields):
                 fail("model.rope_high_freq_factor", "must be larger than "
                      "model.rope_low_freq_factor")
 
+    # --- What the run-wide checks (config/rules.py) ask of an architecture, a dense decoder's
+    # answers here; a subclass (config/moe.py MoEModelConfig) overrides those it differs in,
+    # so the checks name no architecture class.
+    def check_run(self, cfg) -> None:
+        """Refuse (config.errors.fail) the whole-run settings cfg (a Config) this architecture
+        cannot train with yet: a dense decoder takes them all."""
+
+    def check_expert_degree(self, expert: int) -> None:
+        """Refuse mesh.expert = expert (> 1, or -1: not resolved yet): expert parallelism
+        splits experts, and a dense decoder has none."""
+        fail("mesh.expert", f"{expert}: expert parallelism splits a mixture-of-experts "
+             f"model's experts, and model.arch={self.arch!r} has none; set mesh.expert=1 "
+             "(use mesh.data or mesh.fsdp for more data parallelism)")
+
+    def splits_experts(self, expert: int) -> bool:
+        """Whether mesh.expert = expert splits this model's experts: a dense decoder has
+        none to split, so only 1 (plan/search.py tries the degrees this takes)."""
+        return expert == 1
+
+    def tp_overlap_refusal(self) -> str | None:
+        """Why execution.tp_overlap cannot run on this architecture whatever the layout, or
+        None: a dense decoder's projections all have a collective matmul."""
+        return None
+
+    def plain_accumulation_reason(self) -> str | None:
+        """Why this architecture's microbatch gradients are summed the plain way rather than
+        in place (config.grad_accum_in_place_unsupported), or None: a dense decoder's layers
+        return nothing but their output, so the in-place scan takes them."""
+        return None
+
 
 
 @dataclass(frozen=True)

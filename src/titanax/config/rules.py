@@ -23,7 +23,6 @@ from titanax.config.model import (
     model_field_names,
     old_execution_values,
 )
-from titanax.config.moe import MoEModelConfig
 from titanax.config.optim import OptimConfig
 from titanax.config.parallel import MeshConfig, PipelineConfig
 from titanax.config.train import TrainConfig
@@ -82,8 +81,10 @@ class Config:
                      f"execution.remat=full or full_offload (got {self.execution.remat!r}): the "
                      "gradients are summed in place only under those; or set "
                      "train.grad_accum=1")
-        _check_lora(self)
-        _check_moe(self)
+        # Each section refuses what it cannot run with yet (config/lora.py, and the model
+        # section's class: config/moe.py for a mixture of experts).
+        self.lora.check_run(self)
+        self.model.check_run(self)
         check_parallel_layout(self, self.mesh.degrees())
 
     def to_dict(self) -> dict:
@@ -177,17 +178,14 @@ def check_parallel_layout(cfg: Config, degrees: dict[str, int]) -> None:
         if cfg.pipeline.schedule == "circular" and micro < pp:
             fail("pipeline.microbatches", f"the circular schedule needs at least as many "
                  f"microbatches as stages (mesh.pipeline={pp}), got {micro}")
-        if cfg.pipeline.schedule == "1f1b" and cfg.lora.enabled:
-            fail("pipeline.schedule", "1f1b computes every layer weight's gradient inside its "
-                 "own backward schedule, so with lora.rank > 0 it would compute (and drop) the "
-                 "frozen base's; use pipeline.schedule=gpipe or circular")
+        cfg.lora.check_pipeline_schedule(cfg.pipeline.schedule)
         if cfg.pipeline.schedule == "1f1b" and cfg.execution.matmul_precision == "fp8_delayed":
             fail("pipeline.schedule", "1f1b computes gradients inside its schedule, where "
                  "fp8_delayed's amax histories (carried as gradients) cannot pass; use "
                  "execution.matmul_precision=fp8_tensorwise or pipeline.schedule=gpipe")
     expert = degrees.get("expert", 1)
     if expert != 1:
-        _check_expert(cfg, expert)
+        cfg.model.check_expert_degree(expert)
     if degrees["data"] > 0 and degrees["fsdp"] > 0 and expert > 0:
         ways = degrees["data"] * degrees["fsdp"] * expert
         micro = cfg.pipeline.microbatches if pp > 1 else 1
@@ -197,50 +195,6 @@ def check_parallel_layout(cfg: Config, degrees: dict[str, int]) -> None:
                  f"{rows} (grad_accum={cfg.train.grad_accum}, pipeline microbatches={micro}) "
                  f"do not split over mesh data x fsdp{' x expert' if expert > 1 else ''} = "
                  f"{ways}; make each microbatch a multiple of {ways}")
-
-
-def _check_expert(cfg: Config, expert: int) -> None:
-    """mesh.expert > 1 (or -1) needs experts to split."""
-    if not isinstance(cfg.model, MoEModelConfig):
-        fail("mesh.expert", f"{expert}: expert parallelism splits a mixture-of-experts "
-             f"model's experts, and model.arch={cfg.model.arch!r} has none; set mesh.expert=1 "
-             "(use mesh.data or mesh.fsdp for more data parallelism)")
-    if expert > 0 and cfg.model.n_experts % expert:
-        fail("mesh.expert", f"{expert} does not divide model.n_experts={cfg.model.n_experts}; "
-             "choose a divisor (each expert rank holds n_experts / mesh.expert experts)")
-
-
-def _check_lora(cfg: Config) -> None:
-    """What LoRA (lora.rank > 0) cannot run with yet, one line each."""
-    if not cfg.lora.enabled:
-        return
-    for name in ("offload_params", "offload_optimizer"):
-        if getattr(cfg.train, name):
-            # The streamed update (train/offload.py) walks the base weights' layers; the
-            # adapters and their moments are small enough to need no offload at all.
-            fail(f"train.{name}", f"does not run with lora.rank={cfg.lora.rank} yet: the "
-                 "host-offloaded update streams the base weights, which LoRA never updates; "
-                 f"set train.{name}=false (the adapters' state is small)")
-
-
-def _check_moe(cfg: Config) -> None:
-    """What a mixture-of-experts model (config/moe.py) cannot run with yet, one line each."""
-    if not isinstance(cfg.model, MoEModelConfig):
-        return
-    arch = f"model.arch={cfg.model.arch!r} (mixture of experts)"
-    if cfg.mesh.pipeline != 1 and cfg.pipeline.schedule == "1f1b":
-        fail("pipeline.schedule", f"'1f1b' with {arch} is not implemented yet (its backward "
-             "runs inside the tick loop, where the routing sums' loss is not formed yet); use "
-             "pipeline.schedule=gpipe or circular")
-    if cfg.execution.matmul_precision not in ("default", "highest"):
-        fail("execution.matmul_precision", f"{cfg.execution.matmul_precision!r}: the experts' "
-             f"grouped GEMMs of {arch} have no FP8 recipe yet; use default or highest")
-    if cfg.lora.enabled:
-        fail("lora.rank", f"{cfg.lora.rank}: LoRA adapters on {arch} are not implemented "
-             "yet; set lora.rank=0")
-    if cfg.execution.tp_overlap:
-        fail("execution.tp_overlap", f"the experts of {arch} have no collective matmul; set "
-             "execution.tp_overlap=false")
 
 
 def grad_accum_in_place_unsupported(cfg: Config) -> str | None:
@@ -256,14 +210,9 @@ def grad_accum_in_place_unsupported(cfg: Config) -> str | None:
                 "from its input, which is execution.remat='full' (or 'full_offload')")
     if cfg.mesh.pipeline > 1:
         return "pipeline parallelism: the stages run their own backward schedule"
-    if cfg.lora.enabled:
-        # The in-place sum rides on the base weights' layer scan; LoRA differentiates only the
-        # adapters, whose plain sum is a small carry.
-        return "lora.rank > 0: only the adapters get gradients, summed the plain way"
-    if isinstance(cfg.model, MoEModelConfig):
-        # The in-place scan carries no routing sums (models/accumulate.py); the plain sum does.
-        return "a mixture-of-experts model: its layers return routing sums, summed the plain way"
-    return None
+    # the sections whose variables the in-place scan cannot carry (config/lora.py, and the
+    # model section's class: config/moe.py)
+    return cfg.lora.plain_accumulation_reason() or cfg.model.plain_accumulation_reason()
 
 
 def tp_overlap_unsupported(cfg: Config, degrees: dict[str, int]) -> str | None:

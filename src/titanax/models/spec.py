@@ -3,7 +3,7 @@ models/ (its spec.py), registered by name in titanax/archs.py and chosen by `mod
 
 State creation, the train loop, sampling, HF import/export, the planner and the FLOP formula
 ask the spec; none of them imports a model class. Hooks (flops, activation_elems, aux_losses,
-no_decay, legacy_transposes, self_updated) default to what a dense decoder needs; an
+no_decay, legacy_transposes, self_updated, planner) default to what a dense decoder needs; an
 architecture overrides the ones it differs in."""
 
 from __future__ import annotations
@@ -73,6 +73,44 @@ def no_self_updated(model: ModelConfig) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
+class PlannerTerms:
+    """What the planner (plan/) asks of an architecture beyond its parameters' shapes, which
+    it reads from the abstract state: a dense decoder's answers here; a mixture of experts'
+    in models/common/moe_plan.py. `cfg` is the run's Config, `shape` plan/step_shape.StepShape
+    (deg: mesh degrees, tokens_pipe_micro: a device's tokens of one (accumulation, pipeline)
+    microbatch, act_bytes: the compute dtype's width); models/ imports no plan module."""
+    # Every decoder-layer parameter splits over the same mesh axes (fsdp x context, tensor,
+    # pipeline), so the planner splits their count uniformly (exact but for the norm scales,
+    # about 1e-5 of it); False: leaf by leaf as parallel/rules.py splits each
+    # (plan/param_layout.py).
+    params_split_alike: bool = True
+
+    def active_params(self, cfg, n_no_embed: int) -> int:
+        """The parameters (without the input embedding) a token runs through: all of them."""
+        return n_no_embed
+
+    def ffn_elementwise_values(self, cfg) -> float:
+        """Values per token and layer one forward of the feed-forward moves besides its
+        GEMMs: SwiGLU on 3 ffn_dim."""
+        return 3 * cfg.model.ffn_dim
+
+    def dispatch(self, cfg, shape):
+        """The layer's exchange of tokens between devices (an object with ep, buffer_bytes,
+        ids_bytes, sent_share, all_to_alls(recomputes) and to_json()), or None: none."""
+        return None
+
+    def layer_transient_bytes(self, cfg, shape, one_layer: float) -> float | None:
+        """One layer's backward transient per device (one_layer: one layer's parameters as
+        the FSDP group gathers them); None: the planner's dense decoder formula
+        (plan/memory_model.py)."""
+        return None
+
+    def plan_json(self) -> dict:
+        """Entries plan.json adds beside the numbers (what the model leaves out)."""
+        return {}
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelSpec:
     arch: str  # the model.arch value
     # The model section's class (a frozen ModelConfig subclass in the folder's config.py, which
@@ -115,6 +153,8 @@ class ModelSpec:
     # self_updated(cfg) -> a SelfUpdated (parameters updated from a statistic, not by the
     # optimizer) or None.
     self_updated: Callable[[ModelConfig], SelfUpdated | None] = no_self_updated
+    # the planner's architecture terms (PlannerTerms above)
+    planner: PlannerTerms = PlannerTerms()
 
     def count_params(self, cfg: ModelConfig, *, exclude_embedding: bool = False) -> int:
         """Exact parameter count from nnx.eval_shape: nothing is allocated. FP8 scaling state is

@@ -64,16 +64,17 @@ _ALIASES = ("get-tuple-element", "bitcast", "tuple", "while", "conditional", "ca
 
 def expected_flops(cfg, n_devices: int) -> dict:
     """The matmul FLOPs one device must execute per step (the module docstring's formula)."""
-    from titanax.models.registry import model_spec
-    from titanax.plan.lora import adapter_param_count
+    from titanax.plan.state_shape import plan_state
 
     m, s = cfg.model, cfg.train.seq_len
+    state = plan_state(cfg)
     width = m.n_heads * m.resolved_head_dim
-    n = model_spec(m).count_params(m, exclude_embedding=True)
+    n = state.n_no_embed
     n_layers = n - m.vocab_size * m.d_model     # all but the output layer (and the embedding)
     a = 2.0 * m.n_layers * width * s            # attention forward at its causal half
-    n_a = adapter_param_count(m, cfg.lora)      # 0 without LoRA
-    grads = 2.0 if cfg.lora.enabled else 4.0    # the base's backward: dx (and dW unless LoRA)
+    n_a = state.training.adapter_params         # 0 without LoRA
+    # the base's backward: dx, and dW for the share of its weight gradients computed (LoRA: 0)
+    grads = 2.0 + 2.0 * state.training.weight_gradients
     recompute = {"full": 2.0 * (n_layers + n_a) + a, "full_offload": 2.0 * (n_layers + n_a) + a,
                  "dots": a, "dots_no_batch": a}.get(cfg.execution.remat, 0.0)
     p, mb = cfg.mesh.pipeline, cfg.pipeline.microbatches

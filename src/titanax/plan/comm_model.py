@@ -10,17 +10,18 @@ A collective over a group of axes (FSDP over fsdp x context) runs one ring over 
 devices: it crosses domains when any of them does, with the group's GPUs inside a domain each
 on its own rail. Plus a fixed latency per collective call.
 
-LoRA (lora.rank > 0): FSDP still gathers the frozen base for every forward and backward, but
-only the adapters have gradients to reduce: their d_model-side factors are sharded over
-fsdp x context (reduce-scattered), their other side is whole on each FSDP rank (all-reduced);
-plan/lora.py.
+What the run trains says which gradients the FSDP group and the data-parallel all-reduce move
+(plan/training.py; under LoRA, plan/lora.py: FSDP still gathers the frozen base for every
+forward and backward, but only the adapters have gradients to reduce: their d_model-side
+factors are sharded over fsdp x context (reduce-scattered), their other side is whole on each
+FSDP rank (all-reduced)).
 
-Mixture of experts (docs/moe.md, Planner): FSDP gathers and reduces each parameter at its size
-over the other mesh axes (the experts' weights split over 'expert' as well: plan/param_layout.py);
-the data-parallel all-reduce sums each gradient over the batch axes the parameter is whole
-over, 'expert' too for all but the experts' weights; 'expert' carries the dispatch's
-all-to-alls (expert_comm, plan/moe.py), on the critical path, over NVLink or InfiniBand as any
-ring over the axis.
+The weights' layout says what FSDP gathers and over which batch axes each gradient is summed
+(plan/param_layout.py; a mixture of experts', docs/moe.md, Planner: each parameter at its size
+over the other mesh axes, the experts' weights split over 'expert' as well, and summed over
+the batch axes the parameter is whole over, 'expert' too for all but the experts' weights);
+'expert' carries the architecture's dispatch all-to-alls (expert_comm, plan/moe.py), on the
+critical path, over NVLink or InfiniBand as any ring over the axis.
 """
 
 from __future__ import annotations
@@ -32,11 +33,11 @@ from titanax.config import Config, ModelConfig, tp_overlap_unsupported
 from titanax.plan.cluster import Cluster, Layout
 from titanax.plan.compute_model import attention_passes, attention_seconds
 from titanax.plan.efficiencies import Efficiencies
-from titanax.plan.lora import adapter_params
-from titanax.plan.memory_model import param_shards, param_split
-from titanax.plan.moe import EXPERT_AXIS, all_to_all_bytes, is_moe
-from titanax.plan.param_layout import fsdp_gathered, fsdp_group_axes, grads_by_replica_group
-from titanax.plan.step_shape import StepShape, activation_axes
+from titanax.plan.memory_model import param_split
+from titanax.plan.moe import EXPERT_AXIS, all_to_all_bytes
+from titanax.plan.param_layout import param_shards
+from titanax.plan.state_shape import plan_state
+from titanax.plan.step_shape import StepShape
 
 # The sequence-parallel collectives on 'tensor' of one layer, per pass. The row-parallel side
 # (after wo and w_down, and dx of the column matmuls in the backward) reduces; XLA does that as
@@ -118,22 +119,19 @@ def _grad_bytes(cfg: Config, shape: StepShape) -> int:
     return 4 if cfg.execution.grad_reduce_dtype == "float32" else shape.act_bytes
 
 
-def fsdp_comm(cfg: Config, shape: StepShape, n_params: int, net: Network) -> AxisComm | None:
+def fsdp_comm(cfg: Config, shape: StepShape, net: Network) -> AxisComm | None:
     # All-gather the bf16 weights for the forward and again for the backward, and
     # reduce-scatter the gradients, once per grad-accumulation microbatch, over the group
     # the parameters are sharded over: fsdp x context.
     deg, accum, act_bytes = shape.deg, shape.accum, shape.act_bytes
-    shards, tp, pp = param_shards(deg), deg["tensor"], deg["pipeline"]
-    fsdp_group_params = (fsdp_gathered(cfg.model, deg) if is_moe(cfg)
-                         else n_params / (tp * pp))
+    shards, pp = param_shards(deg), deg["pipeline"]
+    state = plan_state(cfg)
+    fsdp_group_params = state.layout.fsdp_gathered(deg)
     share = (shards - 1) / shards
     gathered = share * fsdp_group_params * 2 * act_bytes  # forward and backward all-gathers
-    if cfg.lora.enabled:  # the base gathered; the adapters' gradients reduced (docstring)
-        embed_side, other_side = adapter_params(cfg.model, cfg.lora) \
-            .sides_over_tensor_pipeline(deg)
-        nbytes = gathered + share * (embed_side + 2 * other_side) * _grad_bytes(cfg, shape)
-    else:
-        nbytes = gathered + share * fsdp_group_params * _grad_bytes(cfg, shape)
+    # the gradients of what the run trains (LoRA: the adapters', module docstring)
+    grads = state.training.fsdp_gradient_elems(deg, fsdp_group_params)
+    nbytes = gathered + share * grads * _grad_bytes(cfg, shape)
     ring = net.ring("fsdp", accum * nbytes, 3 * accum * (cfg.model.n_layers // pp + 2),
                     overlapped=True, over=("fsdp", "context") if shape.context > 1 else ())
     if ring is not None and not cfg.execution.loop_double_buffering:
@@ -146,24 +144,13 @@ def fsdp_comm(cfg: Config, shape: StepShape, n_params: int, net: Network) -> Axi
     return ring
 
 
-def data_comm(cfg: Config, shape: StepShape, n_params: int, net: Network) -> AxisComm | None:
-    # All-reduce of the gradients of this device's shard, per microbatch (LoRA: the adapters').
-    deg, accum = shape.deg, shape.accum
-    if is_moe(cfg):
-        return _moe_data_comm(cfg, shape, net)
-    dp = deg["data"]
-    local_params = (adapter_params(cfg.model, cfg.lora).per_device(deg) if cfg.lora.enabled
-                    else param_split(cfg.model, n_params, deg).total)
-    return net.ring("data", accum * 2 * (dp - 1) / dp * local_params * _grad_bytes(cfg, shape),
-                    accum * (cfg.model.n_layers // deg["pipeline"] + 2), overlapped=True)
-
-
-def _moe_data_comm(cfg: Config, shape: StepShape, net: Network) -> AxisComm | None:
-    """data_comm of a mixture of experts: each gradient all-reduced over the batch axes
-    beside the FSDP group's that its parameter is whole over (the experts' weights over data,
-    the rest over expert x data), one ring per such group, reported as one row."""
-    replicas = tuple(a for a in activation_axes("batch") if a not in fsdp_group_axes())
-    groups = grads_by_replica_group(cfg.model, shape.deg, replicas)
+def data_comm(cfg: Config, shape: StepShape, net: Network) -> AxisComm | None:
+    """The gradients' all-reduce per microbatch over the batch axes beside the FSDP group's
+    each is whole over (a dense model's, and LoRA's adapters: 'data'; a mixture of experts'
+    also 'expert' for all but the experts' weights), one ring per such group, reported as one
+    row."""
+    state = plan_state(cfg)
+    groups = state.training.gradient_groups(shape.deg, state.layout)
     calls = shape.accum * (cfg.model.n_layers // shape.deg["pipeline"] + 2)
     rings = []
     for axes, elems in groups.items():
@@ -338,16 +325,15 @@ def context_comm(cfg: Config, shape: StepShape, net: Network) -> AxisComm | None
                     hidden_s=hidden)
 
 
-def axis_comms(cfg: Config, shape: StepShape, n_params: int, net: Network
-               ) -> dict[str, AxisComm]:
+def axis_comms(cfg: Config, shape: StepShape, net: Network) -> dict[str, AxisComm]:
     """{axis: its traffic} for every mesh axis of degree above 1."""
-    comms = (fsdp_comm(cfg, shape, n_params, net), data_comm(cfg, shape, n_params, net),
+    comms = (fsdp_comm(cfg, shape, net), data_comm(cfg, shape, net),
              tensor_comm(cfg, shape, net), pipeline_comm(cfg, shape, net),
              context_comm(cfg, shape, net), expert_comm(cfg, shape, net))
     return {c.axis: c for c in comms if c is not None}
 
 
-def host_link_seconds(cfg: Config, shape: StepShape, n_params: int,
+def host_link_seconds(cfg: Config, shape: StepShape,
                       host_memory: dict[str, float], cluster: Cluster, eff: Efficiencies
                       ) -> tuple[float, float]:
     """(seconds hidden under the layers' compute, seconds exposed after the backward) of the
@@ -355,7 +341,7 @@ def host_link_seconds(cfg: Config, shape: StepShape, n_params: int,
     duplex."""
     m, t = cfg.model, cfg.train
     host_bw = cluster.hardware.host_bandwidth * eff.host
-    split = param_split(m, n_params, shape.deg)
+    split = param_split(cfg, shape.deg)
     pbytes = 4 if m.param_dtype == "float32" else 2
     hidden = 0.0
     if cfg.execution.remat == "full_offload":  # layer inputs out in the forward, back in the backward

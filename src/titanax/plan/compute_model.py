@@ -5,16 +5,20 @@ Context parallelism changes no total: a device holds S/context tokens of its row
 attention (S/context queries against the keys before them, in load-balanced chunks from both
 ends of the sequence) is 1/context of the rows' causal attention, the same on every device.
 
-LoRA (lora.rank > 0) differentiates the adapters alone: the backward computes the activations'
-gradients through the frozen base but no base weight gradient, so the base's matmuls run one
-forward's worth fewer (4 N instead of 6 N per token without remat; the output layer's too),
-while the adapters' own matmuls (2 x their parameters per token and forward) run every pass.
-Those are rank-r products, far below the GEMM roofline: they are counted as HBM traffic (each
-adapter reads its input and adds to its output per pass, in elementwise_seconds), not at GEMM
-rate. MFU stays the model's 6 N + 12 L d S (docs/planner.md).
+What the run trains says how many of the base's weight gradients the backward computes
+(plan/training.py weight_gradients). LoRA differentiates the adapters alone: the backward
+computes the activations' gradients through the frozen base but no base weight gradient, so
+the base's matmuls run one forward's worth fewer (4 N instead of 6 N per token without remat;
+the output layer's too), while the adapters' own matmuls (2 x their parameters per token and
+forward) run every pass. Those are rank-r products, far below the GEMM roofline: they are
+counted as HBM traffic (each adapter reads its input and adds to its output per pass,
+elementwise_seconds; plan/lora.py), not at GEMM rate. MFU stays the model's 6 N + 12 L d S
+(docs/planner.md).
 
-A mixture of experts computes its active parameters (the K experts a token is routed to, as
-ModelSpec.flops counts them), at the dense GEMM efficiency with the routing balanced."""
+The architecture says which parameters a token runs through and what its feed-forward moves
+besides its GEMMs (models/spec.py PlannerTerms): a mixture of experts the K experts a token is
+routed to (as ModelSpec.flops counts them), at the dense GEMM efficiency with the routing
+balanced, and its dispatch's copies."""
 
 from __future__ import annotations
 
@@ -23,8 +27,7 @@ from titanax.config import Config
 from titanax.plan.cluster import Cluster
 from titanax.plan.documents import attention_share
 from titanax.plan.efficiencies import Efficiencies
-from titanax.plan.lora import adapter_params, projection_widths
-from titanax.plan.moe import active_layer_params, elementwise_values_per_token
+from titanax.plan.state_shape import plan_state
 from titanax.plan.step_shape import StepShape, batch_ways
 
 # Forward passes (in units of one forward) each remat policy runs per step: the backward is
@@ -56,9 +59,10 @@ def gemm_seconds(cfg: Config, shape: StepShape, cluster: Cluster, n_no_embed: in
     # The decoder layers' matmuls run the policy's forwards' worth (one forward: 2 FLOPs per
     # parameter and token); the output layer is not rematerialised: 3 forwards' worth. LoRA
     # computes no weight gradient for either: one forward's worth less (module docstring).
-    frozen = 1.0 if cfg.lora.enabled else 0.0
-    # (A mixture of experts: the experts a token is routed to, plan/moe.py.)
-    active = active_layer_params(cfg, n_no_embed)
+    state = plan_state(cfg)
+    frozen = 1.0 - state.training.weight_gradients
+    # (A mixture of experts: the experts a token is routed to, models/common/moe_plan.py.)
+    active = state.terms.active_params(cfg, n_no_embed)
     layer_flops = 2.0 * (active - d * V) * tokens * (_gemm_passes(cfg, shape) - frozen)
     output_flops = 2.0 * (3.0 - frozen) * d * V * tokens
     # The output layer and loss run once per microbatch, spread over the pipeline stages
@@ -94,32 +98,10 @@ def elementwise_seconds(cfg: Config, shape: StepShape, cluster: Cluster,
     m, hw, deg = cfg.model, cluster.hardware, shape.deg
     # Elementwise traffic per token and layer, one forward: two RMSNorms, RoPE on q and k,
     # SwiGLU and two residual adds read/write ~ 12 d + 3 f values (an MoE: SwiGLU per routed
-    # expert and the dispatch's copies, plan/moe.py).
-    fwd_bytes = ((12 * m.d_model + elementwise_values_per_token(cfg) + lora_values_per_token(cfg))
+    # expert and the dispatch's copies, models/common/moe_plan.py), and any adapters' traffic.
+    state = plan_state(cfg)
+    fwd_bytes = ((12 * m.d_model + state.terms.ffn_elementwise_values(cfg)
+                  + state.training.adapter_values_per_token(cfg))
                  * shape.act_bytes * m.n_layers * shape.tokens
                  / (batch_ways(deg) * shape.context * deg["tensor"] * deg["pipeline"]))
     return fwd_bytes * _gemm_passes(cfg, shape) / (hw.hbm_bandwidth * eff.hbm)
-
-
-def lora_values_per_token(cfg: Config) -> float:
-    """Values per token and layer the adapters move in one forward (0 without LoRA): each reads
-    its projection's input (x A: a rank-r product, bound by reading x) and adds its r-wide
-    (x A) B into the projection's output (read and written)."""
-    if not cfg.lora.enabled:
-        return 0.0
-    widths = projection_widths(cfg.model)
-    return sum(widths[w][0] + 2 * widths[w][1] for w in cfg.lora.weights)
-
-
-LORA_FLOP_FORMULA = ("LoRA step FLOPs/token = 4*N + 6*N_adapters + 12*L*d*S (no base weight "
-                     "gradients; remat not counted)")
-
-
-def lora_flops_per_token(cfg: Config, n_no_embed: int) -> float:
-    """What a LoRA step computes per token without remat (the audit's and the plan's 'the
-    step's own FLOPs'): the base's forward and activation gradients (4 N), every adapter
-    trained (6 x its parameters), attention as the model formula counts it (12 L d S)."""
-    m = cfg.model
-    width = m.n_heads * m.resolved_head_dim
-    return (4.0 * n_no_embed + 6.0 * adapter_params(m, cfg.lora).total
-            + 12.0 * m.n_layers * width * cfg.train.seq_len)

@@ -22,32 +22,27 @@ in XLA's GPU schedule and overlap the layers' compute; tensor-parallel collectiv
 dependent matmuls and are exposed, but for the share the GEMM steps beside them hide when
 execution.tp_overlap runs them as a collective matmul (comm_model.tensor_comm).
 
-LoRA (lora.rank > 0, docs/lora.md): each model counts what the LoRA step does (the frozen base
-without gradients or optimizer state, no base weight gradients computed or reduced, the update
-over the adapters alone). flops_per_token and mfu stay the model's formula (6 N + 12 L d S),
-the figure launch.train logs; `lora_flops_per_token` is what the step itself computes
-(compute_model.lora_flops_per_token) and `lora_mfu` the utilisation by it.
+Counts come from the abstract state (plan/state_shape.py), and each model counts what the
+run trains (plan/training.py; LoRA, docs/lora.md: the frozen base without gradients or
+optimizer state, no base weight gradients computed or reduced, the update over the adapters
+alone). flops_per_token and mfu stay the model's formula (6 N + 12 L d S), the figure
+launch.train logs; `lora_flops_per_token` is what a LoRA step itself computes
+(plan/lora.py AdapterTraining.step_flops_per_token; 0 without) and `lora_mfu` the
+utilisation by it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
-from titanax.config import Config, ModelConfig
-from titanax.models.registry import model_spec
+from titanax.config import Config
 from titanax.plan.cluster import Cluster, Layout
 from titanax.plan.comm_model import AxisComm, Network, axis_comms, host_link_seconds
-from titanax.plan.compute_model import (
-    attention_seconds,
-    elementwise_seconds,
-    gemm_seconds,
-    lora_flops_per_token,
-)
+from titanax.plan.compute_model import attention_seconds, elementwise_seconds, gemm_seconds
 from titanax.plan.documents import mean_document_tokens
 from titanax.plan.efficiencies import EFFICIENCIES, Efficiencies
-from titanax.plan.lora import adapter_params
 from titanax.plan.memory_model import memory_per_device, param_split
+from titanax.plan.state_shape import plan_state
 from titanax.plan.step_shape import StepShape
 
 
@@ -75,11 +70,11 @@ class Estimate:
     lora_mfu: float = 0.0  # LoRA: the utilisation by lora_flops_per_token
 
 
-@functools.lru_cache(maxsize=16)
-def param_counts(model: ModelConfig) -> tuple[int, int]:
-    """(all parameters, parameters without the input embedding), exact, from eval_shape."""
-    spec = model_spec(model)
-    return spec.count_params(model), spec.count_params(model, exclude_embedding=True)
+def param_counts(cfg: Config) -> tuple[int, int]:
+    """(all parameters, parameters without the input embedding), exact, from the abstract
+    state."""
+    state = plan_state(cfg)
+    return state.n_params, state.n_no_embed
 
 
 def estimate(cfg: Config, cluster: Cluster, layout: Layout,
@@ -94,10 +89,11 @@ def estimate(cfg: Config, cluster: Cluster, layout: Layout,
         doc_tokens = mean_document_tokens(cfg)
     shape = StepShape.of(cfg, layout.degrees, doc_tokens)
     pp, tokens = shape.deg["pipeline"], shape.tokens
-    n_params, n_no_embed = param_counts(cfg.model)
-    fpt = model_spec(cfg.model).flops(cfg.model, cfg.train.seq_len, n_no_embed)
+    state = plan_state(cfg)
+    n_params, n_no_embed, training = state.n_params, state.n_no_embed, state.training
+    fpt = state.spec.flops(cfg.model, cfg.train.seq_len, n_no_embed)
 
-    memory, host_memory = memory_per_device(cfg, shape.deg, n_params)
+    memory, host_memory = memory_per_device(cfg, shape.deg)
     usable = hw.hbm_bytes * eff.usable_memory
 
     gemm_s = gemm_seconds(cfg, shape, cluster, n_no_embed, eff)
@@ -105,9 +101,8 @@ def estimate(cfg: Config, cluster: Cluster, layout: Layout,
     elem_s = elementwise_seconds(cfg, shape, cluster, eff)
     compute_s = gemm_s + attn_s + elem_s
 
-    comm = axis_comms(cfg, shape, n_params, Network(layout, cluster, eff))
-    host_hidden, host_exposed = host_link_seconds(cfg, shape, n_params, host_memory, cluster,
-                                                  eff)
+    comm = axis_comms(cfg, shape, Network(layout, cluster, eff))
+    host_hidden, host_exposed = host_link_seconds(cfg, shape, host_memory, cluster, eff)
 
     exposed = sum(c.exposed_s for c in comm.values())
     comm_hidden = sum(c.seconds for c in comm.values() if c.overlapped)
@@ -115,13 +110,12 @@ def estimate(cfg: Config, cluster: Cluster, layout: Layout,
     bubble = (pp - 1) / (shape.micro + pp - 1) / shape.virtual if pp > 1 else 0.0
     pipelined = (compute_s + exposed) / (1 - bubble)
     # AdamW update: read weights, gradient and two moments, write three (fp32), memory bound;
-    # LoRA updates its adapters alone.
-    local_params = (adapter_params(cfg.model, cfg.lora).per_device(shape.deg) if cfg.lora.enabled
-                    else param_split(cfg.model, n_params, shape.deg).total)
+    # over what the run trains (LoRA: its adapters alone).
+    local_params = training.optimized_per_device(shape.deg, param_split(cfg, shape.deg))
     optimizer_s = local_params * (4 * 4 + 3 * 4) / (hw.hbm_bandwidth * eff.hbm)
     step_s = max(pipelined, hidden) + optimizer_s + host_exposed
     tps = tokens / step_s / cluster.n_gpus
-    lora_fpt = lora_flops_per_token(cfg, n_no_embed) if cfg.lora.enabled else 0.0
+    lora_fpt = training.step_flops_per_token(cfg, n_no_embed)
     return Estimate(
         params=n_params, params_no_embed=n_no_embed, tokens_per_step=tokens,
         flops_per_token=fpt, flops_per_step=fpt * tokens, memory=memory,
@@ -136,5 +130,5 @@ def estimate(cfg: Config, cluster: Cluster, layout: Layout,
                      "comm_hidden_in_layers": sum(c.hidden_s for c in comm.values()),
                      "bubble": pipelined - compute_s - exposed, "optimizer": optimizer_s,
                      "host_offload_exposed": host_exposed, "host_offload_overlapped": host_hidden},
-        adapter_params=adapter_params(cfg.model, cfg.lora).total, lora_flops_per_token=lora_fpt,
+        adapter_params=training.adapter_params, lora_flops_per_token=lora_fpt,
         lora_mfu=tps * lora_fpt / hw.bf16_flops)

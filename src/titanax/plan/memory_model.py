@@ -12,17 +12,16 @@ is S/cp tokens per device, and parameters, gradients and Adam's moments are shar
 fsdp x cp (parallel/rules.py: 'embed' -> ("fsdp", "context")). The attention's K/V exchange
 adds its buffers for one layer ('context_kv').
 
-LoRA (lora.rank > 0, docs/lora.md): the state is the frozen base in model.param_dtype, with
-no gradient and no optimizer state, and the adapters (plan/lora.py) in float32 with their
-float32 gradients and the update rule's state (optimizer state is tx.init(adapters)); rows
-'base_weights', 'adapters', 'adapter_optimizer', 'adapter_gradients' replace 'weights',
-'optimizer', 'gradients'. Activations are the same as full fine-tuning's.
+The state's rows come from what the run trains (plan/state_shape.py, by the role the optimizer
+moves: plan/training.py FullTraining's 'weights', 'optimizer', 'gradients'; under LoRA
+plan/lora.py's 'base_weights', 'adapters', 'adapter_optimizer', 'adapter_gradients').
+Activations are the same either way.
 
-Mixture of experts (docs/moe.md, Planner): parameters, gradients and optimizer state are counted
-leaf by leaf as parallel/rules.py splits them (plan/param_layout.py: the experts also over
-'expert', the router not over tensor); with mesh.expert > 1 the batch's rows split over
-expert x data x fsdp, and one layer's all-to-all buffers are a row of their own
-('expert_buffers', plan/moe.py).
+Weights split over the mesh as the architecture says (plan/param_layout.py: a mixture of
+experts' leaf by leaf, the experts also over 'expert', the router not over tensor); with
+mesh.expert > 1 the batch's rows split over expert x data x fsdp, and one layer's all-to-all
+buffers are a row of their own ('expert_buffers', plan/moe.py); the layer's backward transient
+is the architecture's when its spec has one (models/common/moe_plan.py).
 
 Names: N parameters, L layers, d width, f MLP width, V vocabulary, tp/fsdp/cp/pp/dp mesh
 degrees, a = train.grad_accum, m = pipeline microbatches, v = virtual stages.
@@ -30,16 +29,11 @@ degrees, a = train.grad_accum, m = pipeline microbatches, v = virtual stages.
 
 from __future__ import annotations
 
-import dataclasses
-
 from titanax.config import Config, ModelConfig, grad_accum_in_place_unsupported
-from titanax.config.moe import MoEModelConfig
-from titanax.models.registry import model_spec
-from titanax.plan.lora import adapter_params
-from titanax.plan.moe import dispatch_buffer_bytes, is_moe, layer_transient_bytes
-from titanax.plan.param_layout import exact_split
+from titanax.plan.moe import dispatch_buffer_bytes
+from titanax.plan.param_layout import ParamSplit, param_shards
+from titanax.plan.state_shape import plan_state
 from titanax.plan.step_shape import StepShape, batch_ways
-from titanax.train.optim import update_rule
 
 
 def saved_elems_per_token(m: ModelConfig, remat: str) -> float:
@@ -56,37 +50,9 @@ def saved_elems_per_token(m: ModelConfig, remat: str) -> float:
     return 3 * d + 2 * (q + 2 * kv) + q + d + 4 * f + d
 
 
-@dataclasses.dataclass(frozen=True)
-class ParamSplit:
-    """Parameters per device: the stacked decoder layers (sharded over fsdp x context, tensor
-    and pipeline; an MoE's experts over expert too) and the rest (embedding, output layer,
-    final norm: fsdp x context and tensor only; every pipeline stage holds them)."""
-    layers: float
-    other: float
-    one_layer: float  # one decoder layer's parameters over tensor (what FSDP gathers)
-
-    @property
-    def total(self) -> float:
-        return self.layers + self.other
-
-
-def param_shards(deg: dict[str, int]) -> int:
-    """The FSDP group: parameters are sharded (and gathered) over fsdp x context, because the
-    context ranks of a row hold other tokens of it and sum their gradients anyway."""
-    return deg["fsdp"] * deg.get("context", 1)
-
-
-def param_split(m: ModelConfig, n_params: int, deg: dict[str, int]) -> ParamSplit:
-    """Dense: n_params split uniformly (exact but for the norm scales); a mixture of experts:
-    leaf by leaf (its parameters split unalike; n_params is not read)."""
-    if isinstance(m, MoEModelConfig):
-        return ParamSplit(*exact_split(m, deg))
-    tp, shards, pp = deg["tensor"], param_shards(deg), deg["pipeline"]
-    # the parameters outside the layer stack: embedding, output layer (none when tied), norm
-    other = (1 if m.tie_embeddings else 2) * m.vocab_size * m.d_model + m.d_model
-    layers = n_params - other
-    return ParamSplit(layers / (shards * tp * pp), other / (shards * tp),
-                      layers / m.n_layers / tp)
+def param_split(cfg: Config, deg: dict[str, int]) -> ParamSplit:
+    """The weights per device as the architecture's layout splits them (plan/param_layout.py)."""
+    return plan_state(cfg).layout.split(deg)
 
 
 def pipeline_in_flight(cfg: Config, pp: int) -> float:
@@ -101,80 +67,31 @@ def pipeline_in_flight(cfg: Config, pp: int) -> float:
     return (m * v + pp - 1) * L / (pp * v)
 
 
-def memory_per_device(cfg: Config, deg: dict[str, int], n_params: int
+def memory_per_device(cfg: Config, deg: dict[str, int]
                       ) -> tuple[dict[str, float], dict[str, float]]:
     """({component: bytes in HBM, 'total'}, {component: bytes in pinned host memory, 'total'})
     per device for cfg on a mesh of degrees `deg`."""
     t, cp = cfg.train, deg.get("context", 1)
+    training = plan_state(cfg).training
     # Tokens of one grad-accumulation microbatch on this device: its (expert x) data x fsdp
     # share of the rows, and its 1/context share of each row's sequence.
     tokens = t.batch_size * t.seq_len / (t.grad_accum * batch_ways(deg) * cp)
-    device, host = _state_bytes(cfg, deg, n_params)
+    # Weights, the optimizer's state and the gradient buffer, as the trained role has them.
+    device, host = training.state_bytes(cfg, deg, param_split(cfg, deg))
     saved = _saved_activation_bytes(cfg, deg, tokens)
     if cfg.execution.remat == "full_offload":  # the layer inputs wait in pinned host memory
         host["saved_activations"], saved = saved, 0.0
     device["saved_activations"] = saved
-    gradients = device["adapter_gradients" if cfg.lora.enabled else "gradients"]
-    device["transient"] = _transient_bytes(cfg, deg, tokens, gradients)
+    device["transient"] = _transient_bytes(cfg, deg, tokens, device[training.gradient_row])
     if t.grad_accum > 1 and grad_accum_in_place_unsupported(cfg) is None:
         device["accumulation"] = _in_place_loop_bytes(cfg, deg)
     if cp > 1:
         device["context_kv"] = context_kv_bytes(cfg, deg, tokens)
-    if is_moe(cfg) and (expert := dispatch_buffer_bytes(cfg, StepShape.of(cfg, deg))):
+    if expert := dispatch_buffer_bytes(cfg, StepShape.of(cfg, deg)):  # 0 without a dispatch
         device["expert_buffers"] = expert
     device["total"] = sum(device.values())
     host["total"] = sum(host.values())
     return device, host
-
-
-def _state_bytes(cfg: Config, deg: dict[str, int], n_params: int
-                 ) -> tuple[dict[str, float], dict[str, float]]:
-    """Weights, the optimizer's moments and the gradient buffer: ({HBM}, {pinned host}) per
-    device."""
-    if cfg.lora.enabled:
-        return _lora_state_bytes(cfg, deg, n_params), {}
-    m, t = cfg.model, cfg.train
-    pbytes = 4 if m.param_dtype == "float32" else 2
-    p = param_split(m, n_params, deg)
-    device, host = {}, {}
-    weights = p.total * pbytes
-    # The update rule's state (train/optim.py's table; AdamW: mu and nu in the param dtype).
-    moments = p.total * update_rule(cfg).state_bytes(pbytes)
-    grads = p.total * 4  # float32, reduce-scattered into this shard layer by layer
-    if t.offload_params:  # the layers' master weights live on the host
-        host["weights"] = p.layers * pbytes
-        weights -= p.layers * pbytes
-        if t.grad_accum == 1:  # and their gradients too, read a layer at a time by the update
-            host["gradients"] = p.layers * 4
-            grads -= p.layers * 4
-        # (with grad_accum the sum runs in place, on the device: models/accumulate.py)
-    if t.offload_optimizer:
-        host["optimizer"] = moments
-        moments = 0.0
-    device["weights"] = weights
-    device["optimizer"] = moments
-    # Accumulating in place (models/accumulate.py) the backward adds each layer's gradients into
-    # the one running sum (a layer's fresh gradients are in the transient term). The plain sum
-    # keeps the sum and the microbatch's fresh stacked buffer at once.
-    plain = t.grad_accum != 1 and grad_accum_in_place_unsupported(cfg) is not None
-    device["gradients"] = grads * (2 if plain else 1)
-    return device, host
-
-
-def _lora_state_bytes(cfg: Config, deg: dict[str, int], n_params: int) -> dict[str, float]:
-    """LoRA's state per device (HBM; the config refuses host offload with LoRA): the frozen
-    base in its param dtype alone, the adapters float32 with the update rule's state for
-    float32 parameters and a float32 gradient buffer, each factor sharded as plan/lora.py
-    says."""
-    m = cfg.model
-    base = param_split(m, n_params, deg).total * (4 if m.param_dtype == "float32" else 2)
-    adapters = adapter_params(m, cfg.lora).per_device(deg)
-    # Only the adapters are differentiated, and their gradients are always summed the plain way
-    # (config.grad_accum_in_place_unsupported): the sum and one microbatch's, with grad_accum.
-    plain = cfg.train.grad_accum != 1
-    return {"base_weights": base, "adapters": adapters * 4,
-            "adapter_optimizer": adapters * update_rule(cfg).state_bytes(4),
-            "adapter_gradients": adapters * 4 * (2 if plain else 1)}
 
 
 def _micro(cfg: Config, deg: dict[str, int]) -> int:
@@ -197,7 +114,7 @@ def _saved_activation_bytes(cfg: Config, deg: dict[str, int], tokens: float) -> 
         # states and their gradient.
         saved += (3 if cfg.pipeline.schedule == "1f1b" else 7) * tokens * d * abytes / tp
     else:  # the architecture's own count when its spec has one (models/spec.py)
-        per_token = model_spec(m).activation_elems or saved_elems_per_token
+        per_token = plan_state(cfg).spec.activation_elems or saved_elems_per_token
         saved = m.n_layers * tokens * per_token(m, cfg.execution.remat) * abytes / tp
     return saved
 
@@ -236,9 +153,11 @@ def _transient_bytes(cfg: Config, deg: dict[str, int], tokens: float,
     ffn_buffers = 6 if cfg.execution.loop_double_buffering else 5.5
     layer_transient = (tokens_micro * (ffn_buffers * m.ffn_dim + 4 * d) * abytes / tp
                        + 6 * d * m.ffn_dim / tp * abytes)
-    if is_moe(cfg):  # the same buffers over the experts' rows (plan/moe.py)
-        layer_transient = layer_transient_bytes(cfg, StepShape.of(cfg, deg),
-                                                param_split(m, 0, deg).one_layer)
+    # the architecture's own (an MoE's: the same buffers over the experts' rows) when it has
+    # one (models/spec.py PlannerTerms.layer_transient_bytes)
+    own = plan_state(cfg).terms.layer_transient_bytes(
+        cfg, StepShape.of(cfg, deg), param_split(cfg, deg).one_layer)
+    layer_transient = layer_transient if own is None else own
     # The loss: one chunk of float32 logits, their exponentials and their gradient in the
     # compute dtype, the output weight gathered over fsdp, its float32 gradient sum (which XLA
     # keeps reduce-scattered over fsdp x context), and the last hidden states with their
@@ -252,8 +171,9 @@ def _transient_bytes(cfg: Config, deg: dict[str, int], tokens: float,
     else:
         loss_tokens = tokens
     chunk = min(t.loss_chunk or loss_tokens, loss_tokens)
-    # (LoRA: the output layer is frozen, so no gradient sum of it)
-    output_grad = 0.0 if cfg.lora.enabled else d * V / (tp * param_shards(deg)) * 4
+    # (none when the output layer is frozen: LoRA's weight_gradients 0, plan/training.py)
+    output_grad = plan_state(cfg).training.weight_gradients * (d * V / (tp * param_shards(deg))
+                                                               * 4)
     loss_transient = (chunk * V / tp * (4 + 4 + abytes) + d * V / tp * abytes
                       + output_grad + 2 * loss_tokens * d * abytes)
     # The loss runs before the layers' gradient buffer exists.

@@ -16,6 +16,7 @@ from titanax.config import Config, ConfigError, apply_overrides
 from titanax.plan.cluster import Cluster, layout_for
 from titanax.plan.cost_model import estimate
 from titanax.plan.fit import _value, candidate_groups, size
+from titanax.plan.state_shape import plan_state
 from titanax.plan.step_shape import batch_ways
 
 MORE_NODES = 64  # at most this many times the cluster's nodes
@@ -78,7 +79,8 @@ def model_fit(cfg: Config, cluster: Cluster, *, broad: bool = True) -> dict:
         return {**out, "line": f"{head}: fits"}
     t = cfg.train
     extras = [{}]
-    if broad and not t.offload_optimizer and not cfg.lora.enabled:
+    # (host offload only where what the run trains takes it: not LoRA's, plan/training.py)
+    if broad and not t.offload_optimizer and plan_state(cfg).training.host_offload:
         extras += [{"train.offload_optimizer": True},
                    {"train.offload_optimizer": True, "execution.remat": "full_offload"}]
     for extra in extras:

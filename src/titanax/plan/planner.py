@@ -7,29 +7,19 @@ from __future__ import annotations
 import dataclasses
 
 from titanax.config import Config, ConfigError, apply_overrides
-from titanax.config.moe import MoEModelConfig
 from titanax.parallel.rules import MESH_AXES
 from titanax.plan import compile as plan_compile
 from titanax.plan import published
 from titanax.plan import search as plan_search
 from titanax.plan.cluster import Cluster, Layout, PlanError, layout_for, plan_config
-from titanax.plan.compute_model import LORA_FLOP_FORMULA
 from titanax.plan.cost_model import EFFICIENCIES, Estimate, estimate
 from titanax.plan.documents import documents_summary
 from titanax.plan.fit import auto_choice
 from titanax.plan.model_fit import model_fit
 from titanax.plan.moe import dispatch_json
+from titanax.plan.state_shape import plan_state
 from titanax.plan.step_shape import StepShape
 from titanax.train.throughput import FLOP_FORMULA
-
-# What a mixture-of-experts plan does not model yet (issue 37): said beside its numbers. What
-# it does model (docs/moe.md, Planner): active-parameter GEMMs, the experts' state sharded over
-# expert x fsdp x context x tensor, the all-to-alls on 'expert', expert in --search.
-MOE_NOTE = ("mixture of experts: routing is taken as balanced (GEMM time, all-to-all sizes) "
-            "and the grouped GEMMs at the dense GEMM efficiency; the MoE layer's transient "
-            "buffers are sized from the dispatch's shapes, not fitted to a compile, and saved "
-            "activations under a remat policy other than full use the dense formula: check "
-            "the compiled memory")
 
 
 def _layout_json(layout: Layout) -> dict:
@@ -188,24 +178,14 @@ def _plan_dict(cfg: Config, cluster: Cluster, layout: Layout, est: Estimate,
         "predicted_mfu": est.mfu,
         "predicted_tokens_per_s_spread": _spread(est.tokens_per_s_per_gpu),
         "efficiencies": dataclasses.asdict(EFFICIENCIES),
-        **({"lora": _lora_json(cfg, est)} if cfg.lora.enabled else {}),
-        **({"moe_note": MOE_NOTE} if isinstance(cfg.model, MoEModelConfig) else {}),
+        # what the run trains says (plan/lora.py: "lora") and the architecture's note
+        # (models/common/moe_plan.py: "moe_note")
+        **plan_state(cfg).training.plan_json(cfg, est),
+        **plan_state(cfg).terms.plan_json(),
         **({"expert_parallel": ep} if (ep := dispatch_json(
             cfg, StepShape.of(cfg, layout.degrees))) else {}),
         **({"audit": audit} if audit is not None else {}),
     }
-
-
-def _lora_json(cfg: Config, est: Estimate) -> dict:
-    """plan.json's "lora": what is trained, what is frozen, and the step's own FLOPs beside
-    the model formula's (flops_per_token and predicted_mfu stay the 6 N one launch.train logs)."""
-    lora = cfg.lora
-    return {"rank": lora.rank, "alpha": lora.alpha, "weights": list(lora.weights),
-            "adapter_params": est.adapter_params,
-            "adapter_share": est.adapter_params / est.params,
-            "base_param_dtype": cfg.model.param_dtype,
-            "flop_formula": LORA_FLOP_FORMULA, "flops_per_token": est.lora_flops_per_token,
-            "mfu": est.lora_mfu}
 
 
 def run_search(cfg: Config, cluster: Cluster, *, verify: int, top: int = 10,

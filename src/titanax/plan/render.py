@@ -12,6 +12,7 @@ import numpy as np
 
 from titanax.parallel.mesh import device_index_grid
 from titanax.parallel.rules import MESH_AXES
+from titanax.plan.lora import lora_title
 
 MAX_NODES_DRAWN = 32
 
@@ -149,9 +150,7 @@ def _draw_memory(ax, plan: dict) -> None:
     ax.set_yticks([0, 1], ["compiled" if comp.get("ok") else "", "cost model"], fontsize=7)
     ax.set_xlabel("GB per device", fontsize=7)
     verdict = "fits" if plan["fits"] else "does NOT fit"
-    lora = plan.get("lora")
-    lora = f"LoRA rank {lora['rank']}, base frozen in {lora['base_param_dtype']}; " if lora else ""
-    ax.set_title(f"{lora}memory per device: {plan['per_device_bytes'] / 1e9:.1f} GB "
+    ax.set_title(f"{lora_title(plan)}memory per device: {plan['per_device_bytes'] / 1e9:.1f} GB "
                  f"({plan['per_device_bytes_source']}), {verdict}", fontsize=8)
     ax.legend(fontsize=6, ncol=6, loc="upper center", bbox_to_anchor=(0.5, -0.32))
     ax.tick_params(labelsize=7)

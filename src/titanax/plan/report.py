@@ -6,6 +6,7 @@ import json
 import pathlib
 
 from titanax.plan.audit import format_audit
+from titanax.plan.lora import lora_lines, lora_step_lines
 
 GB = 1e9
 
@@ -53,17 +54,6 @@ def _memory_lines(plan: dict) -> list[str]:
     elif fit and not fit["fits"]:  # what launch.train would say, with the --set to copy
         lines.append(f"  => {fit['line']}")
     return lines
-
-
-def _lora_lines(plan: dict) -> list[str]:
-    """What a LoRA plan trains and what it holds frozen (none without LoRA)."""
-    lo = plan.get("lora")
-    if not lo:
-        return []
-    return [f"LoRA: rank {lo['rank']} (alpha {lo['alpha']:g}) on {', '.join(lo['weights'])}: "
-            f"{lo['adapter_params']:,} adapter parameters ({lo['adapter_share']:.2%}) trained "
-            f"in float32; the base frozen in {lo['base_param_dtype']}, without gradients or "
-            "optimizer state"]
 
 
 def _documents_line(plan: dict) -> list[str]:
@@ -145,7 +135,7 @@ def format_plan(plan: dict) -> str:
             + (f" in {plan['compile']['compile_s']:.1f} s (lowering {plan['compile']['lower_s']:.1f}"
                " s)" if (plan.get("compile") or {}).get("ok") else ""),
             f"parameters: {plan['params']:,} ({plan['params_no_embedding']:,} without the input "
-            "embedding)", *_lora_lines(plan),
+            "embedding)", *lora_lines(plan),
             *([f"note: {plan['moe_note']}"] if plan.get("moe_note") else []),
             f"FLOPs: {plan['flops_per_token']:.3e} per token, {plan['flops_per_step']:.3e} per step "
             f"of {plan['tokens_per_step']:,} tokens ({plan['flop_formula']})",
@@ -166,11 +156,7 @@ def format_plan(plan: dict) -> str:
             f"  => {plan['predicted_step_s']:.2f} s per step, "
             f"{plan['predicted_tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, MFU "
             f"{plan['predicted_mfu']:.1%} (of dense bf16 peak)"]
-        if plan.get("lora"):
-            lo = plan["lora"]
-            out.append(f"  => LoRA step: {lo['flops_per_token']:.3e} FLOPs per token "
-                       f"({lo['flop_formula']}): {lo['mfu']:.1%} of peak; the MFU above counts "
-                       "the model's 6*N, as launch.train logs it")
+        out += lora_step_lines(plan)
         host = plan.get("host_offload_cost_s")
         if b.get("host_offload_exposed") or b.get("host_offload_overlapped"):
             out.append(f"  => host offload costs {host or 0.0:.2f} s of the step "

@@ -13,15 +13,17 @@ candidate the config accepts it for. Off is not tried beside it: the cost model 
 faster (its collectives are the ring's bytes or more, all exposed) and the memory model does
 not tell them apart. Where the config refuses it (FP8 recipes, 1f1b) the candidate runs without.
 
-LoRA (lora.rank > 0): host offload and, with a pipeline, the 1f1b schedule are not generated:
-the config refuses both with LoRA (docs/lora.md), so they would only swell the dropped list.
+What the run trains (plan/training.py) says which pipeline schedules and host offloads are
+generated: under LoRA neither host offload nor, with a pipeline, the 1f1b schedule (the config
+refuses both with LoRA, docs/lora.md), so they would only swell the dropped list.
 
-Mixture of experts (config/moe.py): expert parallelism too, every mesh.expert that divides
-model.n_experts and the devices left beside tensor, context and pipeline, the rows then split
-over expert x data x fsdp. tp_overlap is not generated (the experts have no collective
-matmul: the config refuses it with an MoE, docs/moe.md); what else the config refuses for an
-MoE (a batch that does not split, pipelines with expert parallelism) is dropped with its
-message. A dense model keeps mesh.expert=1.
+Expert parallelism: every mesh.expert the model's experts split into (ModelConfig.splits_experts:
+for a mixture of experts, config/moe.py, those dividing model.n_experts) and the devices left
+beside tensor, context and pipeline, the rows then split over expert x data x fsdp; a dense
+model keeps mesh.expert=1. tp_overlap is not generated where the model refuses it
+(ModelConfig.tp_overlap_refusal: an MoE's experts have no collective matmul, docs/moe.md); what
+else the config refuses for an MoE (a batch that does not split, pipelines with expert
+parallelism) is dropped with its message.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from pallas_kernels.flash_attention.backends import BACKENDS as ATTENTION_BACKEN
 from titanax.config import Config, ConfigError, tp_overlap_unsupported
 from titanax.plan.cluster import Cluster, layout_for
 from titanax.plan.cost_model import Estimate, estimate
-from titanax.plan.moe import is_moe
+from titanax.plan.state_shape import plan_state
 
 REMATS = ("none", "dots", "full", "full_offload")  # dots_no_batch plans like dots here: the
 GRAD_ACCUMS = (1, 2, 4, 8, 16)                     # layer's dots have no batch dimensions
@@ -83,14 +85,15 @@ def _label(tp, pp, dp, fsdp, remat, accum, pipe, offload, context=(1, "ring"),
     return label
 
 
-def _pipeline_options(pp: int, n_layers: int, lora: bool = False):
-    """lora: no 1f1b (it would compute the frozen base's weight gradients)."""
+def _pipeline_options(pp: int, n_layers: int, schedules: tuple[str, ...] = ("gpipe", "1f1b")):
+    """schedules: those the run's training takes (plan/training.py; LoRA: no 1f1b, it would
+    compute the frozen base's weight gradients); circular always."""
     if pp == 1:
         yield {"pipeline.schedule": "gpipe", "pipeline.virtual_stages": 0,
                "pipeline.microbatches": 1}
         return
     for k in MICROBATCH_MULTIPLES:
-        for schedule in ("gpipe",) if lora else ("gpipe", "1f1b"):
+        for schedule in schedules:
             yield {"pipeline.schedule": schedule, "pipeline.virtual_stages": 0,
                    "pipeline.microbatches": k * pp}
         for v in VIRTUAL_STAGES:
@@ -121,23 +124,22 @@ def _meshes(cluster: Cluster, max_context: int):
 
 
 def _expert_options(cfg: Config, rest: int) -> list[int]:
-    """mesh.expert degrees: those dividing both model.n_experts and the devices left (1 only
-    for a dense model)."""
-    if not is_moe(cfg):
-        return [1]
-    return [e for e in _divisors(rest) if cfg.model.n_experts % e == 0]
+    """mesh.expert degrees: those dividing the devices left that the model's experts split
+    into (1 only for a dense model)."""
+    return [e for e in _divisors(rest) if cfg.model.splits_experts(e)]
 
 
 def candidates(cfg: Config, cluster: Cluster, max_context: int = 0):
-    lora, moe = cfg.lora.enabled, is_moe(cfg)
+    training = plan_state(cfg).training
+    offloads = training.offload_choices(OFFLOADS)  # (nothing offloaded first)
     meshes = ((tp, context, pp, rest, ep) for tp, context, pp, rest in
               _meshes(cluster, max_context) for ep in _expert_options(cfg, rest))
     for tp, context, pp, rest, ep in meshes:
         for fsdp, remat, accum, offload in itertools.product(
-                _divisors(rest // ep), REMATS, GRAD_ACCUMS, OFFLOADS[:1] if lora else OFFLOADS):
-            for pipe in _pipeline_options(pp, cfg.model.n_layers, lora):
+                _divisors(rest // ep), REMATS, GRAD_ACCUMS, offloads):
+            for pipe in _pipeline_options(pp, cfg.model.n_layers, training.pipeline_schedules):
                 dp = rest // (ep * fsdp)
-                overlap = not moe and _tp_overlap(cfg, tp, pp, pipe["pipeline.schedule"])
+                overlap = _tp_overlap(cfg, tp, pp, pipe["pipeline.schedule"])
                 label = _label(tp, pp, dp, fsdp, remat, accum, pipe, offload, context,
                                overlap, ep)
                 overrides = {"execution.tp_overlap": overlap, "mesh.tensor": tp,
@@ -161,7 +163,7 @@ def _tp_overlap(cfg: Config, tp: int, pp: int, schedule: str) -> bool:
     """execution.tp_overlap for a candidate: on wherever there is a tensor ring and the config
     accepts it. The config's refusals that do not depend on the candidate's schedule (FP8
     recipes) come from config.tp_overlap_unsupported itself; the 1f1b one is the schedule's."""
-    if tp == 1 or (pp > 1 and schedule == "1f1b"):
+    if tp == 1 or (pp > 1 and schedule == "1f1b") or cfg.model.tp_overlap_refusal():
         return False
     return tp_overlap_unsupported(cfg, {"tensor": tp, "pipeline": 1}) is None
 
