@@ -24,8 +24,6 @@ MAX_FILE_LINES = 500
 LONG_FILES = {
     "pallas_kernels/flash_attention/kernel_sm90.py": "one Mosaic kernel body (the sm90 forward, "
     "its ping-pong and overlap forms): splitting it would move code the SASS tables pin",
-    "pallas_kernels/flash_attention/kernel_sm90_bwd.py": "one Mosaic kernel body (the sm90 "
-    "dq/dkv backward): splitting it would move code the SASS tables pin",
     "pallas_kernels/flash_attention/kernel_sm100.py": "one Mosaic kernel body (the sm100 "
     "forward, its TMEM and correction forms): splitting it would move code the SASS tables pin",
     "pallas_kernels/flash_attention/kernel_sm100_bwd.py": "one Mosaic kernel body (the sm100 "
