@@ -63,24 +63,20 @@ device_description_str: "{name}"
 # CUDA 12.0"), MX dots dequantized into loop fusions (cuDNN's block-scaled GEMM needs 9.10).
 SOFTWARE = dict(cuda="12.9.0", cudnn="9.28.0")
 
+# Both generations' SMs: 228 KiB of shared memory, 227 KiB (232448 B) of it opt-in per block.
+_SMEM = dict(smem_per_sm=233472, smem_optin=232448)
+# The H100 die (H100 SXM, H200): 132 SMs, compute capability 9.0.
+_HOPPER = dict(sms=132, l2=52428800, clock=1.98, major=9, minor=0, **_SMEM)
+# Blackwell (B200, and GB200's GPU): compute capability 10.0, 148 SMs, 8 TB/s HBM3e.
+_BLACKWELL = dict(sms=148, hbm_bw=8000000000000, l2=132120576, clock=1.965, major=10, minor=0,
+                  **_SMEM)
 TARGETS = {
-    # H100 SXM: 132 SMs, 228 KiB smem per SM of which 227 KiB (232448 B) opt-in per block.
-    "h100": dict(name="NVIDIA H100 80GB HBM3", sms=132, smem_per_sm=233472, smem_optin=232448,
-                 hbm_bw=3352320000000, l2=52428800, clock=1.98, hbm=84978434048, major=9,
-                 minor=0),
+    "h100": dict(_HOPPER, name="NVIDIA H100 80GB HBM3", hbm_bw=3352320000000, hbm=84978434048),
     # H200: the H100 die with 141 GB HBM3e.
-    "h200": dict(name="NVIDIA H200", sms=132, smem_per_sm=233472, smem_optin=232448,
-                 hbm_bw=4800000000000, l2=52428800, clock=1.98, hbm=150754820096, major=9,
-                 minor=0),
-    # B200: compute capability 10.0, 148 SMs, 227 KiB opt-in smem per block.
-    "b200": dict(name="NVIDIA B200", sms=148, smem_per_sm=233472, smem_optin=232448,
-                 hbm_bw=8000000000000, l2=132120576, clock=1.965, hbm=191514869760, major=10,
-                 minor=0),
-    # GB200 (Grace Blackwell superchip, NVL72): the same Blackwell GPU as B200, compute
-    # capability 10.0, 148 SMs; 186 GB HBM3e per GPU at 8 TB/s (GB200 NVL72 datasheet).
-    "gb200": dict(name="NVIDIA GB200", sms=148, smem_per_sm=233472, smem_optin=232448,
-                  hbm_bw=8000000000000, l2=132120576, clock=1.965, hbm=186000000000, major=10,
-                  minor=0),
+    "h200": dict(_HOPPER, name="NVIDIA H200", hbm_bw=4800000000000, hbm=150754820096),
+    "b200": dict(_BLACKWELL, name="NVIDIA B200", hbm=191514869760),
+    # GB200 (Grace Blackwell superchip, NVL72): 186 GB HBM3e per GPU (GB200 NVL72 datasheet).
+    "gb200": dict(_BLACKWELL, name="NVIDIA GB200", hbm=186000000000),
 }
 
 

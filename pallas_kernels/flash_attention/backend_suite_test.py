@@ -43,6 +43,9 @@ TOL = {jnp.dtype(jnp.float32): 2e-5, jnp.dtype(jnp.bfloat16): 5 * 2.0 ** -8,
 GRID_TILES = FlashConfig(block_q=32, block_kv=32, block_q_bwd=32, block_kv_bwd=32)
 
 
+# `duplicates` pairs these fields with other frozen dataclasses' (FlashConfig,
+# perf/tp_overlap.py, plan/efficiencies.py): named defaults alike in shape only, no logic to
+# share.
 @dataclasses.dataclass(frozen=True)
 class Case:
     B: int = 1

@@ -54,6 +54,9 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+# `duplicates` pairs these fields with other frozen dataclasses' (backend_suite_test.Case,
+# perf/tp_overlap.py, plan/efficiencies.py): named defaults alike in shape only, no logic to
+# share.
 @dataclasses.dataclass(frozen=True)
 class FlashConfig:
     block_q: int = 128

@@ -20,16 +20,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from ..target import out_struct
-from .kernel_fwd import block_mask, dot, mask_scores, split_loops, visible_tiles
+from .kernel_fwd import block_mask, dot, mask_scores, segment_refs, split_loops, visible_tiles
 from .tile_ranges import tile_ranges
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, scale, causal,
                block_q, block_kv, kv_len, has_segments, split):
-    if has_segments:
-        qseg_ref, kseg_ref, ranges_ref, dq_ref = rest
-    else:
-        (dq_ref,) = rest
+    (qseg_ref, kseg_ref, ranges_ref), (dq_ref,) = segment_refs(rest, has_segments)
     kv_len_padded = k_ref.shape[0]
     qi = pl.program_id(0)
     q, do = q_ref[...], do_ref[...]
@@ -62,10 +59,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, scale, ca
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, scale, causal,
                 block_q, block_kv, kv_len, kv_len_padded, group, has_segments):
-    if has_segments:
-        qseg_ref, kseg_ref, ranges_ref, dk_ref, dv_ref = rest
-    else:
-        dk_ref, dv_ref = rest
+    (qseg_ref, kseg_ref, ranges_ref), (dk_ref, dv_ref) = segment_refs(rest, has_segments)
     q_len_padded = q_ref.shape[0]
     kj = pl.program_id(0)
     k, v = k_ref[...], v_ref[...]

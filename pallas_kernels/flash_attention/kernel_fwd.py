@@ -90,12 +90,15 @@ def mask_scores(s, masked, make_mask):
     return lax.cond(masked, apply, lambda s: s, s)
 
 
+def segment_refs(rest, has_segments: bool):
+    """A grid kernel's refs after its inputs -> ((query ids, key ids, tile ranges), outputs):
+    the three segment operands come first, and only with documents (else three Nones)."""
+    return (rest[:3], rest[3:]) if has_segments else ((None, None, None), rest)
+
+
 def _fwd_kernel(q_ref, k_ref, v_ref, *rest, scale, causal, block_q, block_kv, kv_len,
                 has_segments, split):
-    if has_segments:
-        qseg_ref, kseg_ref, ranges_ref, o_ref, lse_ref = rest
-    else:
-        o_ref, lse_ref = rest
+    (qseg_ref, kseg_ref, ranges_ref), (o_ref, lse_ref) = segment_refs(rest, has_segments)
     kv_len_padded = k_ref.shape[0]
     qi = pl.program_id(0)
     q = q_ref[...]

@@ -70,7 +70,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ..target import out_struct
-from .mosaic_common import LOG2E, MASK, column_slices, interpret_ctx, q_block
+from .mosaic_common import LOG2E, MASK, column_slices, interpret_ctx, load_kv_tile, q_block
 from .tile_ranges import tile_ranges
 
 BLOCK_Q = 128  # TMEM lanes: one query row per lane
@@ -212,14 +212,10 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
                 def _():  # PV of step t - steps is done: its K and V are no longer read
                     plgpu.barrier_wait(kv_free.at[slot])
 
-                keys = pl.ds((lo + t) * block_kv, block_kv)
-                plgpu.copy_gmem_to_smem(k_gmem.at[batch, keys, kv_head], k_smem.at[slot],
-                                        kv_loaded.at[slot])
-                plgpu.copy_gmem_to_smem(v_gmem.at[batch, keys, kv_head], v_smem.at[slot],
-                                        kv_loaded.at[slot])
-                if has_seg:
-                    plgpu.copy_gmem_to_smem(kseg_gmem.at[batch, keys], kseg_smem.at[slot],
-                                            kseg_loaded.at[slot])
+                load_kv_tile((k_gmem, v_gmem) + ((kseg_gmem,) if has_seg else ()),
+                             (k_smem, v_smem, kseg_smem), (kv_loaded, kv_loaded, kseg_loaded),
+                             slot, batch=batch, rows=pl.ds((lo + t) * block_kv, block_kv),
+                             kv_head=kv_head)
 
             @pl.loop(jnp.maximum(kv_steps - steps, 0), kv_steps)
             def _(j):  # observe the last frees: no barrier phase is left pending at exit

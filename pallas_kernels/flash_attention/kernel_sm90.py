@@ -46,6 +46,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ..target import out_struct, sm_count
 from ..wgmma import wgmma_into as _wgmma_into
+
+# `duplicates` pairs this list with kernel_sm90_bwd.py's: both kernels read cta_ranges'
+# columns (END ... LO) and the mask and log2 constants, names only.
 from .mosaic_common import (
     END,
     FIRST,
@@ -58,6 +61,7 @@ from .mosaic_common import (
     cta_ranges,
     interpret_ctx,
     q_block,
+    skip_slot,
     tile_mask,
     unhoisted_zero,
 )
@@ -217,6 +221,24 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
                                     plgpu.Layout.WGMMA.reduce(1))
             acc = plgpu.layout_cast(jnp.full((block_q, D), 0, jnp.float32), plgpu.Layout.WGMMA)
 
+            def release_k_and_mask(s, kv_step, slot, masked):
+                """Tile kv_step's raw scores s (waited for), masked where `masked`; its K slot
+                released to the producer. Every step consumes its key ids' barrier phase; the
+                ids are read before the release, and after QK^T: not live across the wgmma
+                (spills at head_dim 256)."""
+                if has_seg:
+                    plgpu.barrier_wait(kseg_bars.at[slot])
+                if masked and has_seg:
+                    k_seg = plgpu.load(kseg_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                plgpu.barrier_arrive(k_consumed.at[slot])
+                if masked:
+                    mask = tile_mask(q_base, kv_step * block_kv, (block_q, block_kv),
+                                     causal=causal, kv_len=kv_len,
+                                     q_seg=q_seg if has_seg else None,
+                                     k_seg=k_seg if has_seg else None)
+                    s = jnp.where(mask, s, MASK_RAW)
+                return s
+
             def kv_loop(kv_step, carry, masked: bool = False):
                 acc, m_i, l_i = carry
                 slot = slot_of(kv_step)
@@ -227,19 +249,7 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
                     sched_barrier()
                     return acc_ref[...]
                 qk = pl.run_scoped(compute_qk, plgpu.ACC((block_q, block_kv), jnp.float32))
-                if has_seg:  # every step consumes its key ids' barrier phase, masked or not
-                    plgpu.barrier_wait(kseg_bars.at[slot])
-                if masked and has_seg:  # read before K's slot is released to the producer,
-                    # and after QK^T: not live across the wgmma (spills at head_dim 256)
-                    k_seg = plgpu.load(kseg_smem.at[slot],
-                                       layout=plgpu.Layout.WGMMA.reduce(0))
-                plgpu.barrier_arrive(k_consumed.at[slot])
-                if masked:
-                    mask = tile_mask(q_base, kv_step * block_kv, (block_q, block_kv),
-                                      causal=causal, kv_len=kv_len,
-                                      q_seg=q_seg if has_seg else None,
-                                      k_seg=k_seg if has_seg else None)
-                    qk = jnp.where(mask, qk, MASK_RAW)
+                qk = release_k_and_mask(qk, kv_step, slot, masked)
                 # The scale rides exp2's FMA (s * qk_scale - m, one FFMA and one ex2 a score)
                 # and the max is taken on the raw scores, scaled once per row, as fwd_overlap
                 # does: no separate FMUL per score. m_i and the log-sum-exp stay in log2 units.
@@ -282,14 +292,8 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
                 # Tiles this warpgroup skips (causal, or outside its documents) are still
                 # loaded for the other one: release their slots and keep the schedule barrier
                 # in step.
-                slot = slot_of(kv_step)
-                # Observe the loads too, so every barrier phase is consumed before exit.
-                plgpu.barrier_wait(k_bars.at[slot])
-                plgpu.barrier_wait(v_bars.at[slot])
-                if has_seg:
-                    plgpu.barrier_wait(kseg_bars.at[slot])
-                plgpu.barrier_arrive(k_consumed.at[slot])
-                plgpu.barrier_arrive(v_consumed.at[slot])
+                skip_slot(slot_of(kv_step), (k_bars, v_bars) + ((kseg_bars,) if has_seg else ()),
+                          (k_consumed, v_consumed))
                 sched_barrier()
                 sched_barrier()
 
@@ -307,18 +311,7 @@ def flash_fwd(q, k, v, q_seg, kv_seg, *, scale, causal, kv_len, config, interpre
                 rides exp2's FMA (s * qk_scale - m) and the max is taken on the raw scores,
                 scaled per row; m_i and the log-sum-exp stay in log2 units. Releases the K
                 slot and arrives on the schedule barrier (softmax done)."""
-                slot = slot_of(kv_step)
-                if has_seg:  # every step consumes its key ids' barrier phase
-                    plgpu.barrier_wait(kseg_bars.at[slot])
-                if masked and has_seg:  # read before K's slot is released to the producer
-                    k_seg = plgpu.load(kseg_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-                plgpu.barrier_arrive(k_consumed.at[slot])
-                if masked:
-                    mask = tile_mask(q_base, kv_step * block_kv, (block_q, block_kv),
-                                     causal=causal, kv_len=kv_len,
-                                     q_seg=q_seg if has_seg else None,
-                                     k_seg=k_seg if has_seg else None)
-                    s = jnp.where(mask, s, MASK_RAW)
+                s = release_k_and_mask(s, kv_step, slot_of(kv_step), masked)
                 m_ij = jnp.maximum(m_i, s.max(axis=1) * qk_scale)
                 alpha = jnp.exp2(m_i - m_ij)
                 p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(m_ij, s.shape, [0]))

@@ -59,19 +59,28 @@ from .mosaic_common import (
     LO,
     LOG2E,
     MASK,
-    RANGE_COLS,
+    a_operand,
     cta_ranges,
+    dkv_scores,
     grid_bwd,
     interpret_ctx,
+    kv_major_bars,
+    kv_major_smem,
+    load_kv_tile,
+    load_own,
+    load_own_tiles,
     masked_plain_masked,
     q_block,
-    q_ring_producer,
+    q_producer_wg,
     ring_producer,
     ring_slot,
+    skip_slot,
     softmax_delta,
     store_dkv,
     tile_mask,
     unhoisted_zero,
+    wgmma_zeros,
+    wgmmas,
 )
 from .tile_ranges import tile_ranges
 
@@ -89,29 +98,11 @@ def bwd_wgs(head_dim: int) -> int:
 
 
 
-def _zeros(shape):
-    return plgpu.layout_cast(jnp.full(shape, 0, jnp.float32), plgpu.Layout.WGMMA)
-
-
-def _two_wgmmas(a1, b1, a2, b2, shape):
-    """(a1 @ b1, a2 @ b2) in fp32, issued back to back and waited for once."""
-    def issue(acc1, acc2):
-        plgpu.wgmma(acc1, a1, b1)
-        plgpu.wgmma(acc2, a2, b2)
-        return acc1[...], acc2[...]
-    return pl.run_scoped(issue, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
-
-
-def _a_operand(x16, smem, interpret: bool):
-    """wgmma's A operand: registers on the GPU; SMEM in the interpreter, which reads A only
-    from SMEM."""
-    if not interpret:
-        return x16
-    smem[...] = x16
-    plgpu.commit_smem()
-    return smem
-
-
+def _dims(q, k, config):
+    """A backward call's (B, Sp, Hq, D), (Tp, Hkv), G, dtype, consumer warpgroups, (bq, bkv)."""
+    Hq, Hkv = q.shape[2], k.shape[2]
+    return (q.shape, k.shape[1:3], Hq // Hkv, q.dtype, bwd_wgs(q.shape[3]),
+            (config.block_q_bwd, config.block_kv_bwd))
 
 
 def _launch(entry, out_type, grid, seq_name, wgs, args, interpret):
@@ -127,11 +118,7 @@ def _launch(entry, out_type, grid, seq_name, wgs, args, interpret):
 
 
 def _dq(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, config, interpret):
-    B, Sp, Hq, D = q.shape
-    Tp, Hkv = k.shape[1], k.shape[2]
-    G, dtype = Hq // Hkv, q.dtype
-    wgs = bwd_wgs(D)
-    bq, bkv = config.block_q_bwd, config.block_kv_bwd
+    (B, Sp, Hq, D), (Tp, Hkv), G, dtype, wgs, (bq, bkv) = _dims(q, k, config)
     n_kv = Tp // bkv
     steps = min(config.max_concurrent_steps, n_kv)
     has_seg = q_seg is not None
@@ -169,10 +156,7 @@ def _dq(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, confi
                    (lse_ref.at[vec], lse_smem2.at[wg]), (delta_ref.at[vec], delta_smem2.at[wg])]
             if has_seg:
                 own.append((qseg_ref.at[batch, pl.ds(q_base, bq)], qseg_smem2.at[wg]))
-            for i, (src, dst) in enumerate(own):
-                plgpu.copy_gmem_to_smem(src, dst, own_bars.at[i * wgs + wg])
-            for i in range(len(own)):
-                plgpu.barrier_wait(own_bars.at[i * wgs + wg])
+            load_own(own, own_bars, wg, wgs)
             row = plgpu.Layout.WGMMA.reduce(1)
             lse = plgpu.load(lse_smem2.at[wg], layout=row)
             dlt = plgpu.load(delta_smem2.at[wg], layout=row)
@@ -194,8 +178,8 @@ def _dq(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, confi
                 slot = slot_of(t)
                 plgpu.barrier_wait(k_bars.at[slot])
                 plgpu.barrier_wait(v_bars.at[slot])
-                s, dp = _two_wgmmas(q_smem, k_smem.at[slot].transpose((1, 0)), do_smem, v_smem.at[slot].transpose((1, 0)),
-                                    (bq, bkv))
+                s, dp = wgmmas(((q_smem, k_smem.at[slot].transpose((1, 0))),
+                                (do_smem, v_smem.at[slot].transpose((1, 0)))), (bq, bkv))
                 s = s * qk_scale
                 if masked:
                     k_seg = None
@@ -209,8 +193,8 @@ def _dq(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, confi
                     plgpu.barrier_wait(kseg_bars.at[slot])
                 p = jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [0]))
                 ds = p * (dp - lax.broadcast_in_dim(dlt, s.shape, [0]))
-                a = _a_operand(ds.astype(dtype), ds_smem2.at[wg] if interpret else None,
-                               interpret)
+                a = a_operand(ds.astype(dtype), ds_smem2.at[wg] if interpret else None,
+                              interpret)
                 dq = _wgmma_into(dq, lambda acc: plgpu.wgmma(acc, a, k_smem.at[slot]),
                                  interpret)
                 plgpu.barrier_arrive(consumed.at[slot])
@@ -219,14 +203,10 @@ def _dq(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, confi
             def drain(t, _):
                 # Tiles past this warpgroup's diagonal or outside its documents, loaded for
                 # the other one.
-                slot = slot_of(t)
-                plgpu.barrier_wait(k_bars.at[slot])
-                plgpu.barrier_wait(v_bars.at[slot])
-                if has_seg:
-                    plgpu.barrier_wait(kseg_bars.at[slot])
-                plgpu.barrier_arrive(consumed.at[slot])
+                skip_slot(slot_of(t), (k_bars, v_bars) + ((kseg_bars,) if has_seg else ()),
+                          (consumed,))
 
-            dq = _zeros((bq, D))
+            dq = wgmma_zeros((bq, D))
             if has_seg:
                 lax.fori_loop(first, bound(LO), drain, None)
                 dq = masked_plain_masked(*(functools.partial(bound, c)
@@ -248,14 +228,9 @@ def _dq(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, confi
             kv_head = lax.div(q_head, jnp.array(G, q_head.dtype))
 
             def load(t, slot):
-                rows = pl.ds((t + first) * bkv, bkv)
-                plgpu.copy_gmem_to_smem(k_ref.at[batch, rows, kv_head], k_smem.at[slot],
-                                        k_bars.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[batch, rows, kv_head], v_smem.at[slot],
-                                        v_bars.at[slot])
-                if has_seg:
-                    plgpu.copy_gmem_to_smem(kseg_ref.at[batch, rows], kseg_smem.at[slot],
-                                            kseg_bars.at[slot])
+                load_kv_tile((k_ref, v_ref) + ((kseg_ref,) if has_seg else ()),
+                             (k_smem, v_smem, kseg_smem), (k_bars, v_bars, kseg_bars), slot,
+                             batch=batch, rows=pl.ds((t + first) * bkv, bkv), kv_head=kv_head)
             ring_producer(end - first, steps, load, consumed, REGS_PRODUCER)
 
     def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
@@ -290,11 +265,7 @@ def _dq(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, confi
 
 
 def _dkv(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, config, interpret):
-    B, Sp, Hq, D = q.shape
-    Tp, Hkv = k.shape[1], k.shape[2]
-    G, dtype = Hq // Hkv, q.dtype
-    wgs = bwd_wgs(D)
-    bq, bkv = config.block_q_bwd, config.block_kv_bwd
+    (B, Sp, Hq, D), (Tp, Hkv), G, dtype, wgs, (bq, bkv) = _dims(q, k, config)
     n_q = Sp // bq
     steps = min(config.max_concurrent_steps, G * n_q)
     has_seg = q_seg is not None
@@ -321,22 +292,18 @@ def _dkv(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, conf
             start = jnp.minimum(lax.div(cta_kv, i32(bq)), n_q) if causal else i32(0)
             q_start = lambda row: start
             per_head = lambda row: n_q - start  # query tiles the CTA streams for each q head
+        ring_smem = (q_smem, do_smem, lse_smem, delta_smem, qseg_smem)
 
         @pl.when(wg < wgs)
         def _consumer():
             plgpu.set_max_registers(REGS_COMPUTE, action="increase")
             k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
-            kv_base = cta_kv + wg * bkv
-            rows = (batch, pl.ds(kv_base, bkv), kv_head)
-            own = [(k_ref.at[rows], k_smem), (v_ref.at[rows], v_smem)]
-            if has_seg:
-                # The key tile's ids and, after them, its cta_ranges row: one TMA copy (another
-                # GMEM operand or a bound held in registers makes the kernel spill, ptxas).
-                own.append((kseg_ref.at[batch, row0 + wg], kseg_smem2.at[wg]))
-            for i, (src, dst) in enumerate(own):
-                plgpu.copy_gmem_to_smem(src, dst, own_bars.at[i * wgs + wg])
-            for i in range(len(own)):
-                plgpu.barrier_wait(own_bars.at[i * wgs + wg])
+            # With documents the key tile's ids and, after them, its cta_ranges row: one TMA
+            # copy (another GMEM operand or a bound held in registers makes the kernel spill).
+            kv_base, rows = load_own_tiles(
+                k_ref, v_ref, kseg_ref, k_smem2, v_smem2, kseg_smem2, own_bars, batch=batch,
+                kv_head=kv_head, wg=wg, row0=row0, cta_kv=cta_kv, bkv=bkv, wgs=wgs,
+                has_seg=has_seg, wait_other_k=False)
             col = plgpu.Layout.WGMMA.reduce(0)  # vectors along the query (column) axis
             k_seg = (plgpu.load(kseg_smem2.at[wg, pl.ds(0, bkv)],
                                 layout=plgpu.Layout.WGMMA.reduce(1)) if has_seg else None)
@@ -355,8 +322,6 @@ def _dkv(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, conf
                 mask_all = kv_base + bkv > kv_len
                 full_lo = jnp.where(mask_all, n_q, jnp.maximum(diag_end, lo))
                 bound = {LO: lo, FULL_LO: full_lo, FULL_HI: n_q}.__getitem__
-            q_bar, do_bar, lse_bar, delta_bar = ring_bars[:4]
-            qseg_bar = ring_bars[4] if has_seg else None
 
             def step(i, carry, base, masked=False):
                 dk, dv = carry
@@ -367,34 +332,14 @@ def _dkv(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, conf
                 # issued together and waited for once (0 spills at head_dim 128; 8-16 B with
                 # the descriptors hoisted, so they used to run one after the other).
                 z = unhoisted_zero(base + i)
-                k_tile, v_tile = k_smem2.at[wg + z], v_smem2.at[wg + z]
-                for bar in (q_bar, do_bar, lse_bar, delta_bar):
-                    plgpu.barrier_wait(bar.at[slot])
-                st, dpt = _two_wgmmas(k_tile, q_smem.at[slot].transpose((1, 0)), v_tile,
-                                      do_smem.at[slot].transpose((1, 0)), (bkv, bq))
-                st = st * qk_scale
-                if has_seg:
-                    plgpu.barrier_wait(qseg_bar.at[slot])
-
-                def mask_scores(st):
-                    q_seg = plgpu.load(qseg_smem.at[slot], layout=col) if has_seg else None
-                    mask = tile_mask(i * bq, kv_base, (bkv, bq), causal=causal, kv_len=kv_len,
-                                     q_seg=q_seg, k_seg=k_seg, q_dim=1)
-                    return jnp.where(mask, st, MASK)
-                if isinstance(masked, bool):
-                    st = mask_scores(st) if masked else st
-                else:  # decided per tile: one copy of the step in the loop (registers)
-                    st = lax.cond(masked, mask_scores, lambda st: st, st)
-                lse = plgpu.load(lse_smem.at[slot], layout=col)
-                pt = jnp.exp2(st - lax.broadcast_in_dim(lse, st.shape, [1]))
-                a_p = _a_operand(pt.astype(dtype), p_smem2.at[wg] if interpret else None,
+                tiles = (k_smem2.at[wg + z], v_smem2.at[wg + z],
+                         p_smem2.at[wg] if interpret else None)
+                dv, dst = dkv_scores(dv, masked, slot, tiles, ring_smem, ring_bars, q_tile=i,
+                                     bq=bq, bkv=bkv, kv_base=kv_base, k_seg=k_seg,
+                                     qk_scale=qk_scale, col=col, dtype=dtype, causal=causal,
+                                     kv_len=kv_len, interpret=interpret)
+                a_ds = a_operand(dst.astype(dtype), ds_smem2.at[wg] if interpret else None,
                                  interpret)
-                dv = _wgmma_into(dv, lambda acc: plgpu.wgmma(acc, a_p, do_smem.at[slot]),
-                                 interpret)
-                dlt = plgpu.load(delta_smem.at[slot], layout=col)
-                dst = pt * (dpt - lax.broadcast_in_dim(dlt, st.shape, [1]))
-                a_ds = _a_operand(dst.astype(dtype), ds_smem2.at[wg] if interpret else None,
-                                  interpret)
                 dk = _wgmma_into(dk, lambda acc: plgpu.wgmma(acc, a_ds, q_smem.at[slot]),
                                  interpret)
                 plgpu.barrier_arrive(consumed.at[slot])
@@ -403,10 +348,7 @@ def _dkv(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, conf
             def drain(i, _, base):
                 # Query tiles before this warpgroup's keys (or outside its documents), loaded
                 # for the other one.
-                slot = ring_slot(base + i, steps)
-                for bar in ring_bars:
-                    plgpu.barrier_wait(bar.at[slot])
-                plgpu.barrier_arrive(consumed.at[slot])
+                skip_slot(ring_slot(base + i, steps), ring_bars, (consumed,))
 
             def head(g, carry):
                 # Query tile i of head g is the CTA's ring step base + i.
@@ -427,40 +369,24 @@ def _dkv(q, k, v, do, lse2, delta, q_seg, kv_seg, *, scale, causal, kv_len, conf
                 return lax.fori_loop(bound(FULL_LO), bound(FULL_HI),
                                      functools.partial(step, base=base), carry)
 
-            dk, dv = lax.fori_loop(0, G, head, (_zeros((bkv, D)), _zeros((bkv, D))))
+            dk, dv = lax.fori_loop(0, G, head, (wgmma_zeros((bkv, D)), wgmma_zeros((bkv, D))))
             store_dkv(dk, dv, k_smem, v_smem, dk_ref, dv_ref, rows, scale=scale, dtype=dtype)
 
-        @pl.when(wg == wgs)
-        def _producer_wg():
-            refs = (q_ref, do_ref, lse_ref, delta_ref) + ((qseg_ref,) if has_seg else ())
-            # With documents, the first warpgroup's copy holds the CTA's range too.
-            q_ring_producer(refs, (q_smem, do_smem, lse_smem, delta_smem, qseg_smem),
-                            ring_bars, consumed, batch=batch, kv_head=kv_head, G=G, bq=bq,
-                            q_start=lambda: q_start(0), per_head=lambda: per_head(0),
-                            steps=steps, regs=REGS_PRODUCER,
-                            range_ready=own_bars.at[2 * wgs] if has_seg else None)
+        q_producer_wg(wg, wgs, (q_ref, do_ref, lse_ref, delta_ref, qseg_ref), ring_smem, ring_bars,
+                      consumed, own_bars, batch=batch, kv_head=kv_head, G=G, bq=bq,
+                      q_start=q_start, per_head=per_head, steps=steps, regs=REGS_PRODUCER)
 
     def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
         if has_seg:
             qseg_ref, kseg_ref, dk_ref, dv_ref = rest
         else:
             (dk_ref, dv_ref), qseg_ref, kseg_ref = rest, None, None
-        smem = (
-            plgpu.SMEM((wgs, bkv, D), dtype, transforms=TX),
-            plgpu.SMEM((wgs, bkv, D), dtype, transforms=TX),
-            plgpu.SMEM((wgs, bkv + RANGE_COLS), jnp.int32) if has_seg else None,
-            plgpu.SMEM((steps, bq, D), dtype, transforms=TX),
-            plgpu.SMEM((steps, bq, D), dtype, transforms=TX),
-            plgpu.SMEM((steps, bq), jnp.float32),
-            plgpu.SMEM((steps, bq), jnp.float32),
-            plgpu.SMEM((steps, bq), jnp.int32) if has_seg else None,
-            plgpu.SMEM((wgs, bkv, bq), dtype, transforms=TX) if interpret else None,
-            plgpu.SMEM((wgs, bkv, bq), dtype, transforms=TX) if interpret else None,
+        smem = kv_major_smem(wgs, bkv=bkv, bq=bq, D=D, steps=steps, dtype=dtype, tx=TX,
+                             has_seg=has_seg) + (
+            plgpu.SMEM((wgs, bkv, bq), dtype, transforms=TX) if interpret else None,  # P^T
+            plgpu.SMEM((wgs, bkv, bq), dtype, transforms=TX) if interpret else None,  # dS^T
         )
-        n_own, n_ring = (3, 5) if has_seg else (2, 4)
-        bars = (plgpu.Barrier(num_barriers=n_own * wgs),
-                tuple(plgpu.Barrier(num_barriers=steps) for _ in range(n_ring)),
-                plgpu.Barrier(num_arrivals=wgs, num_barriers=steps))
+        bars = kv_major_bars(wgs, steps, has_seg)
         pl.run_scoped(
             lambda s, b: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref,
                                 kseg_ref, dk_ref, dv_ref, s, b),

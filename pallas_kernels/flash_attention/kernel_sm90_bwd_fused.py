@@ -50,29 +50,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from . import kernel_sm90_bwd_fused_common as common
 from . import kernel_sm90_bwd_fused_sync as fused_sync
-from .kernel_sm90_bwd_fused_common import (
-    REGS_COMPUTE,
-    REGS_PRODUCER,
-    WGS,
-    a_operand,
-    heads_loop,
-    kernel_entry,
-    launch,
-    load_own_tiles,
-    mask_bounds,
-    query_range,
-    swizzled,
-    wgmma_zeros,
-)
+from .kernel_sm90_bwd_fused_common import REGS_PRODUCER, WGS
 from .mosaic_common import (
     LOG2E,
-    MASK,
+    a_operand,
+    mask_scores_t,
     q_tile_loader,
     ring_slot,
     store_dkv,
-    tile_mask,
     unhoisted_zero,
+    wgmma_zeros,
 )
 
 # Head dims this asynchronous form runs at; above, kernel_sm90_bwd_fused_sync.py (the form
@@ -127,45 +116,38 @@ def fused_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, *, scale, causal, kv_len, con
                                     causal=causal, kv_len=kv_len, config=config,
                                     interpret=interpret)
     # The interpreter's stand-in for the reduce-adds: a slice per (CTA, consumer) tile.
-    return launch(_kernel, q, k, v, o, lse2, do, q_seg, kv_seg, scale=scale, causal=causal,
-                  kv_len=kv_len, config=config, interpret=interpret, dq_slices_per_cta=WGS)
+    return common.launch(_kernel, q, k, v, o, lse2, do, q_seg, kv_seg, scale=scale,
+                         causal=causal, kv_len=kv_len, config=config, interpret=interpret,
+                         dq_slices_per_cta=WGS)
 
 
 def _kernel(q_shape, k_shape, dtype, *, has_seg, scale, causal, kv_len, config, interpret):
-    B, Sp, Hq, D = q_shape
-    Hkv = k_shape[2]
-    G = Hq // Hkv
-    bq, bkv = config.block_q_bwd, config.block_kv_bwd
-    n_q = Sp // bq
-    steps = min(config.max_concurrent_steps, G * n_q)
+    D, G, bq, bkv, n_q, steps = common.kernel_dims(q_shape, k_shape, config)
     qk_scale = scale * LOG2E
     f32 = lambda shape: plgpu.ACC(shape, jnp.float32)
 
+    # `duplicates` pairs this body's first lines with kernel_sm90_bwd_fused_sync.py's: both forms
+    # take the same operands, SMEM and CTA coordinates, unpacked by name; what they share
+    # beyond names is in kernel_sm90_bwd_fused_common.py.
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, dq_acc,
              dk_ref, dv_ref, smem, bars):
-        batch, kv_head, wg = (lax.axis_index(a) for a in ("batch", "heads", "wg"))
-        cta = lax.axis_index("kv_seq")
         (k_smem2, v_smem2, kseg_smem2, q_smem, do_smem, lse_smem, delta_smem, qseg_smem,
          ds_smem2, p_smem2, dq_smem2) = smem
         own_bars, ring_bars, consumed, dq_full, dq_empty = bars
-        row0 = cta * WGS  # the CTA's first key tile
-        cta_kv = row0 * bkv
-        q_start, per_head, start = query_range(kseg_smem2, cta_kv, has_seg=has_seg,
-                                               causal=causal, bq=bq, bkv=bkv, n_q=n_q)
+        c = common.cta_coords(kseg_smem2, has_seg=has_seg, causal=causal, bq=bq, bkv=bkv,
+                              n_q=n_q)
+        batch, kv_head, wg, cta = c.batch, c.kv_head, c.wg, c.cta
+        q_start, per_head = c.q_start, c.per_head
 
         @pl.when(wg < WGS)
         def _consumer():
-            plgpu.set_max_registers(REGS_COMPUTE, action="increase")
-            k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
             # Only our own tiles: dQ takes our dS and our K.
-            kv_base, rows = load_own_tiles(
-                k_ref, v_ref, kseg_ref, k_smem2, v_smem2, kseg_smem2, own_bars, batch=batch,
-                kv_head=kv_head, wg=wg, row0=row0, cta_kv=cta_kv, bkv=bkv, has_seg=has_seg,
+            kv_base, rows, k_seg, full, full_lo = common.consumer_start(
+                (k_ref, v_ref, kseg_ref), (k_smem2, v_smem2, kseg_smem2), own_bars, c,
+                has_seg=has_seg, causal=causal, bq=bq, bkv=bkv, n_q=n_q, kv_len=kv_len,
                 wait_other_k=False)
+            k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
             col = plgpu.Layout.WGMMA.reduce(0)  # vectors along the query (column) axis
-            k_seg, full, full_lo = mask_bounds(
-                kseg_smem2, wg=wg, kv_base=kv_base, start=start, has_seg=has_seg,
-                causal=causal, bq=bq, bkv=bkv, n_q=n_q, kv_len=kv_len)
             q_bar, do_bar, lse_bar, delta_bar = ring_bars[:4]
             qseg_bar = ring_bars[4] if has_seg else None
 
@@ -182,12 +164,6 @@ def _kernel(q_shape, k_shape, dtype, *, has_seg, scale, causal, kv_len, config, 
                 for bar in (q_bar, do_bar, lse_bar, delta_bar):
                     plgpu.barrier_wait(bar.at[slot])
 
-                def mask_scores(st):
-                    q_seg = plgpu.load(qseg_smem.at[slot], layout=col) if has_seg else None
-                    mask = tile_mask(i * bq, kv_base, (bkv, bq), causal=causal, kv_len=kv_len,
-                                     q_seg=q_seg, k_seg=k_seg, q_dim=1)
-                    return jnp.where(mask, st, MASK)
-
                 def chain(dv_ref, dk_ref):
                     """The step's five MMAs onto dV and dK, in place (run_state: no second
                     copy of either), and this consumer's dQ tile into SMEM. S^T and dP^T's
@@ -200,10 +176,10 @@ def _kernel(q_shape, k_shape, dtype, *, has_seg, scale, causal, kv_len, config, 
                         if has_seg:
                             plgpu.barrier_wait(qseg_bar.at[slot])
                         st = plgpu.wgmma_accumulator_load(st_ref, wait_n=1)  # dP^T runs on
-                        if isinstance(masked, bool):
-                            st = mask_scores(st) if masked else st
-                        else:  # decided per tile: one copy of the step in the loop
-                            st = lax.cond(masked, mask_scores, lambda st: st, st)
+                        st = mask_scores_t(
+                            st, masked, q_tile=i, bq=bq, kv_base=kv_base,
+                            q_seg=qseg_smem.at[slot] if has_seg else None, k_seg=k_seg,
+                            col=col, causal=causal, kv_len=kv_len)
                         lse = plgpu.load(lse_smem.at[slot], layout=col)
                         # P^T = exp2(S^T scale log2(e) - lse2): the scale in exp2's FMA
                         pt = jnp.exp2(st * qk_scale - lax.broadcast_in_dim(lse, st.shape, [1]))
@@ -244,9 +220,9 @@ def _kernel(q_shape, k_shape, dtype, *, has_seg, scale, causal, kv_len, config, 
                     (plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
                 return dk, dv
 
-            dk, dv = heads_loop(step, (wgmma_zeros((bkv, D)), wgmma_zeros((bkv, D))), G=G,
-                                wg=wg, q_start=q_start, per_head=per_head, full=full,
-                                full_lo=full_lo)
+            dk, dv = common.heads_loop(
+                step, (wgmma_zeros((bkv, D)), wgmma_zeros((bkv, D))), G=G, wg=wg,
+                q_start=q_start, per_head=per_head, full=full, full_lo=full_lo)
             # The producer's last dq_empty (it read our last dQ tile): every phase observed.
             # No meeting with the other consumer: its chains never read our K or V tiles.
             plgpu.barrier_wait(dq_empty.at[wg])
@@ -282,9 +258,9 @@ def _kernel(q_shape, k_shape, dtype, *, has_seg, scale, causal, kv_len, config, 
                         steps=steps, regs=REGS_PRODUCER,
                         range_ready=own_bars.at[2 * WGS] if has_seg else None)
 
-    return kernel_entry(
+    return common.kernel_entry(
         body, dtype, has_seg=has_seg, bq=bq, bkv=bkv, D=D, steps=steps, interpret=interpret,
-        ds_smem=plgpu.SMEM((WGS, bkv, bq), dtype, transforms=swizzled(64)),  # each's dS^T
+        ds_smem=plgpu.SMEM((WGS, bkv, bq), dtype, transforms=common.swizzled(64)),  # dS^T
         # each consumer's dQ tile as TMA reads it: 128-byte swizzle rows of 32 floats
         # (bank-conflict free stores from the WGMMA layout)
         dq_smem=plgpu.SMEM((WGS, bq, D), jnp.float32,

@@ -12,6 +12,8 @@ shared it: the SASS tables of docs/attention.md (launch.ptxas_report --sass) are
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -23,9 +25,11 @@ from .mosaic_common import (
     FIRST,
     FULL_HI,
     FULL_LO,
-    RANGE_COLS,
     cta_ranges,
     interpret_ctx,
+    kv_major_bars,
+    kv_major_smem,
+    load_own_tiles,
     reduce_added_dq,
     softmax_delta,
 )
@@ -40,19 +44,6 @@ MAX_HEAD_DIM = 128  # above, dK and dV do not fit a warpgroup's registers (the g
 def swizzled(cols: int):
     """128-byte swizzle rows of `cols` 16-bit elements (the wgmma operand layout)."""
     return (plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(128))
-
-
-def wgmma_zeros(shape):
-    return plgpu.layout_cast(jnp.full(shape, 0, jnp.float32), plgpu.Layout.WGMMA)
-
-
-def a_operand(x16, smem, interpret: bool):
-    """wgmma's A: registers on the GPU, SMEM in the interpreter (which reads A only there)."""
-    if not interpret:
-        return x16
-    smem[...] = x16
-    plgpu.commit_smem()
-    return smem
 
 
 def launch(make_kernel, q, k, v, o, lse2, do, q_seg, kv_seg, *, scale, causal, kv_len, config,
@@ -89,6 +80,56 @@ def launch(make_kernel, q, k, v, o, lse2, do, q_seg, kv_seg, *, scale, causal, k
     return reduce_added_dq(q, n_cta * dq_slices_per_cta, scale, interpret, run)
 
 
+def kernel_dims(q_shape, k_shape, config):
+    """(D, G, bq, bkv, n_q, steps): head dim, q heads per kv head, the backward's tiles, query
+    tiles per head and the ring's depth."""
+    _, Sp, Hq, D = q_shape
+    G = Hq // k_shape[2]
+    bq, bkv = config.block_q_bwd, config.block_kv_bwd
+    n_q = Sp // bq
+    return D, G, bq, bkv, n_q, min(config.max_concurrent_steps, G * n_q)
+
+
+class Cta(NamedTuple):
+    """Where a CTA is: batch, kv head, this warpgroup, the CTA's index along the keys, its
+    first key tile (row0) and key (cta_kv), and query_range's (q_start, per_head, start)."""
+
+    batch: Any
+    kv_head: Any
+    wg: Any
+    cta: Any
+    row0: Any
+    cta_kv: Any
+    q_start: Any
+    per_head: Any
+    start: Any
+
+
+def cta_coords(kseg_smem2, *, has_seg, causal, bq, bkv, n_q) -> Cta:
+    """This CTA's and warpgroup's Cta (query_range reads the range from kseg_smem2)."""
+    batch, kv_head, wg = (lax.axis_index(a) for a in ("batch", "heads", "wg"))
+    cta = lax.axis_index("kv_seq")
+    row0 = cta * WGS  # the CTA's first key tile
+    cta_kv = row0 * bkv
+    return Cta(batch, kv_head, wg, cta, row0, cta_kv,
+               *query_range(kseg_smem2, cta_kv, has_seg=has_seg, causal=causal, bq=bq,
+                            bkv=bkv, n_q=n_q))
+
+
+def consumer_start(refs, smem2, own_bars, c: Cta, *, has_seg, causal, bq, bkv, n_q, kv_len,
+                   wait_other_k):
+    """A consumer's start: its registers raised, its own tiles loaded and waited for
+    (load_own_tiles: refs and smem2 are K's, V's and the key ids'), its mask bounds
+    (mask_bounds). -> (kv_base, rows, k_seg, full, full_lo)."""
+    plgpu.set_max_registers(REGS_COMPUTE, action="increase")
+    kv_base, rows = load_own_tiles(
+        *refs, *smem2, own_bars, batch=c.batch, kv_head=c.kv_head, wg=c.wg, row0=c.row0,
+        cta_kv=c.cta_kv, bkv=bkv, wgs=WGS, has_seg=has_seg, wait_other_k=wait_other_k)
+    return (kv_base, rows, *mask_bounds(
+        smem2[2], wg=c.wg, kv_base=kv_base, start=c.start, has_seg=has_seg, causal=causal,
+        bq=bq, bkv=bkv, n_q=n_q, kv_len=kv_len))
+
+
 def query_range(kseg_smem2, cta_kv, *, has_seg, causal, bq, bkv, n_q):
     """(q_start, per_head, start): the CTA streams query tiles [q_start(w), q_start(w) +
     per_head(w)) of each q head through its ring, and both consumers run every one of them
@@ -102,24 +143,6 @@ def query_range(kseg_smem2, cta_kv, *, has_seg, causal, bq, bkv, n_q):
     start = (jnp.minimum(lax.div(cta_kv, jnp.array(bq, jnp.int32)), n_q) if causal
              else jnp.array(0, jnp.int32))
     return (lambda row: start), (lambda row: n_q - start), start
-
-
-def load_own_tiles(k_ref, v_ref, kseg_ref, k_smem2, v_smem2, kseg_smem2, own_bars, *, batch,
-                   kv_head, wg, row0, cta_kv, bkv, has_seg, wait_other_k):
-    """A consumer's K and V tiles (and its key tile's ids and range, with documents) into its
-    SMEM, waited for; wait_other_k: also the other consumer's K tile (its dQ reads both).
-    -> (kv_base, rows): its first key and its rows of K, V, dK and dV."""
-    kv_base = cta_kv + wg * bkv
-    rows = (batch, pl.ds(kv_base, bkv), kv_head)
-    own = [(k_ref.at[rows], k_smem2.at[wg]), (v_ref.at[rows], v_smem2.at[wg])]
-    if has_seg:
-        own.append((kseg_ref.at[batch, row0 + wg], kseg_smem2.at[wg]))
-    for i, (src, dst) in enumerate(own):
-        plgpu.copy_gmem_to_smem(src, dst, own_bars.at[i * WGS + wg])
-    for i in range(len(own)):
-        for w in range(WGS) if (i == 0 and wait_other_k) else (wg,):
-            plgpu.barrier_wait(own_bars.at[i * WGS + w])
-    return kv_base, rows
 
 
 def mask_bounds(kseg_smem2, *, wg, kv_base, start, has_seg, causal, bq, bkv, n_q, kv_len):
@@ -167,23 +190,13 @@ def kernel_entry(body, dtype, *, has_seg, bq, bkv, D, steps, interpret, ds_smem,
             qseg_ref, kseg_ref, dq_acc, dk_ref, dv_ref = rest
         else:
             (dq_acc, dk_ref, dv_ref), qseg_ref, kseg_ref = rest, None, None
-        smem = (
-            plgpu.SMEM((WGS, bkv, D), dtype, transforms=tx),
-            plgpu.SMEM((WGS, bkv, D), dtype, transforms=tx),
-            plgpu.SMEM((WGS, bkv + RANGE_COLS), jnp.int32) if has_seg else None,
-            plgpu.SMEM((steps, bq, D), dtype, transforms=tx),
-            plgpu.SMEM((steps, bq, D), dtype, transforms=tx),
-            plgpu.SMEM((steps, bq), jnp.float32),
-            plgpu.SMEM((steps, bq), jnp.float32),
-            plgpu.SMEM((steps, bq), jnp.int32) if has_seg else None,
+        smem = kv_major_smem(WGS, bkv=bkv, bq=bq, D=D, steps=steps, dtype=dtype, tx=tx,
+                             has_seg=has_seg) + (
             ds_smem,
             plgpu.SMEM((WGS, bkv, bq), dtype, transforms=tx) if interpret else None,
             dq_smem,
         )
-        n_own, n_ring = (3, 5) if has_seg else (2, 4)
-        bars = (plgpu.Barrier(num_barriers=n_own * WGS),
-                tuple(plgpu.Barrier(num_barriers=steps) for _ in range(n_ring)),
-                plgpu.Barrier(num_arrivals=WGS, num_barriers=steps)) + dq_bars
+        bars = kv_major_bars(WGS, steps, has_seg) + dq_bars
         pl.run_scoped(
             lambda s, b: body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref,
                               kseg_ref, dq_acc, dk_ref, dv_ref, s, b),

@@ -45,43 +45,21 @@ P^T and dS^T reach wgmma through SMEM, as in kernel_sm90_bwd.py.
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ..wgmma import wgmma_into as _wgmma_into
-from .kernel_sm90_bwd_fused_common import (
-    REGS_COMPUTE,
-    REGS_PRODUCER,
-    WGS,
-    a_operand,
-    heads_loop,
-    kernel_entry,
-    launch,
-    load_own_tiles,
-    mask_bounds,
-    query_range,
-    swizzled,
-    wgmma_zeros,
-)
+from . import kernel_sm90_bwd_fused_common as common
+from .kernel_sm90_bwd_fused_common import REGS_PRODUCER, WGS
 from .mosaic_common import (
     LOG2E,
-    MASK,
-    q_ring_producer,
+    dkv_scores,
+    q_producer_wg,
     ring_slot,
     store_dkv,
-    tile_mask,
     unhoisted_zero,
+    wgmma_zeros,
 )
-
-
-def _wgmmas(pairs, shape):
-    """[a @ b for (a, b) in pairs] in fp32, issued back to back and waited for once."""
-    def issue(*accs):
-        for acc, (a, b) in zip(accs, pairs):
-            plgpu.wgmma(acc, a, b)
-        return tuple(acc[...] for acc in accs)
-    return pl.run_scoped(issue, *(plgpu.ACC(shape, jnp.float32) for _ in pairs))
 
 
 def _summed_wgmmas(pairs, shape):
@@ -97,52 +75,44 @@ def fused_bwd(q, k, v, o, lse2, do, q_seg, kv_seg, *, scale, causal, kv_len, con
               interpret):
     """Padded q/o/do [B, Sp, Hq, D], k/v [B, Tp, Hkv, D], lse2 [B, Hq, Sp] (log2 units) ->
     (dq, dk, dv) in the input dtype."""
-    return launch(_kernel, q, k, v, o, lse2, do, q_seg, kv_seg, scale=scale, causal=causal,
-                  kv_len=kv_len, config=config, interpret=interpret, dq_slices_per_cta=1)
+    return common.launch(_kernel, q, k, v, o, lse2, do, q_seg, kv_seg, scale=scale,
+                         causal=causal, kv_len=kv_len, config=config, interpret=interpret,
+                         dq_slices_per_cta=1)
 
 
 def _kernel(q_shape, k_shape, dtype, *, has_seg, scale, causal, kv_len, config, interpret):
-    B, Sp, Hq, D = q_shape
-    Hkv = k_shape[2]
-    G = Hq // Hkv
-    bq, bkv = config.block_q_bwd, config.block_kv_bwd
-    n_q = Sp // bq
+    D, G, bq, bkv, n_q, steps = common.kernel_dims(q_shape, k_shape, config)
     # dQ's columns per consumer: halves where a half is whole 128-byte swizzle rows of K (the
     # wgmma B operand); at head_dim 64 (one swizzle row) the consumers take turns instead.
     split_cols = D * jnp.dtype(dtype).itemsize >= 2 * 128
     dq_cols = D // WGS if split_cols else D
-    steps = min(config.max_concurrent_steps, G * n_q)
     qk_scale = scale * LOG2E
-    tx = swizzled(64)
+    tx = common.swizzled(64)
 
+    # `duplicates` pairs this body's first lines with kernel_sm90_bwd_fused.py's: both forms
+    # take the same operands, SMEM and CTA coordinates, unpacked by name; what they share
+    # beyond names is in kernel_sm90_bwd_fused_common.py.
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, dq_acc,
              dk_ref, dv_ref, smem, bars):
-        batch, kv_head, wg = (lax.axis_index(a) for a in ("batch", "heads", "wg"))
-        cta = lax.axis_index("kv_seq")
         (k_smem2, v_smem2, kseg_smem2, q_smem, do_smem, lse_smem, delta_smem, qseg_smem,
          ds_smem, p_smem2, dq_smem2) = smem
         own_bars, ring_bars, consumed, ds_ready, done = bars
-        row0 = cta * WGS  # the CTA's first key tile
-        cta_kv = row0 * bkv
-        q_start, per_head, start = query_range(kseg_smem2, cta_kv, has_seg=has_seg,
-                                               causal=causal, bq=bq, bkv=bkv, n_q=n_q)
+        c = common.cta_coords(kseg_smem2, has_seg=has_seg, causal=causal, bq=bq, bkv=bkv,
+                              n_q=n_q)
+        batch, kv_head, wg, cta = c.batch, c.kv_head, c.wg, c.cta
+        q_start, per_head = c.q_start, c.per_head
+        ring_smem = (q_smem, do_smem, lse_smem, delta_smem, qseg_smem)
 
         @pl.when(wg < WGS)
         def _consumer():
-            plgpu.set_max_registers(REGS_COMPUTE, action="increase")
+            # Both consumers read both K tiles (dQ): wait for both K copies, not just ours.
+            kv_base, rows, k_seg, full, full_lo = common.consumer_start(
+                (k_ref, v_ref, kseg_ref), (k_smem2, v_smem2, kseg_smem2), own_bars, c,
+                has_seg=has_seg, causal=causal, bq=bq, bkv=bkv, n_q=n_q, kv_len=kv_len,
+                wait_other_k=True)
             k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
             dq_smem = dq_smem2.at[wg]
-            # Both consumers read both K tiles (dQ): wait for both K copies, not just ours.
-            kv_base, rows = load_own_tiles(
-                k_ref, v_ref, kseg_ref, k_smem2, v_smem2, kseg_smem2, own_bars, batch=batch,
-                kv_head=kv_head, wg=wg, row0=row0, cta_kv=cta_kv, bkv=bkv, has_seg=has_seg,
-                wait_other_k=True)
             col = plgpu.Layout.WGMMA.reduce(0)  # vectors along the query (column) axis
-            k_seg, full, full_lo = mask_bounds(
-                kseg_smem2, wg=wg, kv_base=kv_base, start=start, has_seg=has_seg,
-                causal=causal, bq=bq, bkv=bkv, n_q=n_q, kv_len=kv_len)
-            q_bar, do_bar, lse_bar, delta_bar = ring_bars[:4]
-            qseg_bar = ring_bars[4] if has_seg else None
             cols = pl.ds(wg * dq_cols if split_cols else 0, dq_cols)
 
             def step(i, carry, base, g, masked=False):
@@ -151,32 +121,14 @@ def _kernel(q_shape, k_shape, dtype, *, has_seg, scale, causal, kv_len, config, 
                 slot, par = ring_slot(t, steps), ring_slot(t, 2)
                 z = unhoisted_zero(t)  # K and V's descriptors rebuilt here (registers)
                 k_tile, v_tile = k_smem2.at[wg + z], v_smem2.at[wg + z]
-                for bar in (q_bar, do_bar, lse_bar, delta_bar):
-                    plgpu.barrier_wait(bar.at[slot])
                 # dP^T is issued before S^T is waited for: one wait for both
-                st, dpt = _wgmmas(((k_tile, q_smem.at[slot].transpose((1, 0))),
-                                   (v_tile, do_smem.at[slot].transpose((1, 0)))), (bkv, bq))
-                st = st * qk_scale
-                if has_seg:
-                    plgpu.barrier_wait(qseg_bar.at[slot])
-
-                def mask_scores(st):
-                    q_seg = plgpu.load(qseg_smem.at[slot], layout=col) if has_seg else None
-                    mask = tile_mask(i * bq, kv_base, (bkv, bq), causal=causal, kv_len=kv_len,
-                                     q_seg=q_seg, k_seg=k_seg, q_dim=1)
-                    return jnp.where(mask, st, MASK)
-                if isinstance(masked, bool):
-                    st = mask_scores(st) if masked else st
-                else:  # decided per tile: one copy of the step in the loop (registers)
-                    st = lax.cond(masked, mask_scores, lambda st: st, st)
-                lse = plgpu.load(lse_smem.at[slot], layout=col)
-                pt = jnp.exp2(st - lax.broadcast_in_dim(lse, st.shape, [1]))
-                a_p = a_operand(pt.astype(dtype), p_smem2.at[wg] if interpret else None,
-                                interpret)
-                dv = _wgmma_into(dv, lambda acc: plgpu.wgmma(acc, a_p, do_smem.at[slot]),
-                                 interpret)
-                dlt = plgpu.load(delta_smem.at[slot], layout=col)
-                ds16 = (pt * (dpt - lax.broadcast_in_dim(dlt, st.shape, [1]))).astype(dtype)
+                dv, dst = dkv_scores(dv, masked, slot, (k_tile, v_tile, p_smem2.at[wg] if
+                                                        interpret else None),
+                                     ring_smem, ring_bars, q_tile=i, bq=bq, bkv=bkv,
+                                     kv_base=kv_base, k_seg=k_seg, qk_scale=qk_scale, col=col,
+                                     dtype=dtype, causal=causal, kv_len=kv_len,
+                                     interpret=interpret)
+                ds16 = dst.astype(dtype)
                 ds_smem.at[par, wg][...] = ds16
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(ds_ready.at[par])
@@ -208,25 +160,19 @@ def _kernel(q_shape, k_shape, dtype, *, has_seg, scale, causal, kv_len, config, 
                     pl.when(par == wg)(add_dq)
                 return dk, dv
 
-            dk, dv = heads_loop(step, (wgmma_zeros((bkv, D)), wgmma_zeros((bkv, D))), G=G,
-                                wg=wg, q_start=q_start, per_head=per_head, full=full,
-                                full_lo=full_lo)
+            dk, dv = common.heads_loop(
+                step, (wgmma_zeros((bkv, D)), wgmma_zeros((bkv, D))), G=G, wg=wg,
+                q_start=q_start, per_head=per_head, full=full, full_lo=full_lo)
             # The other consumer's last dQ may still read our K tile: meet before reusing it.
             plgpu.barrier_arrive(done)
             plgpu.barrier_wait(done)
             store_dkv(dk, dv, k_smem, v_smem, dk_ref, dv_ref, rows, scale=scale, dtype=dtype)
 
-        @pl.when(wg == WGS)
-        def _producer_wg():
-            refs = (q_ref, do_ref, lse_ref, delta_ref) + ((qseg_ref,) if has_seg else ())
-            # With documents, the first consumer's copy holds the CTA's range too.
-            q_ring_producer(refs, (q_smem, do_smem, lse_smem, delta_smem, qseg_smem),
-                            ring_bars, consumed, batch=batch, kv_head=kv_head, G=G, bq=bq,
-                            q_start=lambda: q_start(0), per_head=lambda: per_head(0),
-                            steps=steps, regs=REGS_PRODUCER,
-                            range_ready=own_bars.at[2 * WGS] if has_seg else None)
+        q_producer_wg(wg, WGS, (q_ref, do_ref, lse_ref, delta_ref, qseg_ref), ring_smem, ring_bars,
+                      consumed, own_bars, batch=batch, kv_head=kv_head, G=G, bq=bq,
+                      q_start=q_start, per_head=per_head, steps=steps, regs=REGS_PRODUCER)
 
-    return kernel_entry(
+    return common.kernel_entry(
         body, dtype, has_seg=has_seg, bq=bq, bkv=bkv, D=D, steps=steps, interpret=interpret,
         ds_smem=plgpu.SMEM((2, WGS, bkv, bq), dtype, transforms=tx),  # dS^T by step parity
         # dQ's tile as TMA stores it: 128-byte swizzle rows of 32 floats (bank-conflict free

@@ -17,6 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ..mosaic_interpret import interpret_ctx  # noqa: F401  (the kernels import it from here)
+from ..wgmma import wgmma_into
 from . import kernel_bwd
 from .config import default_config
 
@@ -205,6 +206,51 @@ def q_ring_producer(refs, smems, ring_bars, consumed, *, batch, kv_head, G, bq, 
     ring_producer(G * per_head(), steps, load, consumed, None)
 
 
+def load_own(own, own_bars, wg, wgs: int):
+    """A consumer's own tiles, [(HBM source, SMEM destination)], copied (the i-th arriving on
+    own_bars' barrier i * wgs + wg) and waited for."""
+    for i, (src, dst) in enumerate(own):
+        plgpu.copy_gmem_to_smem(src, dst, own_bars.at[i * wgs + wg])
+    for i in range(len(own)):
+        plgpu.barrier_wait(own_bars.at[i * wgs + wg])
+
+
+def load_own_tiles(k_ref, v_ref, kseg_ref, k_smem2, v_smem2, kseg_smem2, own_bars, *, batch,
+                   kv_head, wg, row0, cta_kv, bkv, wgs, has_seg, wait_other_k):
+    """A consumer's K and V tiles (and its key tile's ids and range, with documents) into its
+    SMEM, waited for, in a backward that keeps key tiles (the dkv kernel, both fused forms);
+    wait_other_k: also the other consumers' K tiles (the fused synchronous form's dQ reads
+    both).
+    -> (kv_base, rows): its first key and its rows of K, V, dK and dV."""
+    kv_base = cta_kv + wg * bkv
+    rows = (batch, pl.ds(kv_base, bkv), kv_head)
+    own = [(k_ref.at[rows], k_smem2.at[wg]), (v_ref.at[rows], v_smem2.at[wg])]
+    if has_seg:
+        own.append((kseg_ref.at[batch, row0 + wg], kseg_smem2.at[wg]))
+    for i, (src, dst) in enumerate(own):
+        plgpu.copy_gmem_to_smem(src, dst, own_bars.at[i * wgs + wg])
+    for i in range(len(own)):
+        for w in range(wgs) if (i == 0 and wait_other_k) else (wg,):
+            plgpu.barrier_wait(own_bars.at[i * wgs + w])
+    return kv_base, rows
+
+
+def q_producer_wg(wg, wgs, refs, ring_smem, ring_bars, consumed, own_bars, *, batch, kv_head,
+                  G, bq, q_start, per_head, steps, regs):
+    """The producer warpgroup (wg == wgs, after the consumers) of a backward that streams
+    query tiles per key CTA (the dkv kernel, the fused backward's synchronous form):
+    q_ring_producer over refs (q, do, lse2, delta, query ids or None) into ring_smem, for the
+    range q_start(0), per_head(0) of the first consumer's row; with documents that row is the
+    first consumer's own copy (own_bars' key-id barrier)."""
+    @pl.when(wg == wgs)
+    def _producer_wg():
+        has_seg = refs[4] is not None
+        q_ring_producer(refs if has_seg else refs[:4], ring_smem, ring_bars, consumed,
+                        batch=batch, kv_head=kv_head, G=G, bq=bq, q_start=lambda: q_start(0),
+                        per_head=lambda: per_head(0), steps=steps, regs=regs,
+                        range_ready=own_bars.at[2 * wgs] if has_seg else None)
+
+
 def store_dkv(dk, dv, k_smem, v_smem, dk_ref, dv_ref, rows, *, scale, dtype):
     """A key CTA's epilogue: dK (times the softmax scale) and dV through its K and V tiles'
     SMEM, whose last reader is done, to HBM by TMA."""
@@ -236,3 +282,116 @@ def q_tile_loader(refs, smems, ring_bars, *, batch, kv_head, G, bq, q_start, per
         for src, dst, bar in zip(srcs, smems, ring_bars):
             plgpu.copy_gmem_to_smem(src, dst.at[slot], bar.at[slot])
     return load
+
+
+# --- what the sm90 backwards (kernel_sm90_bwd.py's two kernels, both fused forms) share -----
+# Each helper emits the operations its callers emitted, in their order, so the SASS tables of
+# docs/attention.md (launch.ptxas_report --sass) are unchanged by the sharing.
+
+def wgmma_zeros(shape):
+    """A float32 wgmma accumulator of zeros, in registers."""
+    return plgpu.layout_cast(jnp.full(shape, 0, jnp.float32), plgpu.Layout.WGMMA)
+
+
+def wgmmas(pairs, shape):
+    """[a @ b for (a, b) in pairs] in fp32, issued back to back and waited for once."""
+    def issue(*accs):
+        for acc, (a, b) in zip(accs, pairs):
+            plgpu.wgmma(acc, a, b)
+        return tuple(acc[...] for acc in accs)
+    return pl.run_scoped(issue, *(plgpu.ACC(shape, jnp.float32) for _ in pairs))
+
+
+def a_operand(x16, smem, interpret: bool):
+    """wgmma's A: registers on the GPU, SMEM in the interpreter (which reads A only there)."""
+    if not interpret:
+        return x16
+    smem[...] = x16
+    plgpu.commit_smem()
+    return smem
+
+
+def skip_slot(slot, loaded, released):
+    """A ring slot this warpgroup does not compute on (loaded for the other one): wait for
+    each of its loads, so every barrier phase is observed before the CTA exits, and release
+    it."""
+    for bar in loaded:
+        plgpu.barrier_wait(bar.at[slot])
+    for bar in released:
+        plgpu.barrier_arrive(bar.at[slot])
+
+
+def mask_scores_t(st, masked, *, q_tile, bq, kv_base, q_seg, k_seg, col, causal, kv_len):
+    """S^T [bkv, bq] of key tile kv_base and query tile q_tile, masked where `masked` says:
+    a Python bool at trace time, or a traced one per tile (lax.cond: one copy of the step in
+    the loop, which keeps its registers). q_seg: the query ids' SMEM tile (documents) or
+    None; read only where the tile is masked."""
+    def mask_scores(st):
+        q_ids = plgpu.load(q_seg, layout=col) if q_seg is not None else None
+        mask = tile_mask(q_tile * bq, kv_base, st.shape, causal=causal, kv_len=kv_len,
+                         q_seg=q_ids, k_seg=k_seg, q_dim=1)
+        return jnp.where(mask, st, MASK)
+    if isinstance(masked, bool):
+        return mask_scores(st) if masked else st
+    return lax.cond(masked, mask_scores, lambda st: st, st)
+
+
+def kv_major_smem(wgs, *, bkv, bq, D, steps, dtype, tx, has_seg):
+    """The SMEM a backward that keeps key tiles and streams query tiles declares first (the
+    dkv kernel, both fused forms): each consumer's K and V (and its key ids with their
+    range), then the ring's Q, dO, lse2, delta (and query ids)."""
+    return (
+        plgpu.SMEM((wgs, bkv, D), dtype, transforms=tx),
+        plgpu.SMEM((wgs, bkv, D), dtype, transforms=tx),
+        plgpu.SMEM((wgs, bkv + RANGE_COLS), jnp.int32) if has_seg else None,
+        plgpu.SMEM((steps, bq, D), dtype, transforms=tx),
+        plgpu.SMEM((steps, bq, D), dtype, transforms=tx),
+        plgpu.SMEM((steps, bq), jnp.float32),
+        plgpu.SMEM((steps, bq), jnp.float32),
+        plgpu.SMEM((steps, bq), jnp.int32) if has_seg else None,
+    )
+
+
+def kv_major_bars(wgs, steps, has_seg):
+    """kv_major_smem's barriers: the own tiles' (K, V, key ids per consumer), the ring's (one
+    per streamed operand) and `consumed` (every consumer released a ring slot)."""
+    n_own, n_ring = (3, 5) if has_seg else (2, 4)
+    return (plgpu.Barrier(num_barriers=n_own * wgs),
+            tuple(plgpu.Barrier(num_barriers=steps) for _ in range(n_ring)),
+            plgpu.Barrier(num_arrivals=wgs, num_barriers=steps))
+
+
+def load_kv_tile(srcs, dsts, bars, slot, *, batch, rows, kv_head):
+    """Key tile `rows` of K and V (and, given a third source, its key ids) from HBM into SMEM
+    ring slot `slot` of dsts, each copy arriving on that slot of its barrier in bars."""
+    for i, (src, dst, bar) in enumerate(zip(srcs, dsts, bars)):
+        at = (batch, rows) if i == 2 else (batch, rows, kv_head)
+        plgpu.copy_gmem_to_smem(src.at[at], dst.at[slot], bar.at[slot])
+
+
+def dkv_scores(dv, masked, slot, tiles, ring_smem, ring_bars, *, q_tile, bq, bkv, kv_base,
+               k_seg, qk_scale, col, dtype, causal, kv_len, interpret):
+    """The first half of a step of a backward that keeps key tiles and waits for each MMA
+    (the dkv kernel, the fused backward's synchronous form), on ring slot `slot`:
+    S^T = K Q^T and dP^T = V dO^T issued together and waited for once, P^T = exp2(S^T - lse2)
+    (masked where `masked`), dV += P^T dO. tiles: this consumer's K and V tiles and P^T's
+    SMEM (the interpreter's A operand, else None); ring_smem: the ring's Q, dO, lse2, delta
+    and query-id tiles (None without documents). -> (dV, dS^T = P^T (dP^T - delta), fp32)."""
+    k_tile, v_tile, p_smem = tiles
+    q_smem, do_smem, lse_smem, delta_smem, qseg_smem = ring_smem
+    for bar in ring_bars[:4]:
+        plgpu.barrier_wait(bar.at[slot])
+    st, dpt = wgmmas(((k_tile, q_smem.at[slot].transpose((1, 0))),
+                      (v_tile, do_smem.at[slot].transpose((1, 0)))), (bkv, bq))
+    st = st * qk_scale
+    if qseg_smem is not None:
+        plgpu.barrier_wait(ring_bars[4].at[slot])
+    st = mask_scores_t(st, masked, q_tile=q_tile, bq=bq, kv_base=kv_base,
+                       q_seg=qseg_smem.at[slot] if qseg_smem is not None else None,
+                       k_seg=k_seg, col=col, causal=causal, kv_len=kv_len)
+    lse = plgpu.load(lse_smem.at[slot], layout=col)
+    pt = jnp.exp2(st - lax.broadcast_in_dim(lse, st.shape, [1]))
+    a_p = a_operand(pt.astype(dtype), p_smem, interpret)
+    dv = wgmma_into(dv, lambda acc: plgpu.wgmma(acc, a_p, do_smem.at[slot]), interpret)
+    dlt = plgpu.load(delta_smem.at[slot], layout=col)
+    return dv, pt * (dpt - lax.broadcast_in_dim(dlt, st.shape, [1]))
