@@ -21,7 +21,9 @@ from titanax.train.optim import update_rule
 
 
 def weight_bytes(cfg: Config) -> int:
-    """Bytes per weight in model.param_dtype."""
+    """Bytes per weight in model.param_dtype. Taken from the config, not the abstract state's
+    dtypes: the memory model counts every weight at it, an MoE's few float32 routing biases
+    among bf16 weights included (the adapters' width is their leaves', plan/lora.py)."""
     return 4 if cfg.model.param_dtype == "float32" else 2
 
 
