@@ -22,7 +22,7 @@ from titanax.config import ExecutionConfig, ModelConfig
 from titanax.models.common.attention import rope_attention
 from titanax.models.common.layers import RMSNorm, make_param
 from titanax.models.common.linear import Projection, ProjectionOwner, projections
-from titanax.models.common.lora import adapters_key, dropout_context
+from titanax.models.common.lora import attach_adapters, dropout_context
 from titanax.parallel.rules import shard_activation
 
 # Each projection's einsum (x, one layer's weight -> y) and tensor-parallel role: column-
@@ -74,10 +74,7 @@ class DecoderBlock(ProjectionOwner):
         if execution.matmul_precision == "fp8_delayed":  # amax histories per FP8 call site
             for projection in projections(self):
                 projection.with_fp8(execution.fp8_amax_history)
-        if lora is not None and lora.enabled:
-            key = adapters_key(rngs)
-            for i, name in enumerate(lora.weights):
-                getattr(self, name).with_adapters(jax.random.fold_in(key, i), axes[name], lora)
+        attach_adapters(lambda name: getattr(self, name), lora, axes, rngs)
 
     def _projection(self, name: str, kernel: nnx.Param) -> Projection:
         spec, tp = PROJECTIONS[name]

@@ -22,6 +22,7 @@ from titanax.config import ExecutionConfig, ModelConfig
 from titanax.models import accumulate
 from titanax.models.common.block import BlockOptions, DecoderBlock
 from titanax.models.common.layers import RMSNorm, make_param, rms_norm
+from titanax.models.common.lora import block_arguments, with_dropout_keys
 from titanax.ops.cross_entropy import chunk_positions, linear_cross_entropy_sum, seq_split
 from titanax.parallel.context import balanced, context_shards, natural
 from titanax.parallel.layer_order import to_storage_order
@@ -64,9 +65,8 @@ class Decoder(nnx.Module):
         self.cfg, self.execution = cfg, execution
         self.embed = make_param(rngs, (cfg.vocab_size, cfg.d_model), axes["embed"],
                                 execution.init_std, pdt)
-        adapters = {"lora": lora} if lora is not None and lora.enabled else {}
         self.layers = self.block_cls(cfg, execution, self.block_options, axes, rngs=rngs,
-                                     **adapters)
+                                     **block_arguments(lora))
         self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt,
                                   axes=axes["final_norm"])
         if not cfg.tie_embeddings:  # tied: no parameter, the output layer is embed.T
@@ -136,10 +136,9 @@ class Decoder(nnx.Module):
             None if x is None else balanced(x, C)
             for x in (tokens_BS, targets_BS, positions_BS, segment_ids_BS))
         x_BSD = self._embed(tokens_BS)
-        extras, dropout_layers = (positions_BS, segment_ids_BS), None
-        if lora_dropout_keys is not None:
-            extras += (balanced(lora_dropout_keys, C),)
-            dropout_layers = self._stored_layer_ids(pipeline)
+        extras, dropout_layers = with_dropout_keys(
+            (positions_BS, segment_ids_BS), lora_dropout_keys, lambda k: balanced(k, C),
+            lambda: self._stored_layer_ids(pipeline))
         one_layer, layer_state = self._layer_fn(None, dropout_layers=dropout_layers)
         head_params = (self.final_norm.scale[...], self.output_weight())
         staged = pipeline is not None and pipeline_stages() > 1

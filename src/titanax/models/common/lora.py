@@ -90,6 +90,32 @@ def adapters_key(rngs: nnx.Rngs):
     return jax.random.fold_in(rngs.params.key[...], _LORA_STREAM)
 
 
+def block_arguments(lora) -> dict:
+    """The decoder's block_cls keyword for LoRA: {'lora': the section} when lora.rank > 0, else
+    none (a block without adapter support, e.g. the MoE one, takes no such argument)."""
+    return {"lora": lora} if lora is not None and lora.enabled else {}
+
+
+def attach_adapters(projections_by_name, lora, axes, rngs: nnx.Rngs) -> None:
+    """Adapters on lora.targets' projections (common/linear.py Projection.with_adapters), the
+    i-th target's key folded from adapters_key by i; nothing without lora (None or rank 0).
+    projections_by_name: weight name -> Projection; axes: weight name -> its logical axes."""
+    if lora is None or not lora.enabled:
+        return
+    key = adapters_key(rngs)
+    for i, name in enumerate(lora.weights):
+        projections_by_name(name).with_adapters(jax.random.fold_in(key, i), axes[name], lora)
+
+
+def with_dropout_keys(extras: tuple, keys_BS2, reorder, layer_ids) -> tuple:
+    """(extras + the tokens' dropout keys in the run's token order (reorder), the layers'
+    logical indices (layer_ids())) when the train step gave keys (lora.dropout > 0), else
+    (extras, None): what the decoder's layer scan carries for dropout_context."""
+    if keys_BS2 is None:
+        return extras, None
+    return extras + (reorder(keys_BS2),), layer_ids()
+
+
 def adapter_delta(x, a, b, spec: str, scale: float, dtype):
     """scale * (x A) B for one layer's A [in..., r] and B [r, out...], in the compute dtype:
     what the adapter adds to einsum(x, W, spec)."""
