@@ -9,22 +9,17 @@ pad_multiples and a kernel_pair(...) entry.
 
 Plain data on purpose: titanax.config imports it to validate names without loading jax, so
 implementations are named as "module:function" strings and imported on first use (load()).
+The dispatch shape (table, XLA reference, auto, lookup) is the one pallas_kernels/dispatch.py
+gives every kernel op.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 
-_HERE = __name__.rpartition(".")[0]  # pallas_kernels.flash_attention
+from ..dispatch import impl_names, loader, lookup
 
-
-def load(ref: str):
-    """The object a "module:attribute" reference names (module relative to this package when
-    it starts with a dot)."""
-    module, _, attr = ref.partition(":")
-    return getattr(importlib.import_module(module, _HERE if module.startswith(".") else None),
-                   attr)
+load = loader(__name__.rpartition(".")[0])  # relative to pallas_kernels.flash_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,18 +125,15 @@ GPU_VENDOR = "cudnn"  # the GPU default until measured.py records ours faster
 GPU_FALLBACK = "triton"  # where the vendor path cannot go and no generation kernel fits
 GENERAL = "xla"  # any Mask (decoding) that the chosen backend cannot take; the reference
 
-IMPLS = ("auto", *BACKENDS)  # what flash_attention(impl=...) and execution.attention_impl take
+IMPLS = impl_names(BACKENDS)  # what flash_attention(impl=...) and execution.attention_impl take
 KERNEL_IMPLS = tuple(n for n, b in BACKENDS.items() if b.is_kernel)
 assert {CPU_DEFAULT, INTERPRET_DEFAULT, GPU_VENDOR, GPU_FALLBACK, GENERAL} <= set(BACKENDS)
 assert BACKENDS[GENERAL].general_masks
 
 
 def backend(name: str) -> Backend:
-    try:
-        return BACKENDS[name]
-    except KeyError:
-        raise ValueError(f"unknown flash attention impl {name!r}; use one of "
-                         f"{('auto', *BACKENDS)}") from None
+    return lookup(BACKENDS, name, lambda n: f"unknown flash attention impl {n!r}; use one of "
+                                            f"{impl_names(BACKENDS)}")
 
 
 def generation_kernels(cc_major: int) -> list[Backend]:

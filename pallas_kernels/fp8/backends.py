@@ -6,23 +6,17 @@ Everything that names an FP8 recipe or matmul impl reads these: fp8_matmul's dis
 titanax.ops.linear. Adding a matmul kernel is one kernel file plus one entry in MATMULS.
 
 Plain data on purpose: titanax.config imports it without loading jax, so implementations are
-"module:function" strings imported on first use (load()).
+"module:function" strings imported on first use (load()). The dispatch shape (table, XLA
+reference, auto, lookup) is the one pallas_kernels/dispatch.py gives every kernel op.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 
-_HERE = __name__.rpartition(".")[0]  # pallas_kernels.fp8
+from ..dispatch import impl_names, loader, lookup
 
-
-def load(ref: str):
-    """The object a "module:attribute" reference names (relative to this package when it
-    starts with a dot)."""
-    module, _, attr = ref.partition(":")
-    return getattr(importlib.import_module(module, _HERE if module.startswith(".") else None),
-                   attr)
+load = loader(__name__.rpartition(".")[0])  # relative to pallas_kernels.fp8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,15 +132,13 @@ MATMULS: dict[str, Matmul] = {m.name: m for m in (
 # Roles `auto` (resolve.py) gives implementations, by name.
 VENDOR = "xla"  # the GPU default until measured.py records ours faster; also off a GPU
 INTERPRET_DEFAULT = "pallas_grid"  # auto with interpret=True
-IMPLS = ("auto", *MATMULS)  # what fp8_matmul(impl=...) takes
+IMPLS = impl_names(MATMULS)  # what fp8_matmul(impl=...) takes
 assert {VENDOR, INTERPRET_DEFAULT} <= set(MATMULS)
 
 
 def matmul(name: str) -> Matmul:
-    try:
-        return MATMULS[name]
-    except KeyError:
-        raise ValueError(f"unknown fp8_matmul impl {name!r}; use one of {list(IMPLS)}") from None
+    return lookup(MATMULS, name, lambda n: f"unknown fp8_matmul impl {n!r}; use one of "
+                                           f"{list(IMPLS)}")
 
 
 def generation_kernels(cc_major: int, scaling: str) -> list[Matmul]:

@@ -14,13 +14,13 @@ import logging
 from .. import measured
 from ..target import compute_capability
 from .backends import (
-    IMPLS,
     INTERPRET_DEFAULT,
     MATMULS,
     MEASURED_OP,
     VENDOR,
     generation_kernels,
     load,
+    matmul,
 )
 
 log = logging.getLogger(__name__)
@@ -51,10 +51,8 @@ def resolve_impl(impl: str, mode: str, m: int, n: int, k: int, *, interpret: boo
                  config=None) -> str:
     """The implementation 'auto' means for a `mode` ('tensorwise' or 'mx') product of this
     shape; any other name is checked against the table and returned as it is."""
-    if impl not in IMPLS:
-        raise ValueError(f"unknown fp8_matmul impl {impl!r}; use one of {list(IMPLS)}")
     if impl != "auto":
-        return impl
+        return matmul(impl).name
     if interpret:
         return INTERPRET_DEFAULT
     cc = compute_capability()

@@ -29,20 +29,23 @@ import jax.numpy as jnp
 
 from ..mosaic_interpret import interpret_ctx
 from ..target import compute_capability, sm_count, target_platform
+from .backends import GROUPED, IMPLS, REFERENCE, grouped, load
 from .config import GroupedMatmulConfig
 
-IMPLS = ("auto", "xla", "mosaic_sm90")
+__all__ = ["IMPLS", "grouped_matmul", "resolve_impl"]
 
 
 def resolve_impl(impl: str, dtype=jnp.bfloat16) -> str:
-    """`auto` -> mosaic_sm90 for 16-bit operands compiled for a Hopper GPU, else xla."""
-    if impl not in IMPLS:
-        raise ValueError(f"grouped matmul impl {impl!r}: use one of {IMPLS}")
+    """`auto` -> the table's kernel for the compile target's GPU generation that takes this
+    operand width (mosaic_sm90: 16-bit operands on Hopper), else the XLA reference; any other
+    name is checked against the table (backends.py)."""
     if impl != "auto":
-        return impl
+        return grouped(impl).name
     cc = compute_capability() if target_platform() == "gpu" else None
-    hopper = cc is not None and cc[0] == 9
-    return "mosaic_sm90" if hopper and jnp.dtype(dtype).itemsize == 2 else "xla"
+    width = jnp.dtype(dtype).itemsize
+    ours = [g.name for g in GROUPED.values() if cc is not None and g.compute_capability == cc[0]
+            and g.operand_bytes in (None, width)]
+    return ours[0] if ours else REFERENCE
 
 
 def grouped_matmul(x, w, sizes, *, impl: str = "auto", config: GroupedMatmulConfig | None = None,
@@ -50,9 +53,22 @@ def grouped_matmul(x, w, sizes, *, impl: str = "auto", config: GroupedMatmulConf
     """x [M, K], w [G, K, N], sizes int32 [G] -> [M, N]. preferred_element_type: the xla
     backend's output dtype (fp32 keeps its accumulation); the Mosaic one returns x's dtype.
     interpret: run the Mosaic kernels in the Mosaic GPU interpreter (CPU tests)."""
-    impl = resolve_impl(impl, x.dtype)
-    if impl == "xla":
-        return jax.lax.ragged_dot(x, w, sizes, preferred_element_type=preferred_element_type)
+    run = load(grouped(resolve_impl(impl, x.dtype)).run)
+    return run(x, w, sizes, config=config, interpret=interpret,
+               preferred_element_type=preferred_element_type)
+
+
+def ragged_dot_xla(x, w, sizes, *, config, interpret, preferred_element_type):
+    """The xla entry: jax.lax.ragged_dot (no config; runs anywhere)."""
+    del config, interpret
+    return jax.lax.ragged_dot(x, w, sizes, preferred_element_type=preferred_element_type)
+
+
+def grouped_matmul_sm90(x, w, sizes, *, config, interpret, preferred_element_type):
+    """The mosaic_sm90 entry: the operands and tiles checked, then the kernels with their
+    custom VJP; the output in x's dtype (preferred_element_type is the xla entry's)."""
+    del preferred_element_type
+    impl = "mosaic_sm90"
     cfg = config or GroupedMatmulConfig()
     if x.dtype != w.dtype or jnp.dtype(x.dtype).itemsize != 2:
         raise ValueError(f"grouped matmul {impl}: x and w in one 16-bit dtype (wgmma operands), "
