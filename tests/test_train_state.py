@@ -133,7 +133,8 @@ def test_trainable_count_leaves_out_the_routing_bias():
         x.size for x in jax.tree.leaves(lora.abstract.adapters))
 
 
-@pytest.mark.parametrize("over", [SMALL, LORA], ids=["plain", "lora"])
+@pytest.mark.parametrize("over", [SMALL, LORA, FP8, MOE_BIAS],
+                         ids=["plain", "lora", "fp8_delayed", "moe_bias"])
 def test_a_checkpoint_in_the_dict_layout_restores(tmp_path, over):
     """A step written as the code before TrainState wrote it (the dict with string keys, built
     by hand here) restores into the typed state, value for value; to_saved() writes the same
@@ -143,6 +144,8 @@ def test_a_checkpoint_in_the_dict_layout_restores(tmp_path, over):
     old = {"step": state.step, "params": state.weights, "opt_state": state.opt_state}
     if state.adapters is not None:
         old["lora"] = state.adapters
+    if state.statistics is not None:
+        old["fp8"] = state.statistics
     ckpt = Checkpointer(tmp_path / "old", cfg.checkpoint)
     ckpt.save(3, old, data_state=None, config=cfg.to_dict())
     new = Checkpointer(tmp_path / "new", cfg.checkpoint)

@@ -4,11 +4,22 @@ rules.py."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from titanax.config.errors import check_choice, check_positive, check_types, fail
 
 PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b")
+
+# THE batch rule: the mesh axes a step's rows split over (parallel/rules.py's 'batch'
+# activation rule is this tuple). An expert rank is a data-parallel one outside the experts.
+BATCH_AXES = ("expert", "data", "fsdp")
+
+
+def batch_ways(degrees) -> int:
+    """How many ways a step's rows split: the product of BATCH_AXES' degrees (degrees: a
+    dict or a mesh's shape; an axis it lacks counts 1). Every batch check calls this."""
+    return math.prod(degrees.get(a, 1) for a in BATCH_AXES)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from titanax.config.model import (
     old_execution_values,
 )
 from titanax.config.optim import OptimConfig
-from titanax.config.parallel import MeshConfig, PipelineConfig
+from titanax.config.parallel import BATCH_AXES, MeshConfig, PipelineConfig, batch_ways
 from titanax.config.train import TrainConfig
 
 SECTIONS: dict[str, type] = {
@@ -186,8 +186,8 @@ def check_parallel_layout(cfg: Config, degrees: dict[str, int]) -> None:
     expert = degrees.get("expert", 1)
     if expert != 1:
         cfg.model.check_expert_degree(expert)
-    if degrees["data"] > 0 and degrees["fsdp"] > 0 and expert > 0:
-        ways = degrees["data"] * degrees["fsdp"] * expert
+    if all(degrees.get(a, 1) > 0 for a in BATCH_AXES):  # -1: resolved later (parallel/mesh)
+        ways = batch_ways(degrees)
         micro = cfg.pipeline.microbatches if pp > 1 else 1
         rows = cfg.train.batch_size // (cfg.train.known_grad_accum * micro)
         if cfg.train.batch_size % ways or rows % ways:

@@ -25,6 +25,8 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from titanax.config.parallel import BATCH_AXES
+
 MESH_AXES = ("pipeline", "data", "fsdp", "expert", "context", "tensor")
 
 PARAM_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
@@ -50,7 +52,7 @@ PARAM_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 ACTIVATION_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # 'expert' splits the rows too: outside the experts an expert rank is a data-parallel one
     # (first, so that the experts' shard_map takes its share of the rows without a reshuffle).
-    ("batch", ("expert", "data", "fsdp")),
+    ("batch", BATCH_AXES),
     # The loss head after a gpipe/circular pipeline: each stage takes its own share of the
     # rows instead of every stage computing the output layer for all of them.
     ("loss_batch", ("expert", "data", "fsdp", "pipeline")),

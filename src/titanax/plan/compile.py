@@ -193,9 +193,9 @@ def main(argv: list[str]) -> None:
 def _fit(cfg: Config, cluster: Cluster, target: str, fit: dict, need: dict,
          audit: bool = False) -> dict:
     """plan.fit's answer for cfg on the cluster, candidates compiled here, one by one."""
+    from titanax.config.parallel import batch_ways
     from titanax.plan.cluster import layout_for
     from titanax.plan.fit import search_fit
-    from titanax.plan.step_shape import batch_ways
 
     degrees = layout_for(cfg, cluster).degrees
     answer = search_fit(cfg, lambda c: compile_train_step(c, cluster, target, audit=audit),

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 from pallas_kernels.fp8.backends import RECIPES as FP8_RECIPES
 from titanax.config import Config
+from titanax.config.parallel import batch_ways
 from titanax.plan.cluster import Cluster
 from titanax.plan.documents import attention_share
 from titanax.plan.efficiencies import Efficiencies
 from titanax.plan.state_shape import plan_state
-from titanax.plan.step_shape import StepShape, batch_ways
+from titanax.plan.step_shape import StepShape
 
 # Forward passes (in units of one forward) each remat policy runs per step: the backward is
 # two forwards' worth of matmuls; full remat recomputes the forward once more.

@@ -28,7 +28,7 @@ import dataclasses
 from collections.abc import Callable, Iterator
 
 from titanax.config import Config, ConfigError, apply_overrides, grad_accum_in_place_unsupported
-from titanax.plan import step_shape
+from titanax.config.parallel import batch_ways
 from titanax.plan.search import REMATS
 from titanax.train import memory_fit
 
@@ -117,7 +117,7 @@ def _divisors(n: int) -> list[int]:
 def candidate_groups(cfg: Config, batch_ways: int) -> Iterator[tuple[dict, list[int]]]:
     """(overrides, grad_accum ladder), smallest change first: each group's candidates are its
     overrides with train.grad_accum set to each count of its ladder, ascending. batch_ways:
-    how many ways the rows split (step_shape.batch_ways: (expert x) data x fsdp, resolved)."""
+    how many ways the rows split (config/parallel.py batch_ways, resolved)."""
     micro = cfg.pipeline.microbatches if cfg.mesh.pipeline > 1 else 1
     per_device = cfg.train.batch_size // (batch_ways * micro)
     start = cfg.train.known_grad_accum
@@ -291,7 +291,7 @@ def fit_to_devices(cfg: Config, mesh, log=print):
 
     first = measure(start)
     on_gpu = mesh.devices.flat[0].platform == "gpu"  # where the loop's buffering is an option
-    answer = search_fit(start, measure, *capacity, step_shape.batch_ways(mesh.shape),
+    answer = search_fit(start, measure, *capacity, batch_ways(mesh.shape),
                         need=first["memory"], log=log, predict=_predictor(mesh),
                         loop_buffering=on_gpu)
     if answer.fits:

@@ -30,10 +30,11 @@ degrees, a = train.grad_accum, m = pipeline microbatches, v = virtual stages.
 from __future__ import annotations
 
 from titanax.config import Config, ModelConfig, grad_accum_in_place_unsupported
+from titanax.config.parallel import batch_ways
 from titanax.plan.moe import dispatch_buffer_bytes
 from titanax.plan.param_layout import ParamSplit, param_shards
 from titanax.plan.state_shape import plan_state
-from titanax.plan.step_shape import StepShape, batch_ways
+from titanax.plan.step_shape import StepShape
 
 
 def saved_elems_per_token(m: ModelConfig, remat: str) -> float:

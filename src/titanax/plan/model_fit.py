@@ -13,11 +13,11 @@ from __future__ import annotations
 import dataclasses
 
 from titanax.config import Config, ConfigError, apply_overrides
+from titanax.config.parallel import batch_ways
 from titanax.plan.cluster import Cluster, layout_for
 from titanax.plan.cost_model import estimate
 from titanax.plan.fit import _value, candidate_groups, size
 from titanax.plan.state_shape import plan_state
-from titanax.plan.step_shape import batch_ways
 
 MORE_NODES = 64  # at most this many times the cluster's nodes
 

@@ -9,9 +9,9 @@ here is."""
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from titanax.config import Config
+from titanax.config.parallel import batch_ways
 from titanax.parallel.rules import ACTIVATION_RULES
 
 _ACTIVATIONS = dict(ACTIVATION_RULES)
@@ -21,12 +21,6 @@ def activation_axes(name: str) -> tuple[str, ...]:
     """The mesh axes the activation rule `name` ('batch', 'seq') splits over."""
     entry = _ACTIVATIONS[name]
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def batch_ways(deg) -> int:
-    """How many ways a step's rows split (the 'batch' rule's mesh axes: expert x data x fsdp);
-    deg: mesh degrees by axis (a dict, or a mesh's shape)."""
-    return math.prod(deg.get(a, 1) for a in activation_axes("batch"))
 
 
 @dataclasses.dataclass(frozen=True)
