@@ -152,25 +152,27 @@ class AdapterTraining:
                          "flops_per_token": est.lora_flops_per_token, "mfu": est.lora_mfu}}
 
 
+def _lines(plan: dict, line) -> list[str]:
+    """[line(the plan's LoRA entry)], or none for a plan without LoRA."""
+    lo = plan.get("lora")
+    return [line(lo)] if lo else []
+
+
 def lora_lines(plan: dict) -> list[str]:
     """The report's line on what a LoRA plan trains and holds frozen (none without LoRA)."""
-    lo = plan.get("lora")
-    if not lo:
-        return []
-    return [f"LoRA: rank {lo['rank']} (alpha {lo['alpha']:g}) on {', '.join(lo['weights'])}: "
-            f"{lo['adapter_params']:,} adapter parameters ({lo['adapter_share']:.2%}) trained "
-            f"in float32; the base frozen in {lo['base_param_dtype']}, without gradients or "
-            "optimizer state"]
+    return _lines(plan, lambda lo: (
+        f"LoRA: rank {lo['rank']} (alpha {lo['alpha']:g}) on {', '.join(lo['weights'])}: "
+        f"{lo['adapter_params']:,} adapter parameters ({lo['adapter_share']:.2%}) trained in "
+        f"float32; the base frozen in {lo['base_param_dtype']}, without gradients or "
+        "optimizer state"))
 
 
 def lora_step_lines(plan: dict) -> list[str]:
     """The report's line on a LoRA step's own FLOPs and MFU (none without LoRA)."""
-    lo = plan.get("lora")
-    if not lo:
-        return []
-    return [f"  => LoRA step: {lo['flops_per_token']:.3e} FLOPs per token "
-            f"({lo['flop_formula']}): {lo['mfu']:.1%} of peak; the MFU above counts "
-            "the model's 6*N, as launch.train logs it"]
+    return _lines(plan, lambda lo: (
+        f"  => LoRA step: {lo['flops_per_token']:.3e} FLOPs per token "
+        f"({lo['flop_formula']}): {lo['mfu']:.1%} of peak; the MFU above counts the model's "
+        "6*N, as launch.train logs it"))
 
 
 def lora_title(plan: dict) -> str:
